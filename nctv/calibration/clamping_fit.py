@@ -1,0 +1,617 @@
+"""The machinery under Neural Clamping: the split, full passes of a frozen model, and the fitters.
+
+Objective (SPEC §3), for a perturbation δ (the shape of one model input) and s = log T:
+
+    F(δ, s) = mean_i FL_γ(f(x_i + δ) · e^{−s}, y_i) + λ‖δ‖²₂
+
+Cost is counted in *passes* over the calibration split: a forward pass with a backward pass to the
+input counts 1, a forward pass alone counts 0.5 (the backward to the input costs about one forward;
+no weight gradients are ever computed). Partial chunks count in proportion to their size.
+
+Everything here keeps the model in eval mode with its parameters' ``requires_grad`` off for the
+duration of a fit (both restored afterwards), and asks autograd only for gradients of δ and s, so
+no parameter ever receives a ``.grad`` and the weights are never written.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from scipy.optimize import minimize_scalar
+
+from nctv.calibration.base import focal_loss
+from nctv.inference import iter_batches
+
+#: Splits up to this many bytes (float32 inputs) are gathered once and kept on the compute device;
+#: larger ones are streamed chunk by chunk on every pass.
+DEVICE_CACHE_BYTES = 1 << 30
+
+#: Temperatures searched by the exact 1-D solve on cached logits: T in [1e-2, 1e2].
+_LOG_T_BOUNDS = (math.log(1e-2), math.log(1e2))
+
+
+class StopFitting(Exception):
+    """Raise from a fitting callback to end the fit early.
+
+    The fit then ends cleanly: the fast fitter keeps the best point it has evaluated, the paper
+    fitter keeps δ and T as they are after the last SGD step; ``objective_`` is computed for that
+    state and ``stopped_early_`` is True.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# The split
+# --------------------------------------------------------------------------------------------
+
+
+class Split:
+    """A labelled (or unlabelled) split as the fitters see it.
+
+    A tensor of inputs, or anything that yields ``(inputs, labels)`` batches. The inputs are held
+    on ``device`` when they fit in ``DEVICE_CACHE_BYTES``. A ``DataLoader`` over a map-style dataset
+    that is larger than that is streamed: each pass builds a loader over its dataset (same workers
+    and collate function) in the order asked for, so passes are repeatable even when the given
+    loader shuffles. Any other iterable of batches is gathered into memory once.
+    """
+
+    def __init__(self, inputs: Any, labels: Any, device: torch.device, batch_size: int, need_labels: bool = True):
+        self.device = device
+        self.batch_size = batch_size
+        self.passes = 0.0
+        self._loader = None
+        if isinstance(inputs, torch.Tensor):
+            x = inputs.detach()
+            y = None if labels is None else _as_label_tensor(labels, x.shape[0])
+        else:
+            if labels is not None:
+                raise ValueError("labels are given separately only with a tensor of inputs; a loader yields (inputs, labels).")
+            x, y = self._gather_or_stream(inputs)
+        if x is not None:
+            if x.ndim < 2 or x.shape[0] == 0:
+                raise ValueError(f"inputs must be a batch (N, ...) with N >= 1; got shape {tuple(x.shape)}.")
+            if not x.is_floating_point():
+                x = x.float()
+            self.n = int(x.shape[0])
+            self.input_shape = tuple(x.shape[1:])
+            if x.numel() * 4 <= DEVICE_CACHE_BYTES:
+                x = x.to(device, torch.float32)
+        self.x = x
+        self.labels = None if y is None else y.to(device)
+        if need_labels and self.labels is None and self._loader is None:
+            raise ValueError("labels are needed: pass labels=... with a tensor of inputs, or a loader of (inputs, labels).")
+        self.need_labels = need_labels
+
+    def _gather_or_stream(self, inputs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        dataset = getattr(inputs, "dataset", None)
+        if isinstance(inputs, torch.utils.data.DataLoader) and _is_map_style(dataset):
+            first = dataset[0]
+            item = first[0] if isinstance(first, (tuple, list)) else first
+            if torch.as_tensor(item).numel() * 4 * len(dataset) > DEVICE_CACHE_BYTES:
+                self._loader = inputs
+                self.n = len(dataset)
+                self.input_shape = tuple(torch.as_tensor(item).shape)
+                return None, None
+        xs, ys = [], []
+        for xb, yb in iter_batches(inputs):
+            xs.append(torch.as_tensor(xb).detach().cpu())
+            if yb is not None:
+                ys.append(yb.long().cpu())
+        if not xs:
+            raise ValueError("The split is empty: the loader yielded no batches.")
+        x = torch.cat(xs)
+        if ys and (len(ys) != len(xs) or sum(len(y) for y in ys) != len(x)):
+            raise ValueError("Every batch must be (inputs, labels) with one label per input.")
+        return x, (torch.cat(ys) if ys else None)
+
+    def chunks(self, order: torch.Tensor | None = None, batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Yield ``(x, y)`` on the device, float32 inputs, in natural order or in ``order``."""
+        bs = batch_size or self.batch_size
+        if self._loader is not None:
+            yield from self._stream(order, bs)
+            return
+        y_all = self.labels
+        for s in range(0, self.n, bs):
+            if order is None:
+                xb, yb = self.x[s : s + bs], (None if y_all is None else y_all[s : s + bs])
+            else:
+                idx = order[s : s + bs]
+                xb = self.x[idx.to(self.x.device)]
+                yb = None if y_all is None else y_all[idx.to(y_all.device)]
+            yield xb.to(self.device, torch.float32, non_blocking=True), yb
+
+    def _stream(self, order: torch.Tensor | None, bs: int):
+        src = self._loader
+        sampler = range(self.n) if order is None else order.tolist()
+        loader = torch.utils.data.DataLoader(
+            src.dataset, batch_size=bs, sampler=sampler, num_workers=src.num_workers,
+            collate_fn=src.collate_fn, pin_memory=src.pin_memory,
+        )
+        collect = order is None and self.labels is None
+        seen = []
+        for xb, yb in iter_batches(loader):
+            if yb is not None:
+                yb = yb.long().to(self.device)
+                if collect:
+                    seen.append(yb)
+            elif self.need_labels:
+                raise ValueError("The loader yields inputs without labels; it must yield (inputs, labels).")
+            yield torch.as_tensor(xb).to(self.device, torch.float32, non_blocking=True), yb
+        if collect and seen:
+            self.labels = torch.cat(seen)
+
+
+def _is_map_style(dataset: Any) -> bool:
+    return (
+        dataset is not None
+        and not isinstance(dataset, torch.utils.data.IterableDataset)
+        and hasattr(dataset, "__getitem__")
+        and hasattr(dataset, "__len__")
+        and len(dataset) > 0
+    )
+
+
+def _as_label_tensor(labels: Any, n: int) -> torch.Tensor:
+    y = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
+    if y.ndim != 1 or y.shape[0] != n:
+        raise ValueError(f"{n} inputs need {n} labels in a 1-D array; got labels of shape {tuple(y.shape)}.")
+    if y.is_floating_point() and not bool((y == y.round()).all()):
+        raise ValueError("labels must be whole numbers (class indices).")
+    return y.long()
+
+
+def check_label_range(labels: torch.Tensor, k: int) -> None:
+    if int(labels.min()) < 0 or int(labels.max()) >= k:
+        raise ValueError(
+            f"labels must lie in [0, {k}) for a model with {k} outputs; found values from "
+            f"{int(labels.min())} to {int(labels.max())}."
+        )
+
+
+@contextlib.contextmanager
+def frozen(model: torch.nn.Module):
+    """Eval mode and no parameter gradients for the duration; the caller's flags come back after."""
+    was_training = model.training
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.eval()
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------------------------------
+# Passes of the model
+# --------------------------------------------------------------------------------------------
+
+
+def checked_logits(z: Any) -> torch.Tensor:
+    if not isinstance(z, torch.Tensor) or z.ndim != 2 or z.shape[1] < 2:
+        raise ValueError(
+            "the model must return logits of shape (batch, classes) with at least 2 classes; "
+            f"got {type(z).__name__} of shape {tuple(getattr(z, 'shape', ()))}."
+        )
+    return z.float()
+
+
+@dataclass
+class Problem:
+    """One calibration problem: model, split, loss settings and the optional input clamp."""
+
+    model: torch.nn.Module
+    split: Split
+    gamma: float
+    weight_decay: float
+    clamp_range: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        if delta is not None:
+            x = x + delta
+            if self.clamp_range is not None:
+                x = torch.clamp(x, self.clamp_range[0], self.clamp_range[1])
+        return checked_logits(self.model(x))
+
+    def logits(self, delta: torch.Tensor | None) -> torch.Tensor:
+        """Logits f(x + δ) over the split in natural order, on the device (0.5 pass)."""
+        out = []
+        with torch.no_grad():
+            for x, _ in self.split.chunks():
+                out.append(self.forward(x, delta))
+        self.split.passes += 0.5
+        return torch.cat(out)
+
+    def value_and_grad(self, delta: torch.Tensor, log_t: float) -> tuple[float, torch.Tensor, float, torch.Tensor]:
+        """F, ∂F/∂δ, ∂F/∂s and the logits f(x + δ), exactly over the split (1 pass)."""
+        d = delta.detach().requires_grad_(True)
+        s = torch.tensor(float(log_t), device=d.device, requires_grad=True)
+        n = self.split.n
+        total = torch.zeros((), dtype=accumulation_dtype(d.device), device=d.device)
+        g_d = torch.zeros_like(d)
+        g_s = torch.zeros((), device=d.device)
+        out = []
+        for x, y in self.split.chunks():
+            z = self.forward(x, d)
+            loss = focal_loss(z * torch.exp(-s), y, self.gamma, reduction="sum") / n
+            gd, gs = torch.autograd.grad(loss, (d, s))
+            g_d += gd
+            g_s += gs
+            total += loss.detach()
+            out.append(z.detach())
+        self.split.passes += 1.0
+        reg = self.weight_decay * squared_norm(d.detach())
+        g_d += 2.0 * self.weight_decay * d.detach()
+        return float(total) + reg, g_d, float(g_s), torch.cat(out)
+
+    def objective_from_logits(self, z: torch.Tensor, delta: torch.Tensor, log_t: float) -> float:
+        return mean_focal(z, self.split.labels, self.gamma, log_t) + self.weight_decay * squared_norm(delta)
+
+    def check_labels(self) -> None:
+        """Labels within the model's classes, checked on one sample's logits before any fitting."""
+        if self.split.labels is None:  # a streamed split: checked once its first pass has read them
+            return
+        x, _ = next(self.split.chunks(batch_size=1))
+        with torch.no_grad():
+            check_label_range(self.split.labels, self.forward(x, None).shape[1])
+
+
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """float64 for long sums, except on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    return float((t.to(accumulation_dtype(t.device)) ** 2).sum())
+
+
+def mean_focal(z: torch.Tensor, y: torch.Tensor, gamma: float, log_t: float) -> float:
+    zz = z.to(accumulation_dtype(z.device))
+    return float(focal_loss(zz * math.exp(-log_t), y.to(z.device), gamma, reduction="mean"))
+
+
+def best_log_temperature(z: torch.Tensor, y: torch.Tensor, gamma: float) -> float:
+    """s = log T minimising mean FL_γ(z e^{−s}, y) on fixed logits (no pass of the model).
+
+    A bounded Brent search over T in [1e-2, 1e2], then Newton steps on ∂/∂s for full precision,
+    each kept only if it lowers the loss.
+    """
+    zz = z.to(accumulation_dtype(z.device))
+
+    def h(s: float) -> float:
+        return float(focal_loss(zz * math.exp(-s), y, gamma, reduction="mean"))
+
+    res = minimize_scalar(h, bounds=_LOG_T_BOUNDS, method="bounded", options={"xatol": 1e-6})
+    s_best, f_best = float(res.x), float(res.fun)
+    for _ in range(4):
+        st = torch.tensor(s_best, dtype=zz.dtype, device=zz.device, requires_grad=True)
+        val = focal_loss(zz * torch.exp(-st), y, gamma, reduction="mean")
+        (d1,) = torch.autograd.grad(val, st, create_graph=True)
+        (d2,) = torch.autograd.grad(d1, st)
+        if float(d2) <= 0:
+            break
+        s_new = min(max(s_best - float(d1.detach()) / float(d2), _LOG_T_BOUNDS[0]), _LOG_T_BOUNDS[1])
+        f_new = h(s_new)
+        if not f_new < f_best:
+            break
+        s_best, f_best = s_new, f_new
+    return s_best
+
+
+def entropy_gradient(problem: Problem):
+    """Theorem 1's ingredients in one pass at δ = 0, T = 1.
+
+    Returns g = Σ_i ∇_x H(softmax(f(x_i))) (shape of one input), the element-wise minimum ℓ and
+    maximum μ of the inputs, and the logits f(x) (N, K) on the device (1 pass).
+    """
+    split = problem.split
+    g = lo = hi = None
+    out = []
+    for x, _ in split.chunks():
+        if g is None:
+            g = torch.zeros(x.shape[1:], device=x.device)
+            lo, hi = x.amin(0), x.amax(0)
+        else:
+            lo, hi = torch.minimum(lo, x.amin(0)), torch.maximum(hi, x.amax(0))
+        d = torch.zeros_like(g, requires_grad=True)
+        # No clamp here: at δ = 0 the inputs are where the data put them.
+        z = checked_logits(problem.model(x + d))
+        logp = torch.log_softmax(z, dim=1)
+        ent = -(logp.exp() * logp).sum()
+        (gd,) = torch.autograd.grad(ent, d)
+        g += gd
+        out.append(z.detach())
+    split.passes += 1.0
+    return g, lo, hi, torch.cat(out)
+
+
+def theorem1_delta(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """δ̃ = sign(g) ⊙ η with η_j = ℓ_j − α_j (g_j < 0), β_j − μ_j (g_j > 0), 0 otherwise.
+
+    An element whose data already reach beyond [α, β] (bicubic resizing can overshoot) gets η = 0.
+    """
+    eta = torch.where(g < 0, lo - alpha, torch.where(g > 0, beta - hi, torch.zeros_like(g))).clamp_min(0.0)
+    return torch.sign(g) * eta
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FitResult:
+    delta: torch.Tensor
+    log_t: float
+    objective: float
+    logits: torch.Tensor  # f(x + δ) over the split at the final state, natural order, on the device
+    history: list[dict] = field(default_factory=list)
+    passes: float = 0.0
+    stopped: bool = False
+
+
+class Reporter:
+    """Feeds the history, the user's callback and the progress bar; StopFitting passes through."""
+
+    def __init__(self, callback: Callable[[dict], Any] | None = None, bar=None):
+        self.callback = callback
+        self.bar = bar
+        self.history: list[dict] = []
+
+    def notify(self, info: dict) -> None:
+        if self.bar is not None:
+            self.bar.n = round(min(info["passes"], self.bar.total or math.inf), 2)
+            self.bar.set_postfix(loss=f"{info['loss']:.5g}", T=f"{info['temperature']:.4f}", refresh=False)
+            self.bar.refresh()
+        if self.callback is not None:
+            self.callback(dict(info))
+
+
+def fit_paper(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, epochs: int, lr: float,
+              batch_size: int, report: Reporter) -> FitResult:
+    """The paper's recipe, step for step.
+
+    T starts at 1. Every epoch draws ``torch.randperm(N, generator=generator)`` and walks it in
+    batches of ``batch_size`` (the last one may be smaller); each batch takes one plain SGD step
+    (no momentum, no weight decay inside the optimiser) on δ and T together, on the loss
+    mean_batch FL_γ(f(x + δ)/T, y) + λ‖δ‖²₂, both updated from the gradients at the same point.
+    ``history`` gets one entry per epoch (its loss: the sample-weighted mean of the batch losses).
+    """
+    split, n = problem.split, problem.split.n
+    start = split.passes
+    delta = delta0.detach().clone()
+    temp = torch.ones((), device=delta.device)
+    step = seen = 0
+    stopped = False
+    try:
+        for epoch in range(1, epochs + 1):
+            order = torch.randperm(n, generator=generator)
+            epoch_loss = 0.0
+            for x, y in split.chunks(order, batch_size):
+                d = delta.requires_grad_(True)
+                t = temp.requires_grad_(True)
+                loss = focal_loss(problem.forward(x, d) / t, y, problem.gamma, reduction="mean")
+                loss = loss + problem.weight_decay * (d**2).sum()
+                gd, gt = torch.autograd.grad(loss, (d, t))
+                with torch.no_grad():
+                    delta = d.detach() - lr * gd
+                    temp = t.detach() - lr * gt
+                step += 1
+                seen += x.shape[0]
+                split.passes = start + seen / n
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise ValueError(f"The loss became {value} at SGD step {step}; try a smaller learning rate.")
+                epoch_loss += value * x.shape[0] / n
+                report.notify({"step": step, "epoch": epoch, "loss": value, "temperature": float(temp),
+                               "passes": split.passes})
+            report.history.append({"step": step, "epoch": epoch, "loss": epoch_loss,
+                                   "temperature": float(temp), "passes": split.passes})
+    except StopFitting:
+        stopped = True
+    t_final = float(temp)
+    if not t_final > 0:
+        raise ValueError(f"SGD drove the temperature to {t_final:.4g} (it must stay > 0); try a smaller learning rate.")
+    z = problem.logits(delta)
+    log_t = math.log(t_final)
+    return FitResult(delta, log_t, problem.objective_from_logits(z, delta, log_t), z, report.history,
+                     split.passes - start, stopped)
+
+
+class LBFGSMemory:
+    """Curvature pairs of L-BFGS with a block-diagonal initial inverse Hessian.
+
+    The blocks are δ and s = log T: their curvatures differ by orders of magnitude, so each block
+    gets its own scale sᵀy / yᵀy from the latest pair (a single scalar would let the stiffer
+    block dictate the step of the other). The memory outlives one fit so a γ sweep can carry it.
+    """
+
+    def __init__(self, size: int = 10):
+        self.size = size
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self.scale: torch.Tensor | None = None  # diagonal of the initial inverse Hessian
+
+    def direction(self, g: torch.Tensor) -> torch.Tensor:
+        q = -g
+        alphas = []
+        for s, y, rho in reversed(self.pairs):
+            a = rho * float(torch.dot(s, q))
+            q = q - a * y
+            alphas.append(a)
+        q = q * self.scale
+        for (s, y, rho), a in zip(self.pairs, reversed(alphas)):
+            b = rho * float(torch.dot(y, q))
+            q = q + (a - b) * s
+        return q
+
+    def update(self, s: torch.Tensor, y: torch.Tensor) -> None:
+        sy = float(torch.dot(s, y))
+        if not sy > 1e-10 * float(torch.dot(y, y)):
+            return
+        self.pairs = (self.pairs + [(s, y, 1.0 / sy)])[-self.size :]
+        scale = self.scale.clone()
+        for block in (slice(0, -1), slice(-1, None)):
+            sb, yb = s[block], y[block]
+            syb, yyb = float(torch.dot(sb, yb)), float(torch.dot(yb, yb))
+            if syb > 0 and yyb > 0:
+                scale[block] = syb / yyb
+        self.scale = scale
+
+
+def _cubic_step(t1: float, f1: float, d1: float, t2: float, f2: float, d2: float, lo: float, hi: float) -> float:
+    """Minimiser of the cubic through two points with slopes, kept inside [lo, hi]."""
+    if math.isfinite(f1) and math.isfinite(f2) and t1 != t2:
+        e1 = d1 + d2 - 3.0 * (f1 - f2) / (t1 - t2)
+        rad = e1 * e1 - d1 * d2
+        if rad >= 0:
+            e2 = math.copysign(math.sqrt(rad), t2 - t1)
+            den = d2 - d1 + 2.0 * e2
+            if den != 0:
+                t = t2 - (t2 - t1) * (d2 + e2 - e1) / den
+                if math.isfinite(t):
+                    return min(max(t, lo), hi)
+    return 0.5 * (lo + hi)
+
+
+def _line_search(phi, f0: float, d0: float, t: float, max_evals: int, c1: float = 1e-4, c2: float = 0.9):
+    """Strong-Wolfe line search (bracket, then zoom by safeguarded cubic interpolation).
+
+    ``phi(t) -> (f, slope, payload)``. Returns ``((t, f, slope, payload), evals)`` for a point that
+    satisfies both conditions, else the lowest point with sufficient decrease found within
+    ``max_evals`` evaluations, else ``(None, evals)``.
+    """
+    best = None
+    evals = 0
+
+    def armijo(tt: float, ff: float) -> bool:
+        return math.isfinite(ff) and ff <= f0 + c1 * tt * d0
+
+    prev = (0.0, f0, d0)
+    bracket = None
+    while evals < max_evals:
+        f, slope, payload = phi(t)
+        evals += 1
+        if armijo(t, f) and (best is None or f < best[1]):
+            best = (t, f, slope, payload)
+        if not armijo(t, f) or (evals > 1 and f >= prev[1]):
+            bracket = (prev, (t, f, slope))
+            break
+        if abs(slope) <= -c2 * d0:
+            return (t, f, slope, payload), evals
+        if slope >= 0:
+            bracket = ((t, f, slope), prev)
+            break
+        t_next = _cubic_step(prev[0], prev[1], prev[2], t, f, slope, 2.0 * t, 10.0 * t)
+        prev, t = (t, f, slope), t_next
+    while bracket is not None and evals < max_evals:
+        (tl, fl, dl), (th, fh, dh) = bracket
+        width = abs(th - tl)
+        if width <= 1e-10 * max(abs(tl), abs(th)):
+            break
+        a, b = min(tl, th), max(tl, th)
+        t = _cubic_step(tl, fl, dl, th, fh, dh, a + 0.1 * width, b - 0.1 * width)
+        f, slope, payload = phi(t)
+        evals += 1
+        if armijo(t, f) and (best is None or f < best[1]):
+            best = (t, f, slope, payload)
+        if not armijo(t, f) or f >= fl:
+            bracket = ((tl, fl, dl), (t, f, slope))
+        else:
+            if abs(slope) <= -c2 * d0:
+                return (t, f, slope, payload), evals
+            if slope * (th - tl) >= 0:
+                bracket = ((t, f, slope), (tl, fl, dl))
+            else:
+                bracket = ((t, f, slope), (th, fh, dh))
+    return best, evals
+
+
+def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: float, tol: float,
+             report: Reporter, memory: LBFGSMemory | None = None) -> tuple[FitResult, LBFGSMemory]:
+    """Full-batch L-BFGS on (δ, log T) with a strong-Wolfe line search; every evaluation is 1 pass.
+
+    Stops when an iteration lowers F by less than ``tol`` relative to |F|, when the gradient
+    vanishes, or before an evaluation would take the split's pass count past ``max_passes``.
+    Returns the best point evaluated and the L-BFGS memory (to warm-start a related problem).
+    """
+    split = problem.split
+    start = split.passes
+    shape = delta0.shape
+    best: dict[str, Any] = {}
+    evals = 0
+
+    def evaluate(x: torch.Tensor):
+        nonlocal evals
+        d = x[:-1].view(shape)
+        f, gd, gs, z = problem.value_and_grad(d, float(x[-1]))
+        evals += 1
+        if not best or f < best["f"]:
+            best.update(f=f, x=x.detach().clone(), z=z)
+        info = {"step": evals, "loss": f, "temperature": math.exp(float(x[-1])), "passes": split.passes}
+        report.history.append(info)
+        report.notify(info)
+        return f, torch.cat([gd.reshape(-1), gd.new_tensor([gs])]), z
+
+    x = torch.cat([delta0.detach().reshape(-1).float(), delta0.new_tensor([log_t0], dtype=torch.float32)])
+    stopped = False
+    try:
+        f, g, z = evaluate(x)
+        if not math.isfinite(f):
+            raise ValueError(f"The objective is {f} at the starting point; check the model's logits and the inputs.")
+        if memory is None:
+            memory = LBFGSMemory()
+        if memory.scale is None:
+            memory.scale = _initial_scale(problem, g, z, float(x[-1]))
+        while True:
+            budget = int(math.floor(max_passes - (split.passes - start) + 1e-9))
+            if budget < 1 or float(g.abs().max()) <= 1e-9:
+                break
+            d = memory.direction(g)
+            d0 = float(torch.dot(g, d))
+            if not d0 < 0:  # stale curvature from a warm start: fall back to steepest descent
+                memory.pairs = []
+                d = -g * memory.scale
+                d0 = float(torch.dot(g, d))
+
+            def phi(t: float, x=x, d=d):
+                fx, gx, zx = evaluate(x + t * d)
+                return fx, float(torch.dot(gx, d)), (gx, zx)
+
+            found, _ = _line_search(phi, f, d0, 1.0, budget)
+            if found is None:
+                break
+            t, f_new, _, (g_new, z_new) = found
+            memory.update(t * d, g_new - g)
+            decrease = f - f_new
+            x, f, g, z = x + t * d, f_new, g_new, z_new
+            if decrease <= tol * max(abs(f), 1e-12):
+                break
+    except StopFitting:
+        stopped = True
+    xb = best["x"]
+    return FitResult(xb[:-1].view(shape).clone(), float(xb[-1]), best["f"], best["z"], report.history,
+                     split.passes - start, stopped), memory
+
+
+def _initial_scale(problem: Problem, g: torch.Tensor, z: torch.Tensor, log_t: float) -> torch.Tensor:
+    """Diagonal first guess of the inverse Hessian, from what is known without another pass.
+
+    δ block: the regulariser's exact curvature 2λ, capped so the first step is at most unit length;
+    s block: the exact ∂²F/∂s² on the cached logits.
+    """
+    scale = torch.empty_like(g)
+    g_norm = float(g[:-1].norm())
+    scale[:-1] = 1.0 / max(2.0 * problem.weight_decay, g_norm, 1e-12)
+    zz = z.to(accumulation_dtype(z.device))
+    st = torch.tensor(log_t, dtype=zz.dtype, device=zz.device, requires_grad=True)
+    val = focal_loss(zz * torch.exp(-st), problem.split.labels, problem.gamma, reduction="mean")
+    (d1,) = torch.autograd.grad(val, st, create_graph=True)
+    (d2,) = torch.autograd.grad(d1, st)
+    curv = float(d2)
+    scale[-1] = 1.0 / curv if curv > 1e-8 else 1.0
+    return scale

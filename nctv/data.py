@@ -1,0 +1,678 @@
+"""Datasets, preprocessing and calibration/test splits.
+
+Every model is calibrated on a *calibration split* and judged on a disjoint *test split*; both are
+drawn here, reproducibly, from a named dataset:
+
+* ``"fashion-mnist"`` (embedded, offline): the calibration pool is the last 5,000 images of the
+  official training set (never used to train the embedded models), the test split is the official
+  10,000 test images. Both ship in ``assets/data/fashion-mnist/`` as compressed ``.npz`` of uint8.
+* ``"bloodmnist"`` (MedMNIST v2, downloaded once from the Hugging Face Hub): calibration pool = the
+  official validation split (1,712 images), test = the official test split (3,421 images), as in
+  the paper.
+* ``"cifar100"`` (downloaded once by torchvision): a public pretrained classifier has usually seen all
+  50,000 training images, so the official 10,000 test images are split in two halves, calibration
+  and test (the paper's ImageNet protocol). ``"cifar100-train-tail"`` follows the paper's CIFAR-100
+  protocol instead (calibration = training images 45,000–49,999, test = the official test set) and
+  suits models trained on the first 45,000 training images only.
+* ``"folder:<path>"``: any labelled image folder in the ImageFolder layout (one sub-folder per
+  class), split in halves. ImageNet's validation set in synset folders is the paper's ImageNet
+  protocol (25,000 calibration + 25,000 test images).
+* ``"hf-dataset:<org/name>[@split]"``: a Hub image dataset (needs the optional ``datasets`` package;
+  gated sets need a token), split in halves.
+
+Conventions: labels are int64 class indices of the *model's* output; sizes are numbers of images;
+a calibration subsample is drawn from its pool by ``numpy.random.default_rng(calibration_seed)``
+and kept in pool order, so asking for the whole pool gives the pool whatever the seed. The test
+split depends only on ``split_seed`` and ``test_size``: changing ``calibration_seed`` never changes
+the test split. Preprocessing is the model's own (timm data config); inputs are float32 tensors
+(C, H, W).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)
+BLOODMNIST_CLASSES = (
+    "basophil", "eosinophil", "erythroblast", "immature granulocyte",
+    "lymphocyte", "monocyte", "neutrophil", "platelet",
+)
+FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+BLOODMNIST_HUB = ("albertvillanova/medmnist-v2", "data/bloodmnist.npz")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+# tensors() materialises a whole split; beyond this it would exhaust a laptop's memory.
+MAX_TENSOR_BYTES = 2 * 1024**3
+
+
+def assets_dir() -> Path:
+    """The shipped assets folder (``$NCTV_ASSETS_DIR`` overrides the repository's ``assets/``)."""
+    env = os.environ.get("NCTV_ASSETS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "assets"
+
+
+def cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """Where downloaded datasets go: ``path``, else ``$NCTV_CACHE_DIR``, else ``~/.cache/nctv``."""
+    if path is not None:
+        return Path(path)
+    env = os.environ.get("NCTV_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "nctv"
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+def image_mode(data_config: dict) -> str:
+    """PIL mode a model reads: "L" for one input channel, "RGB" for three."""
+    channels = int(data_config["input_size"][0])
+    if channels == 1:
+        return "L"
+    if channels == 3:
+        return "RGB"
+    raise ValueError(f"Models with {channels} input channels are not supported; use 1 (grey) or 3 (RGB).")
+
+
+def make_preprocess(data_config: dict) -> Callable[[Image.Image], torch.Tensor]:
+    """PIL image -> float32 tensor (C, H, W): colour mode of the model, then timm's eval transform."""
+    from timm.data import create_transform
+
+    mode = image_mode(data_config)
+    transform = create_transform(**data_config, is_training=False)
+
+    def preprocess(image: Image.Image) -> torch.Tensor:
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"preprocess expects a PIL image, got {type(image).__name__}.")
+        return transform(image if image.mode == mode else image.convert(mode))
+
+    return preprocess
+
+
+def _keeps_geometry(data_config: dict, height: int, width: int) -> bool:
+    """True when timm's eval transform leaves an (height, width) image's pixels where they are.
+
+    That is the case when the resize target equals the image size (crop_pct = 1 at native size),
+    so resize and centre crop are identities and only ToTensor + Normalize act.
+    """
+    size = tuple(int(s) for s in data_config["input_size"][1:])
+    if size != (height, width):
+        return False
+    mode = data_config.get("crop_mode") or "center"
+    if mode not in ("center", "squash") or data_config.get("crop_border_pixels"):
+        return False
+    crop_pct = data_config.get("crop_pct") or 1.0
+    return tuple(math.floor(s / crop_pct) for s in size) == size
+
+
+def preprocess_arrays(images: np.ndarray, data_config: dict) -> torch.Tensor | None:
+    """Vectorised eval preprocessing of uint8 images (N, H, W) or (N, H, W, C).
+
+    Computes (x / 255 − mean) / std exactly as ``ToTensor`` + ``Normalize`` do, so the result is
+    bit-identical to :func:`make_preprocess` on each image. Returns ``None`` where that equality
+    does not hold (a resize or crop would move pixels, or a colour conversion other than grey → RGB
+    is needed); callers then use the PIL path.
+    """
+    if images.dtype != np.uint8 or images.ndim not in (3, 4):
+        return None
+    if images.ndim == 4 and images.shape[3] == 1:
+        images = images[..., 0]
+    if not _keeps_geometry(data_config, images.shape[1], images.shape[2]):
+        return None
+    channels = int(data_config["input_size"][0])
+    # torch.from_numpy needs writable memory; arrays read from bytes are not.
+    x = torch.from_numpy(images.copy() if not images.flags.writeable else np.ascontiguousarray(images))
+    if x.ndim == 3:
+        x = x[:, None]
+    else:
+        if x.shape[3] != 3:
+            return None
+        x = x.permute(0, 3, 1, 2)
+    if x.shape[1] != channels:
+        if x.shape[1] != 1 or channels != 3:
+            return None  # RGB -> L uses PIL's integer luma rounding; leave it to PIL
+        x = x.expand(-1, 3, -1, -1)
+    mean = torch.tensor(data_config["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(data_config["std"], dtype=torch.float32).view(1, -1, 1, 1)
+    return x.float().div(255).sub(mean).div(std).contiguous()
+
+
+# ----------------------------------------------------------------------------- image sources
+
+def pil_from_array(image: np.ndarray) -> Image.Image:
+    """uint8 (H, W), (H, W, 1) or (H, W, 3) -> PIL image in mode L or RGB."""
+    if image.ndim == 3 and image.shape[2] == 1:
+        image = image[..., 0]
+    return Image.fromarray(np.ascontiguousarray(image))
+
+
+class ArrayImages:
+    """Images held in memory as one uint8 array (N, H, W[, C])."""
+
+    def __init__(self, images: np.ndarray, description: str):
+        if images.dtype != np.uint8 or images.ndim not in (3, 4):
+            raise ValueError(f"Images must be a uint8 array (N, H, W) or (N, H, W, C); got {images.dtype} {images.shape}.")
+        self.images = images
+        self.description = description
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def pil(self, i: int) -> Image.Image:
+        return pil_from_array(self.images[i])
+
+    def digest(self, indices: np.ndarray) -> bytes:
+        return hashlib.sha256(np.ascontiguousarray(self.images[indices]).tobytes()).digest()
+
+
+class FileImages:
+    """Images read from files on demand (a folder in the ImageFolder layout)."""
+
+    def __init__(self, root: Path, paths: Sequence[Path], description: str):
+        self.root = root
+        self.paths = list(paths)
+        self.description = description
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def pil(self, i: int) -> Image.Image:
+        with Image.open(self.paths[i]) as im:
+            im.load()
+            return im
+
+    def digest(self, indices: np.ndarray) -> bytes:
+        # Relative paths and sizes identify a folder's content without reading every image.
+        h = hashlib.sha256()
+        for i in indices:
+            p = self.paths[int(i)]
+            h.update(f"{p.relative_to(self.root).as_posix()}\0{p.stat().st_size}\n".encode())
+        return h.digest()
+
+
+class HubDatasetImages:
+    """Images of a Hugging Face ``datasets`` split, decoded on demand."""
+
+    def __init__(self, dataset: Any, image_key: str, description: str):
+        self.dataset = dataset
+        self.image_key = image_key
+        self.description = description
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def pil(self, i: int) -> Image.Image:
+        return self.dataset[int(i)][self.image_key]
+
+    def digest(self, indices: np.ndarray) -> bytes:
+        fp = getattr(self.dataset, "_fingerprint", "")
+        return hashlib.sha256(f"{self.description}\0{fp}\0".encode() + np.asarray(indices, np.int64).tobytes()).digest()
+
+
+# ----------------------------------------------------------------------------- Split
+
+class _PILDataset(torch.utils.data.Dataset):
+    def __init__(self, split: "Split"):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int):
+        return self.split.preprocess(self.split.image(i)), self.split.labels[i]
+
+
+class Split:
+    """A labelled set of images, preprocessed for one model.
+
+    ``labels`` (N,) int64 are class indices of the model's output; ``class_names`` their names.
+    ``tensors()`` gives all preprocessed inputs at once (small splits); ``loader()`` streams them;
+    ``image(i)`` is the raw image as a PIL image. ``fingerprint`` is a SHA-256 (hex) of the labels and
+    the image content (pixel bytes for in-memory images; relative paths and file sizes for folders),
+    so two splits with the same fingerprint hold the same data in the same order.
+    """
+
+    def __init__(self, name: str, images: Any, indices: np.ndarray, labels: np.ndarray,
+                 class_names: Sequence[str], data_config: dict):
+        indices = np.asarray(indices, dtype=np.int64)
+        labels = np.asarray(labels, dtype=np.int64)
+        if indices.shape != labels.shape or indices.ndim != 1:
+            raise ValueError("indices and labels must be 1-D and of equal length.")
+        self.name = name
+        self.source = images
+        self.indices = indices
+        self.labels = torch.from_numpy(labels.copy())
+        self.class_names = list(class_names)
+        self.data_config = dict(data_config)
+        self.preprocess = make_preprocess(self.data_config)
+        self._tensors: torch.Tensor | None = None
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    def __repr__(self) -> str:
+        return f"Split({self.name!r}, n={len(self)}, classes={len(self.class_names)}, source={self.source.description!r})"
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(self.source.digest(self.indices))
+            h.update(self.labels.numpy().astype("<i8").tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def image(self, i: int) -> Image.Image:
+        """Raw image ``i`` of the split (before any preprocessing)."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"image index {i} out of range for a split of {len(self)} images.")
+        return self.source.pil(int(self.indices[i]))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Raw uint8 images and int64 labels of an in-memory split (for training)."""
+        if not isinstance(self.source, ArrayImages):
+            raise ValueError(f"Split {self.name!r} is read from files; raw arrays exist only for in-memory datasets.")
+        return self.source.images[self.indices], self.labels.numpy()
+
+    def _fast_tensors(self) -> torch.Tensor | None:
+        if not isinstance(self.source, ArrayImages) or len(self) == 0:
+            return None
+        x = preprocess_arrays(self.source.images[self.indices], self.data_config)
+        # The vectorised path must agree with the PIL path; one image confirms the arithmetic.
+        if x is not None and not torch.equal(x[0], self.preprocess(self.image(0))):
+            return None
+        return x
+
+    def tensors(self, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """All preprocessed inputs (N, C, H, W) float32 and labels (N,) int64, cached."""
+        if self._tensors is None:
+            c, h, w = (int(v) for v in self.data_config["input_size"])
+            need = len(self) * c * h * w * 4
+            if need > MAX_TENSOR_BYTES:
+                raise ValueError(
+                    f"Split {self.name!r} would take {need / 1024**3:.1f} GiB as one tensor; use split.loader() instead."
+                )
+            x = self._fast_tensors()
+            if x is None:
+                from tqdm.auto import tqdm
+
+                items = (self.preprocess(self.image(i)) for i in range(len(self)))
+                x = torch.stack(list(tqdm(items, total=len(self), desc=f"preprocessing {self.name}", disable=not progress)))
+            self._tensors = x
+        return self._tensors, self.labels
+
+    def loader(self, batch_size: int = 512, num_workers: int = 0) -> torch.utils.data.DataLoader:
+        """DataLoader of ``(inputs, labels)`` batches in split order (no shuffling)."""
+        if self._tensors is not None or self._fast_tensors_possible():
+            x, y = self.tensors()
+            ds: torch.utils.data.Dataset = torch.utils.data.TensorDataset(x, y)
+        else:
+            ds = _PILDataset(self)
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+
+    def _fast_tensors_possible(self) -> bool:
+        if not isinstance(self.source, ArrayImages):
+            return False
+        imgs = self.source.images
+        return _keeps_geometry(self.data_config, imgs.shape[1], imgs.shape[2])
+
+    def subset(self, positions: np.ndarray, name: str | None = None) -> "Split":
+        """The split restricted to ``positions`` (indices into this split, kept in the given order)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return Split(name or self.name, self.source, self.indices[positions], self.labels.numpy()[positions],
+                     self.class_names, self.data_config)
+
+
+def subsample(split: Split, size: int | None, seed: int, name: str | None = None) -> Split:
+    """``size`` images of ``split`` chosen by ``default_rng(seed)``, kept in split order.
+
+    ``size=None`` or the split's length returns all of it.
+    """
+    n = len(split)
+    if size is None or size == n:
+        return split.subset(np.arange(n), name)
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
+        raise ValueError(f"A split size must be a positive whole number or None (all); got {size!r}.")
+    if size > n:
+        raise ValueError(f"Asked for {size} images but the pool {split.name!r} holds only {n}; ask for at most {n} or None.")
+    chosen = np.sort(np.random.default_rng(seed).permutation(n)[:size])
+    return split.subset(chosen, name)
+
+
+def split_in_half(dataset: Split, seed: int = 0) -> tuple[Split, Split]:
+    """The paper's ImageNet protocol: one labelled set → (calibration half, test half).
+
+    A permutation from ``default_rng(seed)`` decides the halves; each half keeps the original order.
+    With an odd count the test half gets the extra image.
+    """
+    n = len(dataset)
+    if n < 2:
+        raise ValueError(f"Cannot split {n} image(s) in half; the dataset needs at least 2 labelled images.")
+    perm = np.random.default_rng(seed).permutation(n)
+    first, second = np.sort(perm[: n // 2]), np.sort(perm[n // 2:])
+    return (dataset.subset(first, f"{dataset.name} (calibration half)"),
+            dataset.subset(second, f"{dataset.name} (test half)"))
+
+
+# ----------------------------------------------------------------------------- raw datasets
+
+@dataclass
+class Pools:
+    """Where a dataset's calibration and test images come from.
+
+    Either ``calibration`` and ``test`` are separate pools, or ``whole`` is one labelled set that
+    :func:`split_in_half` divides.
+    """
+
+    name: str
+    class_names: tuple[str, ...]
+    calibration: tuple[Any, np.ndarray] | None = None
+    test: tuple[Any, np.ndarray] | None = None
+    whole: tuple[Any, np.ndarray] | None = None
+    train: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file (the MNIST format, optionally gzipped) into a numpy array."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise ValueError(f"{path} is not an unsigned-byte IDX file.")
+    shape = struct.unpack(f">{ndim}I", raw[4: 4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(shape)):
+        raise ValueError(f"{path} is truncated: expected {int(np.prod(shape))} values, found {data.size}.")
+    return data.reshape(shape)
+
+
+def load_fashion_mnist_idx(root: str | os.PathLike = FASHION_MNIST_SYSTEM_DIR) -> dict[str, np.ndarray]:
+    """The full Fashion-MNIST from its IDX files: train/test images (N, 28, 28) and labels (uint8)."""
+    root = Path(root)
+    out = {}
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        for kind, suffix in (("images", "images-idx3-ubyte"), ("labels", "labels-idx1-ubyte")):
+            candidates = [root / f"{prefix}-{suffix}.gz", root / f"{prefix}-{suffix}"]
+            found = next((p for p in candidates if p.exists()), None)
+            if found is None:
+                raise ValueError(f"Fashion-MNIST file {prefix}-{suffix}[.gz] not found in {root}.")
+            out[f"{split}_{kind}"] = read_idx(found)
+    return out
+
+
+def _load_npz(path: Path, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        missing = [k for k in keys if k not in z.files]
+        if missing:
+            raise ValueError(f"{path} lacks the arrays {missing}; it is not the expected dataset file.")
+        return {k: z[k] for k in keys}
+
+
+def _fashion_mnist_pools() -> Pools:
+    root = assets_dir() / "data" / "fashion-mnist"
+    parts = {}
+    for part in ("calibration", "test"):
+        path = root / f"{part}.npz"
+        if not path.exists():
+            raise ValueError(f"The embedded Fashion-MNIST file {path} is missing; run scripts/make_assets.py data.")
+        z = _load_npz(path, ("images", "labels"))
+        parts[part] = (ArrayImages(z["images"], f"fashion-mnist/{part}.npz"), z["labels"])
+    return Pools("fashion-mnist", FASHION_MNIST_CLASSES, calibration=parts["calibration"], test=parts["test"])
+
+
+def _bloodmnist_pools(token: str | None, with_train: bool = False) -> Pools:
+    from huggingface_hub import hf_hub_download
+
+    repo, filename = BLOODMNIST_HUB
+    path = _hub_file(lambda: hf_hub_download(repo, filename, repo_type="dataset", token=token),
+                     f"BloodMNIST ({repo}, {filename})")
+    keys = ["val_images", "val_labels", "test_images", "test_labels"] + (["train_images", "train_labels"] if with_train else [])
+    z = _load_npz(Path(path), keys)
+    pools = Pools(
+        "bloodmnist", BLOODMNIST_CLASSES,
+        calibration=(ArrayImages(z["val_images"], "bloodmnist/val"), z["val_labels"].reshape(-1)),
+        test=(ArrayImages(z["test_images"], "bloodmnist/test"), z["test_labels"].reshape(-1)),
+    )
+    if with_train:
+        pools.train = (z["train_images"], z["train_labels"].reshape(-1).astype(np.int64))
+    return pools
+
+
+def _hub_file(download: Callable[..., str], what: str) -> str:
+    """Run a Hub download, turning 'no network' into an error that says what to do."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return download()
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"{what} is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(no network, or HF_HUB_OFFLINE=1). Connect once to download it; it is cached afterwards."
+        ) from None
+
+
+def _cifar100(root: Path, train: bool):
+    from torchvision.datasets import CIFAR100
+
+    try:
+        return CIFAR100(str(root / "cifar100"), train=train, download=not _cifar_present(root))
+    except (OSError, RuntimeError) as e:  # urllib errors are OSError
+        raise ValueError(
+            f"CIFAR-100 could not be downloaded to {root / 'cifar100'} ({e}). It needs the network once; "
+            "afterwards it is read from that folder."
+        ) from None
+
+
+def _cifar_present(root: Path) -> bool:
+    return (root / "cifar100" / "cifar-100-python" / "test").exists()
+
+
+def _cifar100_pools(root: Path, paper_protocol: bool) -> Pools:
+    test = _cifar100(root, train=False)
+    names = tuple(test.classes)
+    test_pool = (ArrayImages(np.asarray(test.data), "cifar100/test"), np.asarray(test.targets))
+    if not paper_protocol:
+        return Pools("cifar100", names, whole=test_pool)
+    train = _cifar100(root, train=True)
+    tail = slice(45000, 50000)
+    return Pools("cifar100-train-tail", names,
+                 calibration=(ArrayImages(np.asarray(train.data)[tail], "cifar100/train[45000:50000]"),
+                              np.asarray(train.targets)[tail]),
+                 test=test_pool)
+
+
+def _folder_pools(root: Path, model_class_names: Sequence[str], num_classes: int) -> Pools:
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"Image folder {root} does not exist; give a folder with one sub-folder per class.")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise ValueError(f"{root} has no class sub-folders; the ImageFolder layout is <root>/<class>/<image>.")
+    mapping = folder_label_mapping(classes, model_class_names, num_classes)
+    paths, labels = [], []
+    for name in classes:
+        files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        paths += files
+        labels += [mapping[name]] * len(files)
+    if not paths:
+        raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}.")
+    return Pools(f"folder:{root}", tuple(model_class_names),
+                 whole=(FileImages(root, paths, f"folder:{root}"), np.asarray(labels, dtype=np.int64)))
+
+
+def folder_label_mapping(folders: Sequence[str], model_class_names: Sequence[str], num_classes: int) -> dict[str, int]:
+    """Class index of the model for each class folder name.
+
+    Tried in order: ImageNet synset ids (``n01440764``) for 1000-class models; the model's class
+    names; integer folder names; and, when there are exactly as many folders as classes, sorted
+    order (torchvision's ImageFolder convention).
+    """
+    if num_classes == 1000 and all(re.fullmatch(r"n\d{8}", f) for f in folders):
+        from timm.data import ImageNetInfo
+
+        synsets = ImageNetInfo().label_names()
+        index = {s: i for i, s in enumerate(synsets)}
+        unknown = [f for f in folders if f not in index]
+        if unknown:
+            raise ValueError(f"Folders {unknown[:5]} are not ImageNet-1k synsets.")
+        return {f: index[f] for f in folders}
+    lowered = {n.lower(): i for i, n in enumerate(model_class_names)}
+    if all(f.lower() in lowered for f in folders):
+        return {f: lowered[f.lower()] for f in folders}
+    if all(f.isdigit() for f in folders):
+        bad = [f for f in folders if int(f) >= num_classes]
+        if bad:
+            raise ValueError(f"Folders {bad[:5]} name classes beyond the model's {num_classes}.")
+        return {f: int(f) for f in folders}
+    if len(folders) == num_classes:
+        return {f: i for i, f in enumerate(folders)}
+    raise ValueError(
+        f"Cannot match the {len(folders)} class folders to the model's {num_classes} classes: name the "
+        "folders by the model's class names, by class index (0, 1, …) or by ImageNet synset."
+    )
+
+
+def _hub_dataset_pools(spec: str, token: str | None, model_class_names: Sequence[str]) -> Pools:
+    repo, _, split = spec.partition("@")
+    if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", repo):
+        raise ValueError(f"'{repo}' is not a Hub dataset id; write hf-dataset:<org>/<name>[@split].")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("Hub image datasets need the 'datasets' package: pip install datasets") from None
+    ds = datasets.load_dataset(repo, split=split or "validation", token=token)
+    image_key = next((k for k, f in ds.features.items() if type(f).__name__ == "Image"), None)
+    label_key = next((k for k, f in ds.features.items() if type(f).__name__ == "ClassLabel"), None)
+    if image_key is None or label_key is None:
+        raise ValueError(f"{repo} has no image column and class-label column; it cannot be used for calibration.")
+    labels = np.asarray(ds[label_key], dtype=np.int64)
+    return Pools(f"hf-dataset:{spec}", tuple(model_class_names),
+                 whole=(HubDatasetImages(ds, image_key, f"hf-dataset:{spec}"), labels))
+
+
+@dataclass
+class TrainingData:
+    """Raw arrays for training a model on a dataset (uint8 images, int64 labels)."""
+
+    name: str
+    class_names: tuple[str, ...]
+    train: tuple[np.ndarray, np.ndarray]
+    test: tuple[np.ndarray, np.ndarray]
+
+
+def training_data(dataset: str, cache: str | os.PathLike | None = None, token: str | None = None,
+                  fashion_mnist_dir: str | os.PathLike = FASHION_MNIST_SYSTEM_DIR) -> TrainingData:
+    """Training and test arrays that keep the calibration pool of ``dataset`` unseen.
+
+    ``"fashion-mnist"``: training images 0–54,999 from the IDX files (the embedded calibration pool is
+    55,000–59,999); ``"bloodmnist"``: the official training split; ``"cifar100-train-tail"``: CIFAR-100
+    training images 0–44,999. Feed the result to :func:`nctv.zoo.train_classifier`.
+    """
+    if dataset == "fashion-mnist":
+        full = load_fashion_mnist_idx(fashion_mnist_dir)
+        return TrainingData(dataset, FASHION_MNIST_CLASSES,
+                            (full["train_images"][:55000], full["train_labels"][:55000].astype(np.int64)),
+                            (full["test_images"], full["test_labels"].astype(np.int64)))
+    if dataset == "bloodmnist":
+        pools = _bloodmnist_pools(token, with_train=True)
+        return TrainingData(dataset, BLOODMNIST_CLASSES, pools.train,
+                            (pools.test[0].images, pools.test[1].astype(np.int64)))
+    if dataset == "cifar100-train-tail":
+        root = cache_dir(cache)
+        train, test = _cifar100(root, train=True), _cifar100(root, train=False)
+        return TrainingData(dataset, tuple(train.classes),
+                            (np.asarray(train.data)[:45000], np.asarray(train.targets, dtype=np.int64)[:45000]),
+                            (np.asarray(test.data), np.asarray(test.targets, dtype=np.int64)))
+    raise ValueError(f"No training recipe for {dataset!r}; use fashion-mnist, bloodmnist or cifar100-train-tail.")
+
+
+DATASETS = {
+    "fashion-mnist": "Fashion-MNIST (embedded, offline): 5,000 calibration images, 10,000 test images.",
+    "bloodmnist": "BloodMNIST (MedMNIST v2, 28×28 RGB, 8 classes): validation split → calibration, test split → test. Downloaded once.",
+    "cifar100": "CIFAR-100 test set (10,000) split in calibration and test halves. Downloaded once by torchvision.",
+    "cifar100-train-tail": "CIFAR-100, paper protocol: training images 45,000–49,999 → calibration, test set → test.",
+    "folder:<path>": "An image folder, one sub-folder per class (e.g. ImageNet val in synset folders), split in halves.",
+    "hf-dataset:<org/name>[@split]": "A Hugging Face image dataset (needs 'datasets'; gated sets need a token), split in halves.",
+}
+
+
+def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int = 0,
+               cache: str | os.PathLike | None = None, token: str | None = None) -> Pools:
+    """Open a dataset by name (see :data:`DATASETS`)."""
+    if not isinstance(dataset, str) or not dataset.strip():
+        raise ValueError(f"A dataset is named by a string; known: {', '.join(DATASETS)}.")
+    name = dataset.strip()
+    if name == "fashion-mnist":
+        return _fashion_mnist_pools()
+    if name == "bloodmnist":
+        return _bloodmnist_pools(token)
+    if name in ("cifar100", "cifar100-train-tail"):
+        return _cifar100_pools(cache_dir(cache), name == "cifar100-train-tail")
+    if name.startswith("folder:"):
+        return _folder_pools(Path(name[len("folder:"):]), class_names, num_classes)
+    if name.startswith("hf-dataset:"):
+        return _hub_dataset_pools(name[len("hf-dataset:"):], token, class_names)
+    if name == "imagenet":
+        raise ValueError(
+            "ImageNet cannot be downloaded automatically. Use dataset='folder:/path/to/imagenet/val' (synset "
+            "folders) or dataset='hf-dataset:ILSVRC/imagenet-1k@validation' with your Hub token."
+        )
+    raise ValueError(f"Unknown dataset {name!r}; known: {', '.join(DATASETS)}.")
+
+
+# ----------------------------------------------------------------------------- get_splits
+
+def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: int | None = 5000,
+               calibration_seed: int = 0, test_size: int | None = None, split_seed: int = 0,
+               cache: str | os.PathLike | None = None, token: str | None = None) -> tuple[Split, Split]:
+    """Calibration and test splits of ``dataset`` for ``loaded_model`` (an ``nctv.zoo.LoadedModel``).
+
+    ``dataset=None`` uses the model's default dataset (the first its zoo entry lists).
+    ``calibration_size`` images are drawn from the calibration pool with ``calibration_seed``
+    (``None`` = the whole pool); ``test_size`` from the test pool with ``split_seed`` (``None`` =
+    all). Datasets without separate pools are first split in halves by ``split_seed``. Asking for
+    more images than a pool holds is an error, never silently fewer.
+    """
+    if dataset is None:
+        dataset = getattr(loaded_model, "default_dataset", None)
+        if dataset is None:
+            raise ValueError(
+                f"Model {loaded_model.name!r} has no default dataset; pass dataset='folder:/path' "
+                "(one sub-folder per class) or dataset='hf-dataset:org/name@split'."
+            )
+    num_classes = len(loaded_model.class_names)
+    pools = load_pools(dataset, loaded_model.class_names, num_classes, cache=cache, token=token)
+    if len(pools.class_names) != num_classes:
+        raise ValueError(
+            f"Dataset {pools.name!r} has {len(pools.class_names)} classes but model {loaded_model.name!r} predicts "
+            f"{num_classes}; pick a dataset the model was trained for."
+        )
+    cfg = loaded_model.data_config
+
+    def make(part, role):
+        images, labels = part
+        labels = np.asarray(labels).astype(np.int64).reshape(-1)
+        if labels.shape[0] != len(images):
+            raise ValueError(f"{pools.name}: {len(images)} images but {labels.shape[0]} labels.")
+        return Split(f"{pools.name} {role}", images, np.arange(len(images)), labels, loaded_model.class_names, cfg)
+
+    if pools.whole is not None:
+        cal_pool, test_pool = split_in_half(make(pools.whole, "pool"), split_seed)
+    else:
+        cal_pool, test_pool = make(pools.calibration, "calibration pool"), make(pools.test, "test pool")
+    cal = subsample(cal_pool, calibration_size, calibration_seed, f"{pools.name} calibration")
+    test = subsample(test_pool, test_size, split_seed, f"{pools.name} test")
+    return cal, test

@@ -1,0 +1,401 @@
+"""Neural Clamping against independent answers: closed forms, hand-rolled loops, brute force."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import nctv.calibration.clamping_fit as clamping_fit
+from nctv.calibration.base import NotFittedError
+from nctv.calibration.clamping import (
+    EfficientNeuralClamping,
+    NeuralClamping,
+    StopFitting,
+    data_driven_delta,
+    gamma_sweep,
+    init_study,
+)
+from nctv.metrics import ece
+
+SHAPE = (1, 4, 4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These models are tiny: one thread avoids the cost of thread hand-offs on a busy CPU.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+RANGE = (-3.0, 3.0)
+
+
+def make_model(seed=0, hidden=12, k=3, width=16):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, k))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        model[3].weight.mul_(2.0)  # confident logits
+    return model.eval()
+
+
+def make_data(model, n, seed=1, shape=SHAPE, t_true=2.0):
+    """Inputs in RANGE and labels drawn from softmax(f(x)/t_true): the model is overconfident."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *shape, generator=g).clamp(-2.5, 2.5)
+    with torch.no_grad():
+        p = torch.softmax(model(x) / t_true, dim=1)
+    y = torch.multinomial(p, 1, generator=g).squeeze(1)
+    return x, y
+
+
+def focal_by_hand(logits, y, gamma):
+    logp = torch.log_softmax(logits, dim=1)[torch.arange(len(y)), y]
+    return (-((1 - logp.exp()) ** gamma) * logp).mean()
+
+
+@pytest.fixture(scope="module")
+def problem():
+    model = make_model()
+    x, y = make_data(model, 600)
+    xt, yt = make_data(model, 400, seed=2)
+    return model, x, y, xt, yt
+
+
+def quiet(**kw):
+    return dict(progress=False, **kw)
+
+
+# ---- δ = 0 is temperature scaling -----------------------------------------------------------
+
+
+def brute_force_temperature(z, y, gamma):
+    """Golden-section search on log T of the focal loss, in float64 numpy (independent code)."""
+    z = z.double().numpy()
+
+    def loss(s):
+        zz = z * math.exp(-s)
+        zz = zz - zz.max(1, keepdims=True)
+        logp = zz - np.log(np.exp(zz).sum(1, keepdims=True))
+        lp = logp[np.arange(len(y)), y.numpy()]
+        return float(np.mean(-((1 - np.exp(lp)) ** gamma) * lp))
+
+    a, b = math.log(0.05), math.log(20.0)
+    r = (math.sqrt(5) - 1) / 2
+    for _ in range(200):
+        c, d = b - r * (b - a), a + r * (b - a)
+        if loss(c) < loss(d):
+            b = d
+        else:
+            a = c
+    return math.exp((a + b) / 2)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+def test_zero_delta_is_temperature_scaling(problem, gamma):
+    model, x, y, *_ = problem
+    with torch.no_grad():
+        z = model(x)
+    t_ref = brute_force_temperature(z, y, gamma)
+    # The T step of the fast fitter on fixed logits.
+    t_solve = math.exp(clamping_fit.best_log_temperature(z, y, gamma))
+    assert t_solve == pytest.approx(t_ref, rel=1e-5)
+    # A huge λ pins δ at ~0: the whole fit then reduces to temperature scaling with the same loss.
+    nc = NeuralClamping(model, gamma=gamma, weight_decay=1e5, **quiet()).fit(x, y)
+    assert float(nc.delta_.abs().max()) < 1e-5
+    assert nc.temperature_ == pytest.approx(t_ref, rel=1e-4)
+    from nctv.calibration.temperature import FocalTemperatureScaling, TemperatureScaling
+
+    ts = TemperatureScaling() if gamma == 0 else FocalTemperatureScaling(gamma=gamma)
+    assert nc.temperature_ == pytest.approx(ts.fit(z, y).temperature_, rel=1e-3)
+
+
+# ---- Theorem 1 --------------------------------------------------------------------------------
+
+
+def test_data_driven_delta_matches_closed_form_on_linear_model():
+    rng = np.random.default_rng(0)
+    d, k, n = 6, 4, 50
+    W = rng.normal(size=(k, d))
+    W[:, 2] = 0.0  # an input the model ignores: g_2 = 0 exactly, so δ̃_2 = 0
+    b = rng.normal(size=k)
+    x = rng.uniform(0.1, 0.9, size=(n, 2, 3))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(d, k)).double()
+    with torch.no_grad():
+        model[1].weight.copy_(torch.from_numpy(W))
+        model[1].bias.copy_(torch.from_numpy(b))
+    # ∂H/∂z_j = −p_j (log p_j + H), so ∇_x H = Wᵀ[−p ⊙ (log p + H)].
+    g = np.zeros(d)
+    for xi in x.reshape(n, d):
+        zi = W @ xi + b
+        p = np.exp(zi - zi.max())
+        p /= p.sum()
+        h = -(p * np.log(p)).sum()
+        g += W.T @ (-p * (np.log(p) + h))
+    lo, hi = x.reshape(n, d).min(0), x.reshape(n, d).max(0)
+    alpha, beta = 0.0, 1.0
+    expected = np.zeros(d)
+    for j in range(d):
+        if g[j] < 0:
+            expected[j] = -(lo[j] - alpha)
+        elif g[j] > 0:
+            expected[j] = beta - hi[j]
+    assert (g > 0).any() and (g < 0).any()
+    got = data_driven_delta(model.float(), torch.tensor(x, dtype=torch.float32), (alpha, beta))
+    assert got.shape == (2, 3)
+    np.testing.assert_allclose(got.reshape(-1).numpy(), expected, atol=1e-6)
+    assert float(got.reshape(-1)[2]) == 0.0
+    # x + δ̃ stays feasible for every calibration input.
+    xs = torch.tensor(x, dtype=torch.float32) + got
+    assert float(xs.min()) >= alpha - 1e-6 and float(xs.max()) <= beta + 1e-6
+
+
+def test_data_driven_delta_needs_a_range(problem):
+    model, x, y, *_ = problem
+    with pytest.raises(ValueError, match="input_range"):
+        NeuralClamping(model, init="data", **quiet()).fit(x, y)
+    with pytest.raises(ValueError, match="alpha <= beta"):
+        data_driven_delta(model, x, (1.0, 0.0))
+
+
+# ---- the model is never touched ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fitter", ["fast", "paper"])
+def test_model_weights_untouched(fitter):
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(True)  # a model the user did not freeze
+    x, y = make_data(model, 300)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    nc = NeuralClamping(model, fitter=fitter, epochs=2, **quiet()).fit(x, y)
+    nc.predict_logits(x)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+    assert not model.training
+
+
+# ---- repeatability ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fitter", ["fast", "paper"])
+def test_seeded_runs_repeat_and_seeds_differ(problem, fitter):
+    model, x, y, *_ = problem
+    fit = lambda seed: NeuralClamping(model, fitter=fitter, epochs=3, seed=seed, **quiet()).fit(x, y)
+    a, b, c = fit(3), fit(3), fit(4)
+    assert torch.equal(a.delta_, b.delta_) and a.temperature_ == b.temperature_
+    assert not torch.equal(a.delta_, c.delta_)
+
+
+# ---- the paper recipe ---------------------------------------------------------------------------
+
+
+def reference_sgd(model, x, y, gamma, lam, seed, epochs, lr=0.001, bs=512):
+    gen = torch.Generator().manual_seed(seed)
+    delta = (0.1 * torch.randn(x.shape[1:], generator=gen)).requires_grad_()
+    temp = torch.ones((), requires_grad=True)
+    opt = torch.optim.SGD([delta, temp], lr=lr)
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), bs):
+            idx = perm[i : i + bs]
+            loss = focal_by_hand(model(x[idx] + delta) / temp, y[idx], gamma) + lam * (delta**2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return delta.detach(), float(temp.detach())
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+def test_paper_fitter_matches_hand_rolled_sgd(problem, gamma):
+    model, x, y, *_ = problem
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        lam = 0.1 * float(focal_by_hand(model(x), y, gamma))
+    calls = []
+    nc = NeuralClamping(model, gamma=gamma, fitter="paper", epochs=2, seed=7, callback=calls.append, **quiet()).fit(x, y)
+    delta, temp = reference_sgd(model, x, y, gamma, lam, seed=7, epochs=2)
+    steps = 2 * math.ceil(len(x) / 512)
+    assert len(calls) == steps and calls[-1]["step"] == steps
+    assert [h["epoch"] for h in nc.history_] == [1, 2]
+    assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
+    torch.testing.assert_close(nc.delta_, delta, atol=1e-6, rtol=0)
+    assert nc.temperature_ == pytest.approx(temp, abs=1e-6)
+    assert nc.n_passes_ == pytest.approx(2 + 0.5 + 0.5)
+    with torch.no_grad():
+        objective = focal_by_hand(model(x + delta) / temp, y, gamma) + lam * (delta**2).sum()
+    assert nc.objective_ == pytest.approx(float(objective), rel=1e-5)
+
+
+def test_fast_fitter_beats_paper_recipe_with_a_fifth_of_the_passes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 36, 4)).eval()
+    with torch.no_grad():
+        model[3].weight.mul_(8.0)
+    x, y = make_data(model, 1024, shape=(1, 6, 6), t_true=2.5)
+    paper = NeuralClamping(model, fitter="paper", **quiet()).fit(x, y)
+    fast = NeuralClamping(model, fitter="fast", **quiet()).fit(x, y)
+    assert paper.n_passes_ == pytest.approx(101)
+    assert fast.n_passes_ <= 20
+    assert fast.objective_ <= paper.objective_ * 1.01
+    # objective_ is the exact objective at the returned state.
+    with torch.no_grad():
+        exact = focal_by_hand(model(x + fast.delta_) / fast.temperature_, y, 1.0) + fast.weight_decay_ * (fast.delta_**2).sum()
+    assert fast.objective_ == pytest.approx(float(exact), rel=1e-5)
+
+
+# ---- prediction and its ablations -------------------------------------------------------------
+
+
+def test_predict_logits_and_ablations(problem):
+    model, x, y, xt, _ = problem
+    nc = NeuralClamping(model, **quiet()).fit(x, y)
+    d, t = nc.delta_, nc.temperature_
+    with torch.no_grad():
+        torch.testing.assert_close(nc.predict_logits(xt), model(xt + d) / t)
+        torch.testing.assert_close(nc.predict_logits(xt, use_delta=False), model(xt) / t)
+        torch.testing.assert_close(nc.predict_logits(xt, use_temperature=False), model(xt + d))
+    out = nc.predict_logits(xt, batch_size=7)
+    assert out.dtype == torch.float32 and out.device.type == "cpu" and out.shape == (len(xt), 3)
+    with pytest.raises(ValueError, match="per sample"):
+        nc.predict_logits(torch.zeros(5, 16))
+    with pytest.raises(NotFittedError):
+        NeuralClamping(model).predict_logits(xt)
+
+
+def test_clamp_keeps_perturbed_inputs_in_range(problem):
+    model, x, y, xt, _ = problem
+    nc = NeuralClamping(model, clamp=True, input_range=(-0.5, 0.5), weight_decay=0.0, **quiet()).fit(x, y)
+    with torch.no_grad():
+        expected = model(torch.clamp(xt + nc.delta_, -0.5, 0.5)) / nc.temperature_
+    torch.testing.assert_close(nc.predict_logits(xt), expected)
+
+
+# ---- γ selection, sweep, initialisation study ---------------------------------------------------
+
+
+def test_gamma_auto_picks_lowest_calibration_ece(problem):
+    model, x, y, *_ = problem
+    nc = NeuralClamping(model, gamma="auto", gamma_candidates=(0.0, 1.0, 3.0), **quiet()).fit(x, y)
+    eces = [c["ece"] for c in nc.candidates_]
+    assert [c["gamma"] for c in nc.candidates_] == [0.0, 1.0, 3.0]
+    assert nc.gamma_ == nc.candidates_[int(np.argmin(eces))]["gamma"]
+    assert ece(nc.predict_logits(x), y) == pytest.approx(min(eces), abs=1e-6)
+    with torch.no_grad():
+        lam = 0.1 * float(focal_by_hand(model(x), y, nc.gamma_))
+    assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
+
+
+def test_gamma_sweep_shapes_and_consistency(problem):
+    model, x, y, xt, yt = problem
+    gammas = [0.0, 0.25, 0.5, 0.75, 1.0]
+    sw = gamma_sweep(model, x, y, xt, yt, gammas=gammas, passes_per_gamma=4, progress=False)
+    for split in (sw.cal, sw.test):
+        assert set(split) == {"ece", "entropy", "loss"}
+        assert all(v.shape == (5,) for v in split.values())
+    assert sw.chosen_gamma == gammas[int(np.argmin(sw.cal["ece"]))]
+    assert all(p <= 4 for p in sw.passes[1:])
+    assert sw.n_passes == pytest.approx(0.5 + sw.passes.sum())
+    # The first point is an ordinary fit at that γ.
+    first = NeuralClamping(model, gamma=0.0, **quiet()).fit(x, y)
+    assert sw.temperature[0] == pytest.approx(first.temperature_, rel=1e-6)
+    zt = first.predict_logits(xt)
+    assert sw.test["ece"][0] == pytest.approx(ece(zt, yt), abs=1e-6)
+    assert sw.test["loss"][0] == pytest.approx(float(focal_by_hand(zt, yt, 0.0)), rel=1e-5)
+    # Entropy grows with γ (focal loss pushes towards softer predictions).
+    assert sw.cal["entropy"][-1] > sw.cal["entropy"][0]
+
+
+def test_init_study_runs(problem):
+    model, x, y, xt, yt = problem
+    st = init_study(model, (x, y), (xt, yt), n_runs=2, input_range=RANGE, progress=False)
+    assert len(st.runs["random"]) == len(st.runs["data"]) == 2
+    assert st.runs["random"][0]["ece"] != st.runs["random"][1]["ece"]
+    assert st.runs["data"][0] == st.runs["data"][1] and st.shared_data_fit
+    one = NeuralClamping(model, init="data", input_range=RANGE, **quiet()).fit(x, y)
+    assert st.runs["data"][0]["ece"] == pytest.approx(ece(one.predict_logits(xt), yt), abs=1e-6)
+    assert st.values("random", "ece").shape == (2,)
+
+
+def test_efficient_nc(problem):
+    model, x, y, *_ = problem
+    eff = EfficientNeuralClamping(model, input_range=RANGE, grid_step=0.01).fit(x, y)
+    torch.testing.assert_close(eff.delta_, data_driven_delta(model, x, RANGE))
+    assert eff.n_passes_ == 1.5
+    with torch.no_grad():
+        z = model(x + eff.delta_)
+    grid = np.arange(1, 501) * 0.01
+    eces = [ece(z / t, y) for t in grid]
+    assert eff.temperature_ == pytest.approx(grid[int(np.argmin(eces))])
+    assert not EfficientNeuralClamping.stochastic and NeuralClamping.stochastic
+
+
+# ---- inputs, stopping, errors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_loader_gives_the_same_fit_as_tensors(problem, monkeypatch, stream):
+    model, x, y, *_ = problem
+    ref = NeuralClamping(model, init="data", input_range=RANGE, batch_size=128, **quiet()).fit(x, y)
+    if stream:
+        monkeypatch.setattr(clamping_fit, "DEVICE_CACHE_BYTES", 0)
+    ds = torch.utils.data.TensorDataset(x, y)
+    loader = torch.utils.data.DataLoader(ds, batch_size=100, shuffle=True, generator=torch.Generator().manual_seed(0))
+    got = NeuralClamping(model, init="data", input_range=RANGE, batch_size=128, **quiet()).fit(loader)
+    torch.testing.assert_close(got.delta_, ref.delta_, atol=1e-5, rtol=1e-4)
+    assert got.temperature_ == pytest.approx(ref.temperature_, rel=1e-4)
+
+
+def test_callback_can_stop_the_fit(problem):
+    model, x, y, *_ = problem
+    seen = []
+
+    def stop_after_three(info):
+        seen.append(info)
+        if len(seen) == 3:
+            raise StopFitting
+
+    nc = NeuralClamping(model, callback=stop_after_three, **quiet()).fit(x, y)
+    assert nc.stopped_early_ and len(nc.history_) == 3
+    assert {"step", "loss", "temperature", "passes"} <= set(seen[0])
+    assert nc.objective_ == pytest.approx(min(h["loss"] for h in nc.history_))
+    assert nc.n_passes_ == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gamma": -1}, "gamma"),
+        ({"gamma": "best"}, "gamma"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"lr": 0}, "lr"),
+        ({"epochs": 0}, "epochs"),
+        ({"fitter": "adam"}, "fitter"),
+        ({"init": "zeros"}, "init"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"clamp": True}, "input_range"),
+        ({"gamma": "auto", "gamma_candidates": []}, "gamma_candidates"),
+    ],
+)
+def test_bad_settings_are_clear_errors(problem, kwargs, message):
+    model, x, y, *_ = problem
+    with pytest.raises(ValueError, match=message):
+        NeuralClamping(model, **quiet(), **kwargs).fit(x, y)
+
+
+def test_bad_data_are_clear_errors(problem):
+    model, x, y, *_ = problem
+    with pytest.raises(ValueError, match="labels"):
+        NeuralClamping(model, **quiet()).fit(x, y[:-1])
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        NeuralClamping(model, **quiet()).fit(x, y + 5)
+    with pytest.raises(ValueError, match="labels are needed"):
+        NeuralClamping(model, **quiet()).fit(x)

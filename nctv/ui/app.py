@@ -1,0 +1,362 @@
+"""The Gradio app: a shared "model and data" panel above five tabs, wired to the handlers of the
+tab modules, and the launch settings (queue, upload limits, host and port from the environment).
+
+Public API endpoints (``gradio_client``): ``/calibrate``, ``/gamma_sweep``, ``/init_study``,
+``/classify``, ``/classify_drawing`` and ``/explore_temperature``; everything else is private.
+Heavy endpoints share one concurrency slot (:data:`nctv.ui.common.HEAVY`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from nctv.ui import calibrate as cal_tab
+from nctv.ui import gamma as gamma_tab
+from nctv.ui import initialisation as init_tab
+from nctv.ui import learn as learn_tab
+from nctv.ui import try_image as try_tab
+from nctv.ui.common import HEAVY, on_gpu
+from nctv.ui.images import MAX_FILE_SIZE, CheckedImage
+from nctv.ui.state import (
+    DEFAULT_BINS,
+    DEFAULT_CALIBRATION_SIZE,
+    DEFAULT_DATASET_CHOICE,
+    SplitSpec,
+    dataset_choices,
+    examples_dir,
+    get_logits,
+    model_choices,
+)
+
+log = logging.getLogger("nctv.ui")
+
+TITLE = "NCTV — Neural Clamping Toolkit & Visualizer"
+INTRO = f"""# {TITLE}
+Is a classifier's confidence trustworthy? **Calibration** makes a model's predicted probabilities match how
+often it is right. This app compares **Neural Clamping** (Tang, Chen & Ho, TMLR 2024: one learned input
+perturbation δ plus a temperature T, on a frozen model) with temperature scaling and the other post-hoc
+methods. The first tab already shows a result pre-computed for the default model; press **Run calibration**
+for a live run with your own settings."""
+#: Light handlers (a single image, a redraw) may run side by side; heavy ones take turns.
+LIGHT_CONCURRENCY = 4
+QUEUE_SIZE = 32
+
+
+@dataclass
+class Shared:
+    """The model-and-data inputs every heavy tab reads, in handler order."""
+
+    model: gr.Dropdown
+    hub_id: gr.Textbox
+    dataset: gr.Dropdown
+    calibration_size: gr.Number
+    test_size: gr.Number
+    seed: gr.Number
+    bins: gr.Slider
+
+    @property
+    def inputs(self) -> list:
+        return [self.model, self.hub_id, self.dataset, self.calibration_size, self.test_size, self.seed, self.bins]
+
+
+def fit_width(fig: Any) -> Any:
+    """Let a plotly figure take the width of its box on the page (the library sets a print width)."""
+    if fig is not None and hasattr(fig, "update_layout"):
+        fig.layout.width = None
+        fig.update_layout(autosize=True)
+    return fig
+
+
+def _plots_fit(fn):
+    """Wrap a handler so that every plotly figure it returns or yields fills its box."""
+    import functools
+    import inspect
+
+    def fix(out):
+        return tuple(fit_width(o) for o in out) if isinstance(out, tuple) else fit_width(out)
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(*args, **kwargs):
+            inner = fn(*args, **kwargs)
+            try:
+                for out in inner:
+                    yield fix(out)
+            finally:
+                inner.close()  # on Stop, reach the handler's own clean-up at once
+        return gen
+
+    @functools.wraps(fn)
+    def plain(*args, **kwargs):
+        return fix(fn(*args, **kwargs))
+    return plain
+
+
+def describe_model(choice: str | None, hub_id: str | None) -> str:
+    from nctv.zoo import ENTRIES
+
+    typed = (hub_id or "").strip()
+    if typed:
+        return (f"Hub model **{typed}**: downloaded on the first run (needs the network once, then cached). It must "
+                "be a timm model with config.json and model.safetensors; pick a dataset it was trained for.")
+    entry = ENTRIES.get(choice or "")
+    if entry is None:
+        return ""
+    where = "embedded: works offline" if entry.embedded else f"from the Hugging Face Hub ({entry.source[7:]})"
+    return f"**{entry.name}** — {entry.description} ({where}; dataset: {', '.join(entry.datasets)})"
+
+
+def _shared_panel() -> Shared:
+    from nctv.zoo import DEFAULT_MODEL
+
+    with gr.Accordion("Model and data (used by every tab)", open=True):
+        with gr.Row():
+            model = gr.Dropdown(model_choices(), value=DEFAULT_MODEL, label="Model", scale=2)
+            hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
+                                placeholder="e.g. timm/resnet18.a1_in1k", scale=2)
+            dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
+                                  label="Calibration pool (dataset)", scale=2,
+                                  info="Or type folder:/path (one sub-folder per class) or hf-dataset:org/name@split")
+        with gr.Row():
+            size = gr.Number(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
+                             elem_id="calibration-size",
+                             info=f"Drawn from the pool; {DEFAULT_CALIBRATION_SIZE} keeps a live run under a "
+                                  "minute on a CPU")
+            test_size = gr.Number(0, precision=0, label="Test size (images)", elem_id="test-size",
+                                  info="0: the whole test split (10,000 images for Fashion-MNIST)")
+            seed = gr.Number(0, precision=0, label="Seed", info="Draws the calibration split and seeds δ")
+            bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins (ECE, AECE, SCE)")
+        info = gr.Markdown(describe_model(DEFAULT_MODEL, ""))
+    for box in (model, hub_id):
+        box.change(describe_model, [model, hub_id], info, queue=False, show_progress="hidden", api_visibility="private")
+    return Shared(model, hub_id, dataset, size, test_size, seed, bins)
+
+
+def _nc_controls(gamma: bool = True, init: bool = True):
+    """γ, λ, initialisation, fitter and epochs inputs (some tabs fix γ or the initialisation)."""
+    out = {}
+    with gr.Row():
+        if gamma:
+            out["gamma"] = gr.Dropdown(cal_tab.GAMMA_CHOICES, value="1", allow_custom_value=True, label="Focal-loss γ",
+                                       info="0 = cross entropy; auto tries 0, 0.5, 1, 2, 3 (lowest calibration ECE)")
+        out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="auto", allow_custom_value=True,
+                                          label="Weight decay λ", info="auto = 0.1 × the unperturbed model's loss")
+    with gr.Row():
+        if init:
+            out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
+        out["fitter"] = gr.Radio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
+        out["epochs"] = gr.Number(100, precision=0, label="Epochs (paper recipe only)")
+    return out
+
+
+def _run_buttons(label: str):
+    with gr.Row():
+        run = gr.Button(label, variant="primary")
+        stop = gr.Button("Stop", variant="stop")
+    return run, stop
+
+
+def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
+    """Stop cancels the running event; the work ends at its next progress report."""
+    button.click(lambda: "**Stopped.** Press the button again for a new run.", None, status, cancels=[event],
+                 queue=False, api_visibility="private")
+
+
+def _calibrate_tab(shared: Shared, state: gr.State):
+    status0, table0, diagrams0, params0, delta0, files0 = cal_tab.precomputed_view()
+    with gr.Row():
+        with gr.Column(scale=1, min_width=300):
+            methods = gr.CheckboxGroup(cal_tab.method_choices(), value=list(cal_tab.DEFAULT_METHODS), label="Methods",
+                                       info="The uncalibrated model is always the reference row. Matrix Scaling, "
+                                            "MS-ODIR and Dir-ODIR are slow on a CPU (up to minutes).")
+            with gr.Accordion("Neural Clamping settings", open=True):
+                nc = _nc_controls()
+            run, stop = _run_buttons("Run calibration")
+        with gr.Column(scale=3):
+            status = gr.Markdown(status0, elem_id="calibrate-status")
+            with gr.Column(visible=False) as live_panel:
+                live = gr.Plot(label="Neural Clamping as it trains: loss and T", elem_id="live-plot")
+            table = gr.Markdown(table0, elem_id="results-table")
+            diagrams = gr.Plot(fit_width(diagrams0), label="Reliability diagrams (test split)",
+                               elem_id="reliability-plot")
+            with gr.Row():
+                params = gr.Markdown(params0)
+                delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)")
+            files = gr.File(files0, label="Download this result (JSON, CSV, Markdown, LaTeX, figures, δ)",
+                            file_count="multiple", interactive=False, height=140)
+    inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
+    outputs = [status, live_panel, live, table, diagrams, params, delta, files, state]
+    event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
+                      concurrency_limit=1, concurrency_id=HEAVY)
+    _stop(stop, event, status)
+    return event
+
+
+def _gamma_tab(shared: Shared):
+    gr.Markdown("Neural Clamping fitted for each γ of the grid (the fast fitter continues from the previous γ). "
+                "The chosen γ has the lowest ECE on the calibration split.")
+    with gr.Row():
+        # Range checks live in the handler, whose messages name γ.
+        g_from = gr.Number(0.0, label="γ from")
+        g_to = gr.Number(1.0, label="γ to")
+        g_step = gr.Number(0.1, label="γ step")
+    nc = _nc_controls(gamma=False)
+    run, stop = _run_buttons("Run γ sweep")
+    status = gr.Markdown()
+    fig = gr.Plot(label="ECE, entropy and loss against γ", elem_id="gamma-plot")
+    table = gr.Markdown()
+    files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
+    inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
+    event = run.click(_plots_fit(on_gpu()(gamma_tab.gamma_sweep)), inputs, [status, fig, table, files],
+                      api_name="gamma_sweep", concurrency_limit=1, concurrency_id=HEAVY)
+    _stop(stop, event, status)
+
+
+def _init_tab(shared: Shared):
+    gr.Markdown("Neural Clamping started from a random δ and from the data-driven δ̃ of Theorem 1, several runs "
+                "each, scored on the test split.")
+    runs = gr.Slider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
+    nc = _nc_controls(init=False)
+    run, stop = _run_buttons("Run initialisation study")
+    status = gr.Markdown()
+    fig = gr.Plot(label="Random vs data-driven δ", elem_id="init-plot")
+    table = gr.Markdown()
+    files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
+    inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"]]
+    event = run.click(_plots_fit(on_gpu()(init_tab.init_study)), inputs, [status, fig, table, files],
+                      api_name="init_study", concurrency_limit=1, concurrency_id=HEAVY)
+    _stop(stop, event, status)
+
+
+def _try_tab(state: gr.State):
+    gr.Markdown("One picture through the model as it is, with temperature scaling and with Neural Clamping, using "
+                "your latest calibration from the first tab (or the pre-computed one). The embedded models know "
+                "Fashion-MNIST: clothing, light on a dark background.")
+    with gr.Row():
+        with gr.Column(scale=1, min_width=300):
+            with gr.Tab("Picture"):
+                examples = try_tab.example_images()
+                image = CheckedImage(examples[0] if examples else None, type="filepath", image_mode=None,
+                                     sources=["upload", "clipboard", "webcam"], label="Upload, paste or take a picture",
+                                     height=300, elem_id="try-image")
+                if examples:
+                    gr.Examples([[p] for p in examples], inputs=[image], label="Or pick a shipped example",
+                                examples_per_page=12, cache_examples=False, api_visibility="private")
+            with gr.Tab("Draw"):
+                sketch = gr.Sketchpad(label="Draw a piece of clothing (white on black)", type="numpy",
+                                      image_mode="RGB", canvas_size=(280, 280), value=_black_canvas(),
+                                      brush=gr.Brush(colors=["#ffffff", "#bbbbbb", "#777777"], default_color="#ffffff",
+                                                     default_size=14), height=320, elem_id="try-sketch")
+                draw_btn = gr.Button("Classify the drawing", variant="primary")
+        with gr.Column(scale=2):
+            note = gr.Markdown(elem_id="try-note")
+            figure = gr.Plot(label="Input, input + δ, and δ", elem_id="try-delta")
+            with gr.Row():
+                raw = gr.Label(num_top_classes=try_tab.TOP_CLASSES, label="Uncalibrated", elem_id="label-raw")
+                ts = gr.Label(num_top_classes=try_tab.TOP_CLASSES, label="Temperature scaling", elem_id="label-ts")
+                nc = gr.Label(num_top_classes=try_tab.TOP_CLASSES, label="Neural Clamping", elem_id="label-nc")
+    outputs = [note, figure, raw, ts, nc]
+    image.change(_plots_fit(try_tab.classify), [image, state], outputs, api_name="classify",
+                 concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+    draw_btn.click(_plots_fit(try_tab.classify_drawing), [sketch, state], outputs, api_name="classify_drawing",
+                   concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+    return image, outputs
+
+
+def _black_canvas():
+    import numpy as np
+
+    return {"background": np.zeros((280, 280, 3), dtype=np.uint8), "layers": [], "composite": None}
+
+
+def _learn_tab(state: gr.State):
+    fig0, table0, text0 = _initial_learn()
+    gr.Markdown("Move the temperature: the probabilities are softmax(z / T) of the test logits, recomputed at once.")
+    with gr.Row():
+        temperature = gr.Slider(learn_tab.T_MIN, learn_tab.T_MAX, 1.0, step=learn_tab.T_STEP, label="Temperature T",
+                                elem_id="learn-temperature", scale=3)
+        bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins", scale=2)
+        fitted = gr.Button("Set T to the temperature-scaling fit", scale=1)
+    fig = gr.Plot(fit_width(fig0), label="Reliability diagrams", elem_id="learn-plot")
+    table = gr.Markdown(table0)
+    text = gr.Markdown(text0)
+    with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
+        gr.Markdown(learn_tab.PAPER_TABLE)
+    outputs = [fig, table, text]
+    fn = _plots_fit(learn_tab.explore_temperature)
+    # Recomputed from cached logits in milliseconds: skip the queue so the diagram follows the slider.
+    temperature.change(fn, [temperature, bins, state], outputs, api_name="explore_temperature", queue=False,
+                       show_progress="hidden", trigger_mode="always_last")
+    bins.change(fn, [temperature, bins, state], outputs, queue=False, show_progress="hidden",
+                trigger_mode="always_last", api_visibility="private")
+    fitted.click(learn_tab.fitted_temperature, [state], [temperature], queue=False, api_visibility="private")
+    return temperature, bins, outputs
+
+
+def _initial_learn():
+    try:
+        return learn_tab.explore(1.0, DEFAULT_BINS, None)
+    except ValueError as e:
+        return None, str(e), ""
+
+
+def build_app() -> gr.Blocks:
+    """The whole app (not launched). Initial values come from the shipped pre-computed result."""
+    with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(3600, 24 * 3600)) as demo:
+        state = gr.State(None)  # this visitor's latest Calibration
+        gr.Markdown(INTRO)
+        shared = _shared_panel()
+        with gr.Tabs():
+            with gr.Tab("Calibrate", id="calibrate"):
+                run_event = _calibrate_tab(shared, state)
+            with gr.Tab("γ sweep", id="gamma"):
+                _gamma_tab(shared)
+            with gr.Tab("Initialisation", id="init"):
+                _init_tab(shared)
+            with gr.Tab("Try your own image", id="try"):
+                try_image, try_outputs = _try_tab(state)
+            with gr.Tab("Learn", id="learn"):
+                temperature, bins, learn_outputs = _learn_tab(state)
+        # A finished run becomes the Learn tab's model too.
+        # The Try tab opens with its first example already classified.
+        demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
+                  show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)
+        run_event.then(_plots_fit(learn_tab.explore_temperature), [temperature, bins, state], learn_outputs,
+                       queue=False, show_progress="hidden", api_visibility="private")
+    demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
+    return demo
+
+
+def warm_up() -> None:
+    """Load the default model and its default splits' logits, so the first live run starts at once."""
+    from nctv.zoo import DEFAULT_MODEL
+
+    try:
+        spec = SplitSpec(DEFAULT_MODEL, None, DEFAULT_CALIBRATION_SIZE, 0)
+        get_logits(spec, "calibration")
+        get_logits(spec, "test")
+    except Exception:  # noqa: BLE001 - a failed warm-up only costs time later, where errors are shown
+        log.exception("warming up the default model failed")
+
+
+def launch(demo: gr.Blocks | None = None, **overrides: Any):
+    """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
+    (default 7860), with the upload cap and error display the app relies on."""
+    demo = demo or build_app()
+    threading.Thread(target=warm_up, name="nctv-warm-up", daemon=True).start()
+    port = os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or "7860"
+    settings = dict(
+        server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+        server_port=int(port),
+        show_error=True,
+        max_file_size=MAX_FILE_SIZE,
+        allowed_paths=[str(examples_dir())],
+        footer_links=["api", "gradio"],
+    )
+    settings.update(overrides)
+    return demo.launch(**settings)

@@ -1,0 +1,190 @@
+"""Plumbing every tab shares: library errors turned into messages, long work in a worker thread
+that a Gradio generator streams from (and that Stop ends), GPU placement, and input parsing.
+
+Handlers never show a traceback: a ``ValueError`` from the library already speaks the person's
+words and becomes ``gr.Error(message)``; anything else is logged on the server with its traceback
+and shown as a short message.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import gradio as gr
+
+from nctv.calibration.base import NotFittedError
+
+log = logging.getLogger("nctv.ui")
+
+#: Concurrency group of every long-running event: on a small server one heavy job runs at a time
+#: and the others wait in Gradio's queue (with their place shown).
+HEAVY = "nctv-heavy"
+#: Seconds between two looks at a running worker (and the longest a Stop waits to be noticed).
+POLL_SECONDS = 0.25
+
+
+def _message(exc: BaseException) -> gr.Error:
+    if isinstance(exc, gr.Error):
+        return exc
+    if isinstance(exc, (ValueError, NotFittedError)) and str(exc):
+        return gr.Error(str(exc), print_exception=False)
+    if isinstance(exc, MemoryError):
+        return gr.Error("The server ran out of memory. Try a smaller calibration split or a smaller model.")
+    log.exception("unexpected error in an app handler")
+    return gr.Error(f"Something went wrong on the server ({type(exc).__name__}: {exc}). Please try other settings.")
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Wrap a handler (plain function or generator) so that errors reach the page as messages."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen_wrapper(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except GeneratorExit:
+                raise
+            except Exception as e:  # noqa: BLE001 - every error becomes a message
+                raise _message(e) from None
+
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - every error becomes a message
+            raise _message(e) from None
+
+    return wrapper
+
+
+def on_gpu(duration: int = 120) -> Callable[[Callable], Callable]:
+    """``spaces.GPU`` on a ZeroGPU Space (where the ``spaces`` package exists), else unchanged.
+
+    Elsewhere the device is chosen by :func:`nctv.inference.resolve_device`: CUDA when present.
+    """
+    def deco(fn: Callable) -> Callable:
+        if "SPACES_ZERO_GPU" not in os.environ:
+            return fn
+        try:
+            import spaces  # type: ignore[import-not-found]
+        except ImportError:
+            return fn
+        return spaces.GPU(duration=duration)(fn)
+
+    return deco
+
+
+class Cancelled(Exception):
+    """Raised inside a worker's report call once the person pressed Stop (or left the page)."""
+
+
+class Worker:
+    """Runs ``work(report)`` in a daemon thread; ``report(item)`` hands items to :meth:`stream`.
+
+    The generator that iterates :meth:`stream` sees lists of new items as they arrive. When that
+    generator is closed (Gradio closes it on Stop or when the page goes away) the worker's next
+    ``report`` raises :class:`Cancelled`, so the work ends at its next progress report.
+    """
+
+    def __init__(self, work: Callable[[Callable[[Any], None]], Any]):
+        self._work = work
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._done = object()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nctv-worker", daemon=True)
+
+    def report(self, item: Any) -> None:
+        if self._stop.is_set():
+            raise Cancelled()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        try:
+            self.result = self._work(self.report)
+        except Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the streaming side
+            self.error = e
+        finally:
+            self._queue.put(self._done)
+
+    def stream(self) -> Iterator[list]:
+        """Yield lists of reported items until the work ends; then raise its error, if any."""
+        self._thread.start()
+        finished = False
+        try:
+            while not finished:
+                items = []
+                try:
+                    items.append(self._queue.get(timeout=POLL_SECONDS))
+                    while True:
+                        items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    pass
+                if any(i is self._done for i in items):
+                    finished = True
+                    items = [i for i in items if i is not self._done]
+                if items or not finished:
+                    yield items
+        finally:
+            self._stop.set()
+        if self.error is not None:
+            raise self.error
+
+
+_EXPORT_ROOT = Path(tempfile.gettempdir()) / "nctv-app-exports"
+#: Download folders kept at once; older ones are removed (the files live as long as the server).
+KEEP_EXPORTS = 30
+
+
+def export_dir(prefix: str) -> Path:
+    """A fresh folder for one result's downloadable files (in the temp folder Gradio serves from)."""
+    _EXPORT_ROOT.mkdir(parents=True, exist_ok=True)
+    old = sorted(_EXPORT_ROOT.iterdir(), key=lambda p: p.stat().st_mtime)
+    for p in old[: max(0, len(old) - KEEP_EXPORTS + 1)]:
+        shutil.rmtree(p, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=_EXPORT_ROOT))
+
+
+# --------------------------------------------------------------------------- parsing inputs
+
+
+def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number from a form field, or a ValueError naming the field."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a whole number; got {value!r}.") from None
+    if not math.isfinite(f) or f != int(f):
+        raise ValueError(f"{name} must be a whole number; got {value!r}.")
+    n = int(f)
+    if n < minimum or (maximum is not None and n > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise ValueError(f"{name} must be at least {minimum}{upper}; got {n}.")
+    return n
+
+
+def parse_number_or_auto(value: Any, name: str, symbol: str) -> float | str:
+    """``"auto"`` or a finite number >= 0 from a form field (γ and λ take either)."""
+    text = str(value).strip().lower() if value is not None else ""
+    if text in ("", "auto"):
+        return "auto"
+    try:
+        f = float(text)
+    except ValueError:
+        raise ValueError(f"{name} ({symbol}) must be a number ≥ 0 or 'auto'; got {value!r}.") from None
+    if not math.isfinite(f) or f < 0:
+        raise ValueError(f"{name} ({symbol}) must be a number ≥ 0 or 'auto'; got {value!r}.")
+    return f

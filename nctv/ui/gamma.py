@@ -1,0 +1,94 @@
+"""The γ sweep tab (the paper's Figure 2): Neural Clamping fitted for a range of focal-loss γ,
+with ECE, entropy and loss on the calibration and the test split, and the chosen γ (lowest
+calibration ECE) marked."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import gradio as gr
+import numpy as np
+
+from nctv.ui.calibrate import parse_nc_settings, parse_split
+from nctv.ui.common import Worker, export_dir, parse_whole, user_errors
+from nctv.ui.state import SplitSpec, get_model, get_splits
+
+#: At most this many γ values per sweep (the paper's grid has 21).
+MAX_GAMMAS = 41
+
+
+def gamma_grid(start: Any, stop: Any, step: Any) -> list[float]:
+    """γ = start, start + step, …, up to stop (inclusive), rounded to 4 decimals."""
+    try:
+        a, b, s = float(start), float(stop), float(step)
+    except (TypeError, ValueError):
+        raise ValueError("γ from, to and step must be numbers, e.g. 0, 1 and 0.1.") from None
+    if not all(np.isfinite([a, b, s])):
+        raise ValueError("γ from, to and step must be finite numbers.")
+    if a < 0:
+        raise ValueError(f"γ must be ≥ 0 (focal loss is undefined below 0); the sweep starts at {a:g}.")
+    if b < a:
+        raise ValueError(f"The sweep must end at or above its start; got from {a:g} to {b:g}.")
+    if s <= 0:
+        raise ValueError(f"The γ step must be positive; got {s:g}.")
+    count = int(np.floor((b - a) / s + 1e-9)) + 1
+    if count > MAX_GAMMAS:
+        raise ValueError(f"That is {count} γ values; at most {MAX_GAMMAS} per sweep. Use a larger step.")
+    return [round(a + i * s, 4) for i in range(count)]
+
+
+def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, settings: dict, report=None):
+    """``nctv.experiment.run_gamma_sweep`` on the spec's splits; ``report`` gets ("progress", f, msg)."""
+    from nctv.experiment import run_gamma_sweep
+
+    say = report or (lambda item: None)
+    say(("progress", 0.0, f"loading {spec.model} and its splits"))
+    loaded = get_model(spec.model)
+    cal, test = get_splits(spec)
+    return run_gamma_sweep(loaded, cal, test, gammas=gammas, n_bins=n_bins, seed=spec.calibration_seed,
+                           progress=False, callback=lambda f, m: say(("progress", f, m)), **settings)
+
+
+def sweep_table(result: Any) -> str:
+    s = result.sweep
+    splits = [("calibration", s.cal)] + ([("test", s.test)] if s.test is not None else [])
+    head = ["γ", "T", "λ"] + [f"{m} ({name})" for name, _ in splits for m in ("ECE %", "entropy", "loss")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "--:|" * len(head)]
+    for i, g in enumerate(s.gammas):
+        cells = [f"{g:g}", f"{s.temperature[i]:.4f}", f"{s.weight_decay[i]:.3g}"]
+        for _, vals in splits:
+            cells += [f"{100 * vals['ece'][i]:.2f}", f"{vals['entropy'][i]:.4f}", f"{vals['loss'][i]:.4f}"]
+        if g == s.chosen_gamma:
+            cells = [f"**{c}**" for c in cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\n**Chosen γ = {s.chosen_gamma:g}** (lowest calibration ECE, {s.n_bins} bins; row in bold). "
+                 f"Fitter: {s.fitter}; {s.n_passes:.0f} passes over the calibration split in {result.seconds:.1f} s.")
+    return "\n".join(lines)
+
+
+@user_errors
+def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, gamma_from, gamma_to,
+                gamma_step, weight_decay, init, fitter, epochs, progress=gr.Progress()):
+    """Sweep γ; streams (status, figure, table, files)."""
+    from nctv import plots
+
+    spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
+    n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
+    gammas = gamma_grid(gamma_from, gamma_to, gamma_step)
+    nc = parse_nc_settings(1.0, weight_decay, init, fitter, epochs)
+    settings = {"weight_decay": nc.weight_decay, "init": nc.init, "fitter": nc.fitter, "epochs": nc.epochs}
+    worker = Worker(lambda report: run_sweep(spec, gammas, n_bins, settings, report))
+    skip = gr.skip()
+    for items in worker.stream():
+        msgs = [i for i in items if i[0] == "progress"]
+        if msgs:
+            progress(msgs[-1][1], desc=msgs[-1][2])
+        # Yield even when idle: a Stop can only close the handler between two yields.
+        yield (f"**Running** — {msgs[-1][2]}" if msgs else skip), skip, skip, skip
+    result = worker.result
+    fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")
+    out = export_dir("gamma-sweep")
+    (out / "gamma_sweep.json").write_text(json.dumps(result.to_dict(), indent=2), encoding="utf-8")
+    plots.save_figure(plots.gamma_figure(plots.gamma_curve_data_from_sweep(result)), out / "gamma_sweep.png", dpi=120)
+    status = f"**Done**: {len(gammas)} γ values in {result.seconds:.1f} s; chosen γ = {result.sweep.chosen_gamma:g}."
+    yield status, fig, sweep_table(result), [str(out / "gamma_sweep.json"), str(out / "gamma_sweep.png")]

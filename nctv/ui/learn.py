@@ -1,0 +1,135 @@
+"""The Learn tab: move a temperature and watch the reliability diagram, ECE and entropy follow,
+computed on the spot from cached test logits; the metrics and the two methods explained with the
+numbers of the model in use; the paper's headline results for reference."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nctv import metrics
+from nctv.ui.common import parse_whole, user_errors
+from nctv.ui.state import Calibration, load_precomputed, test_logits_of
+
+T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
+
+#: SPEC §5: the paper's ECE (%) on the test split, 15 bins, mean over 5 runs.
+PAPER_TABLE = """| setup | uncalibrated | TS | TS grid | Dir-ODIR | NC (FL) |
+| :-- | --: | --: | --: | --: | --: |
+| ResNet-50, BloodMNIST | 5.77 | 1.77 | 2.13 | 1.55 | **1.05** |
+| ResNet-110, CIFAR-100 | 10.74 | 1.71 | 1.35 | 1.36 | **0.89** |
+| Wide-ResNet-40-10, CIFAR-100 | 7.63 | 2.30 | 1.75 | 1.81 | **1.67** |
+| ResNet-101, ImageNet | 5.88 | 1.88 | 2.02 | 3.47 | **1.68** |
+| ViT-S/16, ImageNet | 1.28 | 1.08 | 0.82 | 0.93 | **0.77** |
+| MLP-Mixer B/16, ImageNet | 11.55 | 4.94 | 2.60 | 4.68 | **2.27** |
+
+ECE in % on the test split (15 bins, mean over 5 runs), as reported by Tang, Chen & Ho,
+"Neural Clamping: Joint Input Perturbation and Temperature Scaling for Neural Network
+Calibration" (TMLR 2024). Lowest per row in bold."""
+
+
+def _scores(z: torch.Tensor, y: torch.Tensor, n_bins: int) -> dict[str, float]:
+    return {"accuracy": metrics.accuracy(z, y), "entropy": metrics.entropy(z), "ece": metrics.ece(z, y, n_bins),
+            "aece": metrics.aece(z, y, n_bins), "sce": metrics.sce(z, y, n_bins)}
+
+
+def _metrics_table(rows: list[tuple[str, dict[str, float]]], n_classes: int, n_bins: int) -> str:
+    from nctv.report import metric_column
+
+    cols = [metric_column(m, n_classes) for m in ("accuracy", "entropy", "ece", "aece", "sce")]
+    lines = ["| | " + " | ".join(c.label() for c in cols) + " |", "|:--|" + "--:|" * len(cols)]
+    for name, s in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{s[c.key] * c.scale:.{c.decimals}f}" for c in cols) + " |")
+    lines.append(f"\n{n_bins} bins; test split.")
+    return "\n".join(lines)
+
+
+def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], ts_t: float | None,
+                 cal: Calibration | None) -> str:
+    """Short explanations of ECE, AECE, SCE, temperature scaling and Neural Clamping with numbers."""
+    from nctv.report import metric_column
+
+    per_bin = n / n_bins
+    sce = metric_column("sce", k)
+    text = [
+        "### What the numbers mean",
+        "**Confidence** is the probability of the predicted (top) class. A model is *calibrated* when, among "
+        "predictions made with confidence 80%, about 80% are right.",
+        f"**ECE** (expected calibration error): the {n:,} test predictions are sorted into {n_bins} bins of equal "
+        f"width by confidence (0–{1 / n_bins:.3f}, …, {1 - 1 / n_bins:.3f}–1). In each bin the accuracy (share "
+        "correct) is compared with the mean confidence; ECE is the average gap, each bin weighted by its share of "
+        "the predictions. In the diagram the blue bars are the accuracies, the shaded bars reach from there to "
+        "each bin's mean confidence: the gaps. "
+        f"At T = {t:.2f} it is **{100 * now['ece']:.2f}%** (0% is perfect).",
+        "**AECE** (adaptive ECE): the same formula, but every bin holds the same number of predictions (about "
+        f"{per_bin:,.0f} here), so the crowded high-confidence range is examined in more detail. At T = {t:.2f}: "
+        f"**{100 * now['aece']:.2f}%**.",
+        f"**SCE** (static calibration error) checks every class, not only the top one: for each of the {k} classes "
+        "the probabilities given to that class are binned and compared with how often that class is the true one; "
+        f"SCE is the average over the classes. At T = {t:.2f}: **{sce.scale * now['sce']:.4f} {sce.unit}**.",
+        "**Entropy** is the average uncertainty of the predicted distribution, in nats: 0 for one-hot "
+        f"predictions, at most ln {k} = {math.log(k):.3f} for uniform ones. At T = {t:.2f}: **{now['entropy']:.4f}**.",
+        "### The two methods",
+        "**Temperature scaling** divides the logits by one number T > 0 before the softmax. T > 1 softens the "
+        "probabilities (lower confidence, higher entropy), T < 1 sharpens them; the predicted class never changes, "
+        f"so the accuracy stays {100 * now['accuracy']:.2f}% whatever the slider says. T is fitted by minimising the "
+        "negative log-likelihood on the calibration split"
+        + (f"; for this model that gives **T = {ts_t:.3f}**." if ts_t is not None else "."),
+    ]
+    nc = None if cal is None else cal.nc_method
+    nc_text = ("**Neural Clamping** adds one learned perturbation δ, the shape of one preprocessed input, to "
+               "every input and divides the logits by a temperature: f(x + δ)/T. δ and T are learned together on "
+               "the calibration split by minimising the focal loss plus λ‖δ‖². Temperature scaling is the "
+               "special case δ = 0; because δ changes the input, Neural Clamping can also change predictions, "
+               "usually keeping accuracy about the same.")
+    if nc is not None and cal.nc_temperature is not None and nc in cal.metrics and "Uncalibrated" in cal.metrics:
+        m, u = cal.metrics[nc], cal.metrics["Uncalibrated"]
+        nc_text += (f" In the calibration in use ({cal.source}), {nc} learned T = {cal.nc_temperature:.3f}; its "
+                    f"test ECE is {100 * m['ece']:.2f}% against {100 * u['ece']:.2f}% uncalibrated"
+                    + (f" and {100 * cal.metrics['Temperature Scaling']['ece']:.2f}% with temperature scaling"
+                       if "Temperature Scaling" in cal.metrics else "")
+                    + f" ({cal.n_bins} bins), accuracy {100 * m['accuracy']:.2f}%.")
+    text.append(nc_text)
+    return "\n\n".join(text)
+
+
+def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
+    """(reliability diagrams at T = 1 and at ``temperature``, metrics table, explanations)."""
+    from nctv import plots
+
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"The temperature must be a number; got {temperature!r}.") from None
+    if not math.isfinite(t) or not T_MIN <= t <= T_MAX:
+        raise ValueError(f"The temperature must lie between {T_MIN} and {T_MAX}; got {temperature!r}.")
+    n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
+    z, y, where = test_logits_of(state)
+    cal = state if state is not None else (load_precomputed().calibration if load_precomputed() else None)
+    ts_t = cal.ts_temperature if cal is not None else None
+    now = _scores(z / t, y, n_bins)
+    rows = [("T = 1 (uncalibrated)", _scores(z, y, n_bins)), (f"T = {t:.2f} (slider)", now)]
+    if ts_t is not None:
+        rows.append((f"T = {ts_t:.3f} (temperature scaling)", _scores(z / ts_t, y, n_bins)))
+    data = [plots.reliability_data(z, y, n_bins, "T = 1 (uncalibrated)"),
+            plots.reliability_data(z / t, y, n_bins, f"T = {t:.2f}")]
+    fig = plots.reliability_figure(data, backend="plotly")
+    fig.update_layout(title=f"Reliability diagrams — {where}")
+    k = int(z.shape[1])
+    table = _metrics_table(rows, k, n_bins)
+    return fig, table, explanations(t, int(z.shape[0]), k, n_bins, now, ts_t, cal)
+
+
+@user_errors
+def explore_temperature(temperature: float, n_bins: int, state: Calibration | None = None):
+    return explore(temperature, n_bins, state)
+
+
+@user_errors
+def fitted_temperature(state: Calibration | None = None) -> float:
+    """The temperature-scaling T of the calibration in use (for the "fitted T" button)."""
+    cal = state if state is not None else (load_precomputed().calibration if load_precomputed() else None)
+    if cal is None:
+        raise ValueError("No calibration yet: run one in the Calibrate tab first.")
+    return round(min(max(cal.ts_temperature, T_MIN), T_MAX), 2)

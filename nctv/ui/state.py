@@ -1,0 +1,248 @@
+"""What the app keeps: server-wide caches (models, splits, unperturbed logits: read-only and
+shared, so a second visitor does not pay again), the pre-computed result shipped with the app,
+and the per-visitor :class:`Calibration` that lives in a ``gr.State`` (no visitor sees another's).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nctv.data import DATASETS, assets_dir
+
+#: Calibration images drawn for a live run unless the visitor asks otherwise: small enough that the
+#: default methods, Neural Clamping included, finish in under a minute on two CPU cores.
+DEFAULT_CALIBRATION_SIZE = 2000
+DEFAULT_BINS = 15
+PRECOMPUTED_LABEL = "pre-computed, shipped with the app"
+#: Method names (paper names) of the two calibrations the Try tab compares with the raw model.
+TS_METHOD = "Temperature Scaling"
+NC_METHODS = ("Neural Clamping (FL)", "Neural Clamping (CE)")
+DEFAULT_DATASET_CHOICE = "model's own dataset"
+
+
+def precomputed_dir() -> Path:
+    return assets_dir() / "precomputed"
+
+
+def examples_dir() -> Path:
+    return precomputed_dir() / "examples"
+
+
+# --------------------------------------------------------------------------- shared caches
+
+
+class Memo:
+    """A small thread-safe LRU memo: one computation per key even when visitors ask at once."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._data: OrderedDict = OrderedDict()
+        self._locks: dict[Any, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
+        with self._guard:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return self._data[key]
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            with self._guard:
+                if key in self._data:
+                    return self._data[key]
+            value = compute()
+            with self._guard:
+                self._data[key] = value
+                self._data.move_to_end(key)
+                while len(self._data) > self.maxsize:
+                    self._data.popitem(last=False)
+                self._locks.pop(key, None)
+            return value
+
+
+_models = Memo(3)
+_splits = Memo(6)
+_logits = Memo(8)
+_hashes = Memo(8)
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """Which model and which calibration/test splits (enough to rebuild them after eviction)."""
+
+    model: str
+    dataset: str | None = None
+    calibration_size: int = DEFAULT_CALIBRATION_SIZE
+    calibration_seed: int = 0
+    #: Test images drawn from the test pool; None = all of it.
+    test_size: int | None = None
+
+
+def get_model(name: str):
+    """The zoo's ``LoadedModel`` for ``name`` on the best device here (loaded once per server)."""
+    from nctv.inference import resolve_device
+    from nctv.zoo import load_model
+
+    return _models.get(name, lambda: load_model(name, device=resolve_device(None)))
+
+
+def model_hash(name: str) -> str:
+    """The model's weight fingerprint (keys the on-disk logit cache), computed once per model."""
+    from nctv.experiment import model_fingerprint
+
+    return _hashes.get(name, lambda: model_fingerprint(get_model(name).model))
+
+
+def get_splits(spec: SplitSpec):
+    """(calibration, test) splits of ``spec`` (see :func:`nctv.data.get_splits`)."""
+    from nctv.data import get_splits as data_splits
+
+    def make():
+        return data_splits(get_model(spec.model), dataset=spec.dataset, calibration_size=spec.calibration_size,
+                           calibration_seed=spec.calibration_seed, test_size=spec.test_size)
+
+    return _splits.get(spec, make)
+
+
+def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unperturbed logits (N, K) and labels (N,) of the model on its ``which`` ("calibration"/"test")
+    split, from memory, else from the on-disk logit cache of :func:`nctv.experiment.split_logits`."""
+    from nctv.experiment import split_logits
+
+    cal, test = get_splits(spec)
+    split = cal if which == "calibration" else test
+    key = (spec.model, split.fingerprint)
+
+    def make():
+        cached = split_logits(get_model(spec.model).model, split, model_hash=model_hash(spec.model))
+        return cached.logits, cached.labels
+
+    return _logits.get(key, make)
+
+
+def model_choices() -> list[tuple[str, str]]:
+    """(label, name) pairs for the model menu: embedded models first, then the Hub entries."""
+    from nctv.zoo import list_models
+
+    out = []
+    for e in list_models():
+        where = "embedded, offline" if e.embedded else "Hugging Face Hub, needs the network once"
+        out.append((f"{e.name} ({where})", e.name))
+    return out
+
+
+def dataset_choices() -> list[str]:
+    return [DEFAULT_DATASET_CHOICE] + [k for k in DATASETS if "<" not in k]
+
+
+def resolve_model_name(choice: str | None, hub_id: str | None) -> str:
+    """The model to use: the typed Hub id when there is one, else the menu choice."""
+    typed = (hub_id or "").strip()
+    if typed:
+        if typed.lower().startswith("local-dir:"):
+            raise ValueError("This box takes a Hugging Face Hub model id such as timm/resnet18.a1_in1k; "
+                             "local folders are used through the nctv command instead.")
+        return typed
+    if not choice:
+        raise ValueError("Pick a model from the list (or type a Hugging Face Hub id).")
+    return str(choice)
+
+
+def resolve_dataset(choice: str | None) -> str | None:
+    text = (choice or "").strip()
+    return None if text in ("", DEFAULT_DATASET_CHOICE) else text
+
+
+# --------------------------------------------------------------------------- per-visitor state
+
+
+@dataclass
+class Calibration:
+    """One visitor's current calibration, as the Try and Learn tabs need it.
+
+    ``delta`` is Neural Clamping's δ in the model's normalised input space (C, H, W), None when NC
+    was not run; temperatures are positive floats; ``source`` says where it came from.
+    """
+
+    split: SplitSpec | None
+    model: str
+    ts_temperature: float
+    nc_temperature: float | None
+    delta: torch.Tensor | None
+    nc_method: str | None
+    source: str
+    n_bins: int = DEFAULT_BINS
+    settings: dict = field(default_factory=dict)
+    #: Test-split metrics (fractions) per method at ``n_bins`` bins, for the Learn tab's text.
+    metrics: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- shipped result
+
+
+@dataclass
+class Precomputed:
+    """The shipped result for the default model (``scripts/make_precomputed.py``): the run's
+    ``RunResult`` with every method's calibrated test logits attached, and NC's δ."""
+
+    result: Any
+    calibration: Calibration
+
+
+@lru_cache(maxsize=1)
+def load_precomputed() -> Precomputed | None:
+    """Read ``assets/precomputed`` (None when it is absent: the app then starts without it)."""
+    from safetensors.torch import load_file
+
+    from nctv.experiment import RunResult
+
+    folder = precomputed_dir()
+    files = [folder / n for n in ("results.json", "test_logits.safetensors", "delta.safetensors")]
+    if not all(f.is_file() for f in files):
+        return None
+    result = RunResult.from_json(files[0].read_text(encoding="utf-8"))
+    logits = load_file(str(files[1]))
+    deltas = load_file(str(files[2]))
+    result.test_labels = logits.pop("labels")
+    for name, m in result.methods.items():
+        m.test_logits = logits.get(name)
+        m.delta = deltas.get(name)
+    nc = next((n for n in NC_METHODS if n in result.methods), None)
+    cal = Calibration(
+        split=None,
+        model=result.model["name"],
+        ts_temperature=float(result.methods[TS_METHOD].params["temperature"]),
+        nc_temperature=float(result.methods[nc].params["temperature"]) if nc else None,
+        delta=result.methods[nc].delta if nc else None,
+        nc_method=nc,
+        source=PRECOMPUTED_LABEL,
+        n_bins=result.bins[0],
+        settings=dict(result.settings),
+        metrics=test_metrics(result, result.bins[0]),
+    )
+    return Precomputed(result, cal)
+
+
+def test_metrics(result: Any, n_bins: int) -> dict[str, dict[str, float]]:
+    """{method: {metric: mean}} (fractions) of a ``RunResult`` at ``n_bins`` bins."""
+    return {name: {k: s.mean for k, s in m.metrics[n_bins].items()} for name, m in result.methods.items()}
+
+
+def test_logits_of(cal: Calibration | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Unperturbed test logits, labels and a description for the Learn tab: the visitor's run,
+    else the shipped result."""
+    if cal is not None and cal.split is not None:
+        z, y = get_logits(cal.split, "test")
+        return z, y, f"{cal.model}, test split of your run"
+    pre = load_precomputed()
+    if pre is None:
+        raise ValueError("No calibration yet: run one in the Calibrate tab first.")
+    r = pre.result
+    where = f"{r.model['name']}, {r.test['name']} ({PRECOMPUTED_LABEL})"
+    return r.methods["Uncalibrated"].test_logits, r.test_labels, where

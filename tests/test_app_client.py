@@ -1,0 +1,199 @@
+"""The app launched for real (``python app.py`` on a free local port) and driven through its API
+with gradio_client: every public endpoint answers with the right types and plausible values, bad
+input gets a clear message, and the server keeps serving afterwards."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+from PIL import Image
+
+from nctv import metrics
+from nctv.ui import state
+from nctv.ui.try_image import example_images
+from nctv.zoo import DEFAULT_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+PUBLIC = {"/calibrate", "/gamma_sweep", "/init_study", "/classify", "/classify_drawing", "/explore_temperature"}
+SHARED = (DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(tmp: Path, timeout: float = 180.0):
+    """Start ``python app.py`` offline on a free port; returns (process, url) once it answers."""
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1", NCTV_CACHE_DIR=str(tmp / "cache"),
+               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", MPLCONFIGDIR=str(tmp / "mpl"))
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app.py exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"app.py did not answer within {timeout:.0f} s:\n{(tmp / 'server.log').read_text()[-3000:]}")
+
+
+def stop_app(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, url = start_app(tmp_path_factory.mktemp("app"))
+    yield url
+    stop_app(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return Client(server, verbose=False)
+
+
+def test_exactly_the_public_endpoints_are_listed(client):
+    api = client.view_api(return_format="dict", print_info=False)
+    assert set(api["named_endpoints"]) == PUBLIC
+    assert not api["unnamed_endpoints"]
+    params = [p["parameter_name"] for p in api["named_endpoints"]["/calibrate"]["parameters"]]
+    assert params == ["model", "hub_id", "dataset", "calibration_size", "test_size", "seed", "n_bins", "methods",
+                      "gamma", "weight_decay", "init", "fitter", "epochs"]
+
+
+def test_queue_settings(server):
+    with urllib.request.urlopen(server + "config", timeout=10) as r:
+        config = json.load(r)
+    deps = {d["api_name"]: d for d in config["dependencies"]}
+    # The slider's redraw skips the queue; the long jobs go through it.
+    assert deps["explore_temperature"]["queue"] is False
+    assert all(deps[name]["queue"] for name in ("calibrate", "gamma_sweep", "init_study", "classify"))
+    assert config["max_file_size"] == 25 * 1024 * 1024
+
+
+def test_explore_temperature_matches_metrics_of_the_shipped_logits(client):
+    pre = state.load_precomputed()
+    z, y = pre.result.methods["Uncalibrated"].test_logits, pre.result.test_labels
+    plot, table, text = client.predict(1.5, 12, api_name="/explore_temperature")
+    assert plot["type"] == "plotly" and json.loads(plot["plot"])["data"]
+    line = next(ln for ln in table.splitlines() if ln.startswith("| T = 1.50 (slider) |"))
+    ece = float(line.strip("|").split("|")[3])
+    assert ece == pytest.approx(round(100 * metrics.ece(z / 1.5, y, 12), 2))
+    assert "ECE" in text and "12 bins" in text
+
+
+def _check_label(label, k=5):
+    confs = [c["confidence"] for c in label["confidences"]]
+    assert len(confs) == k and confs == sorted(confs, reverse=True)
+    assert all(0.0 <= c <= 1.0 for c in confs) and sum(confs) <= 1.0 + 1e-9
+    assert label["label"] == label["confidences"][0]["label"]
+    return label["label"]
+
+
+def test_classify_an_example(client):
+    note, fig, raw, ts, nc = client.predict(handle_file(example_images()[0]), api_name="/classify")
+    assert state.PRECOMPUTED_LABEL in note and fig["type"] == "plotly"
+    # Temperature scaling never changes the predicted class.
+    assert _check_label(raw) == _check_label(ts)
+    _check_label(nc)
+
+
+def test_classify_a_drawing(client, tmp_path):
+    canvas = np.zeros((280, 280, 3), dtype=np.uint8)
+    canvas[40:240, 90:190] = 255
+    path = tmp_path / "drawing.png"
+    Image.fromarray(canvas).save(path)
+    value = {"background": handle_file(str(path)), "layers": [], "composite": handle_file(str(path))}
+    note, _, raw, ts, nc = client.predict(value, api_name="/classify_drawing")
+    assert "280 × 280" in note
+    assert _check_label(raw) == _check_label(ts)
+
+
+def test_calibrate_small_run(client):
+    out = client.predict(*SHARED, ["Temperature Scaling", "Neural Clamping (FL)"], "1", "auto", "random", "fast", 100,
+                         api_name="/calibrate")
+    status, live, table, diagrams, params, delta, files = out
+    assert status.startswith("**Done**")
+    for method in ("Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"):
+        assert f"| {method} |" in table
+    assert all(p["type"] == "plotly" for p in (live, diagrams, delta))
+    results = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
+    nc = results["methods"]["Neural Clamping (FL)"]
+    assert results["calibration"]["size"] == 300 and results["test"]["size"] == 1000 and nc["params"]["temperature"] > 0
+    assert 0.0 <= nc["metrics"]["15"]["ece"]["mean"] <= 1.0
+    assert f"T = {nc['params']['temperature']:.4f}" in params
+
+
+def test_gamma_sweep_small(client):
+    status, fig, table, files = client.predict(*SHARED, 0, 1, 1, "auto", "random", "fast", 100, api_name="/gamma_sweep")
+    assert status.startswith("**Done**") and fig["type"] == "plotly"
+    data = json.loads(Path(next(f for f in files if f.endswith(".json"))).read_text())
+    assert data["gammas"] == [0.0, 1.0] and f"Chosen γ = {data['chosen_gamma']:g}" in table
+
+
+def test_init_study_small(client):
+    status, fig, table, files = client.predict(*SHARED, 2, "1", "auto", "fast", 100, api_name="/init_study")
+    assert status.startswith("**Done**") and fig["type"] == "plotly"
+    assert "| random |" in table and "| data-driven (Theorem 1) |" in table
+    assert any(f.endswith(".png") for f in files)
+
+
+def test_bad_input_gets_clear_messages_and_the_server_keeps_serving(client, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("this is not a picture")
+    huge = tmp_path / "huge.png"
+    Image.new("1", (10_000, 10_000)).save(huge)
+    colour = tmp_path / "colour.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 48, 3), dtype=np.uint8)).save(colour)
+
+    with pytest.raises(AppError, match="not an image"):
+        client.predict(handle_file(str(text)), api_name="/classify")
+    with pytest.raises(AppError, match="too large|megapixels"):
+        client.predict(handle_file(str(huge)), api_name="/classify")
+    # A colour picture for the grey default model is converted, and says so.
+    note, *_ = client.predict(handle_file(str(colour)), api_name="/classify")
+    assert "converted to grey" in note
+    with pytest.raises(AppError, match="not in the list of choices"):
+        client.predict("no-such-model", *SHARED[1:], ["Temperature Scaling"], "1", "auto", "random", "fast", 100,
+                       api_name="/calibrate")
+    with pytest.raises(AppError, match="Unknown model 'no-such-model'"):
+        client.predict(DEFAULT_MODEL, "no-such-model", *SHARED[2:], ["Temperature Scaling"], "1", "auto", "random",
+                       "fast", 100, api_name="/calibrate")
+    with pytest.raises(AppError, match="needs the network|not in the Hugging Face cache"):
+        client.predict(DEFAULT_MODEL, "someone/not-a-cached-model", *SHARED[2:], ["Temperature Scaling"], "1", "auto",
+                       "random", "fast", 100, api_name="/calibrate")
+    with pytest.raises(AppError, match="γ"):
+        client.predict(*SHARED, ["Neural Clamping (FL)"], "-1", "auto", "random", "fast", 100, api_name="/calibrate")
+    with pytest.raises(AppError, match="γ must be ≥ 0"):
+        client.predict(*SHARED, -1, 1, 0.5, "auto", "random", "fast", 100, api_name="/gamma_sweep")
+    # Uploads over the cap (25 MB) are refused by the server before any handler runs.
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\x89PNG" + os.urandom(26 * 1024 * 1024))
+    with pytest.raises(Exception, match="(?i)maximum|too large|413"):
+        client.predict(handle_file(str(big)), api_name="/classify")
+    # Still serving: a light and a heavy endpoint both answer.
+    plot, table, _ = client.predict(1.0, 15, api_name="/explore_temperature")
+    assert "| T = 1.00 (slider) |" in table
+    assert _check_label(client.predict(handle_file(example_images()[1]), api_name="/classify")[2])

@@ -1,0 +1,460 @@
+"""The app's handlers called directly (no server, no browser) on the embedded default model.
+
+Expected values are computed independently: logits straight from the model, probabilities by
+softmax, metrics by nctv.metrics on those logits, temperature scaling refitted on the same logits.
+Splits are small (300 calibration and 1,000 test images) so that every fit takes seconds.
+"""
+import csv
+import io
+import json
+import re
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from nctv import metrics
+from nctv.calibration import METHODS
+from nctv.data import get_splits as data_splits
+from nctv.experiment import model_fingerprint
+from nctv.inference import model_logits
+from nctv.ui import calibrate as cal_tab
+from nctv.ui import gamma as gamma_tab
+from nctv.ui import initialisation as init_tab
+from nctv.ui import learn, state, try_image
+from nctv.ui.common import Worker, parse_number_or_auto, parse_whole, user_errors
+from nctv.ui.images import MAX_PIXELS, CheckedImage, ImageError, match_channels, to_pil
+from nctv.zoo import DEFAULT_MODEL, load_model, train_classifier
+
+SMALL = state.SplitSpec(DEFAULT_MODEL, None, 300, 0, 1000)
+METHODS_RUN = ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
+SHARED = (DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _logit_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NCTV_CACHE_DIR", str(tmp_path_factory.mktemp("nctv-cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def splits(default_model):
+    cal, test = data_splits(default_model, calibration_size=300, calibration_seed=0, test_size=1000)
+    return cal.tensors(), test.tensors()
+
+
+@pytest.fixture(scope="module")
+def logits(default_model, splits):
+    """The model's own logits on both splits, computed here independently of the app."""
+    (x_cal, _), (x_test, _) = splits
+    return model_logits(default_model.model, x_cal), model_logits(default_model.model, x_test)
+
+
+@pytest.fixture(scope="module")
+def run():
+    items = []
+    result, calibration = cal_tab.run_calibration(SMALL, METHODS_RUN, 15, cal_tab.NCSettings(), items.append)
+    return result, calibration, items
+
+
+def test_run_scores_every_method_on_independently_computed_logits(run, default_model, splits, logits):
+    result, calibration, _ = run
+    (_, y_cal), (x_test, y_test) = splits
+    z_cal, z_test = logits
+    assert list(result.methods) == METHODS_RUN
+    assert torch.equal(result.test_labels, y_test)
+    # Uncalibrated: exactly the model's logits.
+    assert torch.allclose(result.methods["Uncalibrated"].test_logits, z_test, atol=1e-5)
+    ece = {m: r.metrics[15]["ece"].mean for m, r in result.methods.items()}
+    assert ece["Uncalibrated"] == pytest.approx(metrics.ece(z_test, y_test), abs=1e-6)
+    # Temperature scaling refitted here on the same calibration logits.
+    t = METHODS["Temperature Scaling"].factory().fit(z_cal, y_cal).temperature_
+    assert calibration.ts_temperature == pytest.approx(t, rel=1e-4)
+    assert ece["Temperature Scaling"] == pytest.approx(metrics.ece(z_test / t, y_test), abs=1e-5)
+    # Neural Clamping: the reported scores are those of f(x + δ)/T with the δ and T it reports.
+    nc = result.methods["Neural Clamping (FL)"]
+    assert calibration.nc_method == "Neural Clamping (FL)" and torch.equal(calibration.delta, nc.delta)
+    assert nc.delta.shape == x_test.shape[1:]
+    z_nc = model_logits(default_model.model, x_test, delta=nc.delta) / calibration.nc_temperature
+    assert torch.allclose(nc.test_logits, z_nc, atol=1e-4)
+    assert nc.metrics[15]["ece"].mean == pytest.approx(metrics.ece(z_nc, y_test), abs=1e-4)
+    assert nc.params["gamma"] == 1.0 and nc.params["weight_decay"] > 0  # λ "auto": 0.1 × the initial loss
+    assert calibration.metrics["Neural Clamping (FL)"]["ece"] == nc.metrics[15]["ece"].mean
+    assert result.model["fingerprint"] == model_fingerprint(default_model.model)
+
+
+def test_run_reports_progress_and_live_loss_and_temperature(run):
+    _, calibration, items = run
+    fractions = [i[1] for i in items if i[0] == "progress"]
+    assert fractions[0] == 0.0 and fractions[-1] == 1.0 and all(0.0 <= f <= 1.0 for f in fractions)
+    live = [i for i in items if i[0] == "nc"]
+    assert live and {i[1] for i in live} == {"Neural Clamping (FL)"}
+    assert all(np.isfinite(i[2]["loss"]) and i[2]["temperature"] > 0 for i in live)
+    # The last live temperature is the learned one (the fast fitter reports every evaluation).
+    assert any(i[2]["temperature"] == pytest.approx(calibration.nc_temperature, rel=1e-3) for i in live[-5:])
+
+
+def _row(table: str, method: str) -> list[str]:
+    line = next(ln for ln in table.splitlines() if ln.startswith(f"| {method} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_table_marks_best_and_second_per_column(run):
+    result, calibration, _ = run
+    table = cal_tab.table_markdown(result, 15, calibration.source)
+    head = next(ln for ln in table.splitlines() if ln.startswith("| Method"))
+    header = [c.strip() for c in head.strip("|").split("|")]
+    col = header.index("ECE (%) ↓")
+    ece = {m: round(100 * r.metrics[15]["ece"].mean, 2) for m, r in result.methods.items()}
+    order = sorted(set(ece.values()))
+    for method, value in ece.items():
+        cell = _row(table, method)[col]
+        if value == order[0]:
+            assert cell == f"**{value:.2f}**"
+        elif value == order[1]:
+            assert cell == f"_{value:.2f}_"
+        else:
+            assert cell == f"{value:.2f}"
+    assert "±" not in table  # one run per method: no spread shown
+
+
+def test_calibrate_handler_streams_then_returns_everything(tmp_path):
+    outs = list(cal_tab.calibrate(*SHARED, ["Temperature Scaling", "Neural Clamping (FL)"], "1", "auto", "random",
+                                  "fast", 100))
+    assert len(outs) >= 2 and all(len(o) == 9 for o in outs)
+    status, panel, live, table, diagrams, params, delta, files, calibration = outs[-1]
+    assert status.startswith("**Done**") and "| Neural Clamping (FL) |" in table and "| Uncalibrated |" in table
+    assert panel["visible"] is True and len(live.data) == 2  # loss and T of one NC fit
+    assert diagrams.layout.title.text == "Reliability diagrams" and delta is not None
+    assert "T = " in params and isinstance(calibration, state.Calibration) and calibration.split == SMALL
+    names = {Path(f).name for f in files}
+    assert {"results.json", "table.csv", "table.md", "reliability.png", "delta.png", "delta.safetensors"} <= names
+    by_name = {Path(f).name: Path(f) for f in files}
+    data = json.loads(by_name["results.json"].read_text())
+    assert list(data["methods"]) == ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
+    rows = list(csv.DictReader(io.StringIO(by_name["table.csv"].read_text())))
+    assert [r["method"] for r in rows] == list(data["methods"])
+    ece_nc = data["methods"]["Neural Clamping (FL)"]["metrics"]["15"]["ece"]["mean"]
+    assert float(rows[2]["ECE (%)"]) == pytest.approx(100 * ece_nc)
+    assert Image.open(by_name["reliability.png"]).size[0] > 100
+
+
+def test_stop_ends_the_worker_at_its_next_report():
+    slow = cal_tab.NCSettings(fitter="paper", epochs=1000)
+    worker = Worker(lambda report: cal_tab.run_calibration(SMALL, ["Neural Clamping (FL)"], 15, slow, report))
+    stream = worker.stream()
+    for items in stream:
+        if any(i[0] == "nc" for i in items):
+            break
+    stream.close()  # what Gradio does when Stop is pressed
+    worker._thread.join(timeout=120)
+    assert not worker._thread.is_alive()
+    assert worker.result is None and worker.error is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (dict(gamma="-1"), "γ"),
+    (dict(weight_decay="lots"), "λ"),
+    (dict(size=0), "Calibration size"),
+    (dict(size=10**6), "holds only"),
+    (dict(test_size=2.5), "Test size"),
+    (dict(model="no-such-model"), "Unknown model"),
+    (dict(hub_id="local-dir:/etc"), "Hugging Face Hub model id"),
+    (dict(methods=[]), "at least one"),
+    (dict(methods=["Uncalibrated"]), "at least one"),
+    (dict(methods=["Platt"]), "Unknown method"),
+    (dict(epochs=0), "Epochs"),
+])
+def test_calibrate_handler_refuses_bad_settings_in_words(args, words):
+    a = dict(model=DEFAULT_MODEL, hub_id="", size=300, test_size=1000, methods=["Temperature Scaling"], gamma="1",
+             weight_decay="auto", epochs=100)
+    a.update(args)
+    with pytest.raises(gr.Error, match=re.escape(words)):
+        list(cal_tab.calibrate(a["model"], a["hub_id"], state.DEFAULT_DATASET_CHOICE, a["size"], a["test_size"], 0, 15,
+                               a["methods"], a["gamma"], a["weight_decay"], "random", "fast", a["epochs"]))
+
+
+def test_parsing_helpers():
+    assert parse_number_or_auto(" Auto ", "γ", "γ") == "auto" and parse_number_or_auto("0.5", "γ", "γ") == 0.5
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(ValueError, match="≥ 0"):
+            parse_number_or_auto(bad, "Focal-loss gamma", "γ")
+    assert parse_whole("12", "n") == 12 and parse_whole(3.0, "n") == 3
+    for bad in (2.5, "x", 0):
+        with pytest.raises(ValueError):
+            parse_whole(bad, "n", 1)
+
+
+def test_user_errors_turn_exceptions_into_messages():
+    @user_errors
+    def bad_value():
+        raise ValueError("The picture is too large.")
+
+    @user_errors
+    def bug():
+        raise RuntimeError("boom")
+
+    @user_errors
+    def gen():
+        yield 1
+        raise ValueError("stopped in the middle")
+
+    with pytest.raises(gr.Error, match="The picture is too large."):
+        bad_value()
+    with pytest.raises(gr.Error, match="Something went wrong on the server \\(RuntimeError: boom\\)"):
+        bug()
+    g = gen()
+    assert next(g) == 1
+    with pytest.raises(gr.Error, match="stopped in the middle"):
+        next(g)
+
+
+# --------------------------------------------------------------------------- images
+
+
+def test_images_refuse_non_images_huge_images_and_empty_input(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a picture")
+    with pytest.raises(ImageError, match="not an image"):
+        to_pil(str(text))
+    huge = tmp_path / "huge.png"
+    Image.new("1", (10_000, 10_000)).save(huge)
+    with pytest.raises(ImageError, match="megapixels"):
+        to_pil(str(huge))
+    with pytest.raises(ImageError, match="megapixels"):
+        to_pil(np.zeros((7000, 7000), dtype=np.uint8))
+    assert 7000 * 7000 > MAX_PIXELS
+    with pytest.raises(ImageError, match="No image yet"):
+        to_pil(None)
+    with pytest.raises(ImageError, match="shape"):
+        to_pil(np.zeros((4, 4, 2), dtype=np.uint8))
+    with pytest.raises(ImageError, match="more than 20 times"):
+        to_pil(np.zeros((3, 100), dtype=np.uint8))
+
+
+def test_sideways_phone_pictures_are_turned_upright(tmp_path):
+    img = Image.new("L", (30, 20))
+    exif = img.getexif()
+    exif[274] = 6  # EXIF orientation: stored rotated by 90°
+    path = tmp_path / "phone.jpg"
+    img.save(path, exif=exif)
+    assert to_pil(str(path)).size == (20, 30)
+
+
+def test_checked_image_turns_decoder_errors_into_messages(tmp_path):
+    from gradio.data_classes import ImageData
+
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    comp = CheckedImage(type="filepath", image_mode=None, render=False)
+    with pytest.raises(gr.Error, match="not an image"):
+        comp.preprocess(ImageData(path=str(text), orig_name="notes.png"))
+    huge = tmp_path / "huge.png"
+    Image.new("1", (10_000, 10_000)).save(huge)
+    with pytest.raises(gr.Error, match="too large"):
+        comp.preprocess(ImageData(path=str(huge), orig_name="huge.png"))
+    ok = tmp_path / "ok.png"
+    Image.new("L", (5, 4), 7).save(ok)
+    assert comp.preprocess(ImageData(path=str(ok), orig_name="ok.png")) == str(ok)
+
+
+def test_channel_conversion_both_ways():
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8))
+    grey, note = match_channels(rgb, 1)
+    assert grey.mode == "L" and "converted to grey" in note
+    assert np.array_equal(np.asarray(grey), np.asarray(rgb.convert("L")))
+    g = Image.fromarray(np.arange(30, dtype=np.uint8).reshape(6, 5))
+    colour, note = match_channels(g, 3)
+    assert colour.mode == "RGB" and "three colour channels" in note
+    assert all(np.array_equal(np.asarray(colour)[..., c], np.asarray(g)) for c in range(3))
+    same, note = match_channels(g, 1)
+    assert note == "" and np.array_equal(np.asarray(same), np.asarray(g))
+    # 16-bit grey keeps its top 8 bits.
+    deep = (np.arange(600).reshape(30, 20) * 100).astype(np.uint16)
+    eight, _ = match_channels(Image.fromarray(deep), 1)
+    assert np.array_equal(np.asarray(eight), (deep >> 8).astype(np.uint8))
+    # Transparency is painted over black, Fashion-MNIST's background.
+    rgba = Image.new("RGBA", (2, 2), (255, 255, 255, 0))
+    flat, _ = match_channels(rgba, 1)
+    assert np.asarray(flat).max() == 0
+
+
+# --------------------------------------------------------------------------- try your own image
+
+
+def _softmax_top(z: torch.Tensor, names, k=5):
+    p = torch.softmax(z.double(), dim=-1)[0]
+    top = torch.topk(p, k)
+    return {names[int(i)]: float(v) for v, i in zip(top.values, top.indices)}
+
+
+def test_classify_shows_three_calibrations_of_the_same_picture(run, default_model, tmp_path):
+    _, calibration, _ = run
+    example = try_image.example_images()[0]
+    note, fig, raw, ts, nc = try_image.classify(example, calibration)
+    x = default_model.preprocess(Image.open(example))
+    z = model_logits(default_model.model, x[None])
+    names = default_model.class_names
+    assert raw == pytest.approx(_softmax_top(z, names))
+    assert ts == pytest.approx(_softmax_top(z / calibration.ts_temperature, names))
+    z_nc = model_logits(default_model.model, x[None], delta=calibration.delta) / calibration.nc_temperature
+    assert nc == pytest.approx(_softmax_top(z_nc, names))
+    assert list(raw.values()) == sorted(raw.values(), reverse=True) and len(raw) == 5
+    assert "your run" in note and [t.name for t in fig.data][:2] == ["Input", "Input + δ"]
+
+
+def test_classify_without_a_run_uses_the_shipped_calibration_and_converts_colour(tmp_path, default_model):
+    cal = state.load_precomputed().calibration
+    rgb = tmp_path / "colour.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(rgb)
+    note, _, raw, ts, nc = try_image.classify(str(rgb), None)
+    assert state.PRECOMPUTED_LABEL in note and "converted to grey" in note and "40 × 30" not in note
+    x = default_model.preprocess(Image.open(rgb).convert("L"))
+    z = model_logits(default_model.model, x[None])
+    names = default_model.class_names
+    assert raw == pytest.approx(_softmax_top(z, names))
+    assert ts == pytest.approx(_softmax_top(z / cal.ts_temperature, names))
+    z_nc = model_logits(default_model.model, x[None], delta=cal.delta) / cal.nc_temperature
+    assert nc == pytest.approx(_softmax_top(z_nc, names))
+
+
+def test_grey_picture_for_a_colour_model(tmp_path):
+    # A small colour model trained here for seconds: the embedded models all read grey images.
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (64, 16, 16, 3), dtype=np.uint8)
+    labels = np.arange(64) % 3
+    folder = tmp_path / "rgb-model"
+    train_classifier("resnet10t", dict(channels=[8, 8, 8, 8], stem_width=4), (images, labels), out_dir=folder,
+                     class_names=["a", "b", "c"], epochs=1, batch_size=32, progress=False)
+    name = f"local-dir:{folder}"
+    cal = state.Calibration(None, name, ts_temperature=2.0, nc_temperature=None, delta=None, nc_method=None,
+                            source="a test calibration")
+    grey = tmp_path / "grey.png"
+    Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(grey)
+    note, fig, raw, ts, nc = try_image.classify(str(grey), cal)
+    assert "three colour channels" in note and "was not part of this run" in note
+    loaded = state.get_model(name)
+    z = model_logits(loaded.model, loaded.preprocess(Image.open(grey).convert("RGB"))[None])
+    assert raw == pytest.approx(_softmax_top(z, ["a", "b", "c"], 3))
+    assert ts == pytest.approx(_softmax_top(z / 2.0, ["a", "b", "c"], 3))
+    assert nc == {} and fig is None
+
+
+def test_drawings_are_classified_and_empty_ones_refused():
+    canvas = np.zeros((280, 280, 3), dtype=np.uint8)
+    with pytest.raises(gr.Error, match="empty"):
+        try_image.classify_drawing({"background": canvas, "layers": [], "composite": canvas}, None)
+    drawn = canvas.copy()
+    drawn[60:220, 100:180] = 255  # a bright block: something trouser-like
+    note, _, raw, ts, nc = try_image.classify_drawing({"background": canvas, "layers": [], "composite": drawn}, None)
+    assert "280 × 280" in note and len(raw) == len(ts) == len(nc) == 5
+
+
+# --------------------------------------------------------------------------- learn
+
+
+def test_learn_recomputes_metrics_at_the_slider_temperature():
+    pre = state.load_precomputed()
+    z, y = pre.result.methods["Uncalibrated"].test_logits, pre.result.test_labels
+    fig, table, text = learn.explore_temperature(2.0, 10, None)
+    row = _row(table, "T = 2.00 (slider)")
+    assert float(row[3]) == pytest.approx(round(100 * metrics.ece(z / 2.0, y, 10), 2))
+    assert float(row[2]) == pytest.approx(round(metrics.entropy(z / 2.0), 4))
+    assert float(_row(table, "T = 1 (uncalibrated)")[1]) == pytest.approx(round(100 * metrics.accuracy(z, y), 2))
+    assert f"{100 * metrics.ece(z / 2.0, y, 10):.2f}%" in text and "10 bins" in text
+    assert len(fig.data) == 8  # two diagrams of four traces each
+    with pytest.raises(gr.Error, match="between"):
+        learn.explore_temperature(0.0, 15, None)
+    assert learn.fitted_temperature(None) == pytest.approx(round(pre.calibration.ts_temperature, 2))
+
+
+def test_learn_follows_the_visitors_run(run, splits, logits):
+    _, calibration, _ = run
+    y_test = splits[1][1]
+    z = logits[1]
+    _, table, text = learn.explore_temperature(1.0, 15, calibration)
+    assert float(_row(table, "T = 1 (uncalibrated)")[3]) == pytest.approx(round(100 * metrics.ece(z, y_test), 2))
+    assert "your run" in text
+
+
+# --------------------------------------------------------------------------- γ sweep and initialisation
+
+
+def test_gamma_grid():
+    assert gamma_tab.gamma_grid(0, 1, 0.25) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert gamma_tab.gamma_grid(0, 1, 0.05)[-1] == 1.0 and len(gamma_tab.gamma_grid(0, 1, 0.05)) == 21
+    assert gamma_tab.gamma_grid(2, 2, 1) == [2.0]
+    for args, words in [((-1, 1, 0.1), "≥ 0"), ((1, 0, 0.1), "end at or above"), ((0, 1, 0), "positive"),
+                        ((0, 10, 0.01), "at most")]:
+        with pytest.raises(ValueError, match=words):
+            gamma_tab.gamma_grid(*args)
+
+
+def test_gamma_sweep_handler_marks_the_gamma_with_lowest_calibration_ece():
+    outs = list(gamma_tab.gamma_sweep(*SHARED, 0, 1, 0.5, "auto", "random", "fast", 100))
+    status, fig, table, files = outs[-1]
+    assert status.startswith("**Done**")
+    data = json.loads(Path(files[0]).read_text())
+    eces = data["splits"]["calibration"]["ece"]
+    assert data["gammas"] == [0.0, 0.5, 1.0] and data["chosen_gamma"] == data["gammas"][int(np.argmin(eces))]
+    assert f"**Chosen γ = {data['chosen_gamma']:g}**" in table
+    assert {t.name for t in fig.data} >= {"calibration", "test"}
+
+
+def test_init_study_handler_reports_both_initialisations():
+    outs = list(init_tab.init_study(*SHARED, 2, "1", "auto", "fast", 100))
+    status, fig, table, files = outs[-1]
+    data = json.loads(Path(files[0]).read_text())
+    assert set(data["runs"]) == {"random", "data"} and len(data["runs"]["random"]) == 2
+    for init, label in (("random", "random"), ("data", "data-driven (Theorem 1)")):
+        eces = [100 * r["ece"] for r in data["runs"][init]]
+        mean, std = np.mean(eces), np.std(eces, ddof=1)
+        assert f"| {label} |" in table and f"{mean:.2f} ± {std:.2f}" in _row(table, label)[2]
+    assert {t.name for t in fig.data} == {"random", "data-driven"}
+
+
+# --------------------------------------------------------------------------- the shipped result
+
+
+def test_shipped_result_matches_the_shipped_model(default_model):
+    pre = state.load_precomputed()
+    assert pre is not None, "assets/precomputed is missing: run python scripts/make_precomputed.py"
+    r = pre.result
+    assert r.model["name"] == DEFAULT_MODEL
+    assert r.model["fingerprint"] == model_fingerprint(default_model.model), \
+        "the default model changed since assets/precomputed was made: run python scripts/make_precomputed.py"
+    _, test = data_splits(default_model, calibration_size=None)
+    assert r.test["fingerprint"] == test.fingerprint and torch.equal(r.test_labels, test.labels)
+    # The stored logits are the model's: checked on a sample of the test split (a full pass is slow).
+    part = test.subset(np.arange(0, len(test), 7))
+    x, y = part.tensors()
+    z = model_logits(default_model.model, x)
+    assert torch.allclose(r.methods["Uncalibrated"].test_logits[::7], z, atol=1e-4)
+    cal = pre.calibration
+    assert cal.source == state.PRECOMPUTED_LABEL and tuple(cal.delta.shape) == tuple(x.shape[1:])
+    z_nc = model_logits(default_model.model, x, delta=cal.delta) / cal.nc_temperature
+    assert torch.allclose(r.methods[cal.nc_method].test_logits[::7], z_nc, atol=1e-4)
+    full = r.methods["Uncalibrated"].test_logits
+    shipped_ece = r.methods["Uncalibrated"].metrics[15]["ece"].mean
+    assert shipped_ece == pytest.approx(metrics.ece(full, r.test_labels), abs=1e-6)
+    examples = try_image.example_images()
+    assert len(examples) == len(default_model.class_names)
+    assert all(Image.open(p).size == (28, 28) for p in examples)
+
+
+def test_first_screen_is_the_shipped_result():
+    status, table, diagrams, params, delta, files = cal_tab.precomputed_view()
+    assert state.PRECOMPUTED_LABEL in status and state.PRECOMPUTED_LABEL in table
+    assert "| Neural Clamping (FL) |" in table and len(diagrams.data) > 0 and delta is not None
+    shipped = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
+    assert shipped == json.loads((state.precomputed_dir() / "results.json").read_text())

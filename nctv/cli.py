@@ -1,0 +1,537 @@
+"""The ``nctv`` command: paper-style calibration runs, tables and figures from the terminal.
+
+Every command loads a model (default: the embedded one), draws its calibration and test splits,
+runs, and writes into ``--out`` (default ``./out/<command>``): ``results.json`` (schema in
+docs/results-schema.md), tables (``table.md``, ``.csv``, ``.tex``, ``.json``) and figures
+(``figures/*.png``, ``.pdf`` and interactive ``.html``). It ends with one summary line on stdout.
+Errors are one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from nctv import __version__
+
+#: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
+ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
+
+#: Short names accepted by --methods (case-insensitive), besides the full method names.
+METHOD_ALIASES = {
+    "uncal": "Uncalibrated",
+    "ts": "Temperature Scaling",
+    "ts-grid": "TS by Grid Search",
+    "ts-fl": "Temperature Scaling (FL)",
+    "vs": "Vector Scaling",
+    "ms": "Matrix Scaling",
+    "ms-odir": "MS-ODIR",
+    "dir-odir": "Dir-ODIR",
+    "nc-ce": "Neural Clamping (CE)",
+    "nc-fl": "Neural Clamping (FL)",
+    "nc-eff": "NC (Eff.)",
+}
+
+EPILOG = """\
+examples:
+  nctv models                                   list the model zoo
+  nctv run                                      all methods, 5 seeds, 10/15/20 bins, embedded model
+  nctv run --seeds 2 --bins 15 --methods ts ts-grid nc-fl
+  nctv run --model fmnist-vit --calibration-size 2000 --out out/vit
+  nctv run --fitter paper --epochs 100          the paper's exact SGD recipe for Neural Clamping
+  nctv ablation --seeds 3                       Table 4: NC (FL) vs input-only / output-only
+  nctv timing                                   Table 7: TS grid vs NC (Eff.) vs NC (FL), seconds
+  nctv sweep-gamma --gammas 0 0.25 0.5 0.75 1   Figure 2: ECE, entropy, loss against gamma
+  nctv init-study --seeds 5                     Figure 3: random vs data-driven delta init
+  nctv train --dataset bloodmnist --epochs 5    train a classifier, then: nctv run --model local-dir:out/train
+
+method names for --methods (full names or short ones):
+  uncal, ts, ts-grid, ts-fl, vs, ms, ms-odir, dir-odir, nc-ce, nc-fl, nc-eff
+
+outputs (in --out, default ./out/<command>):
+  results.json, table.md / .csv / .tex / .json, figures/*.png / .pdf / .html
+"""
+
+
+COMMAND_EXAMPLES = {
+    "run": ["nctv run", "nctv run --seeds 2 --bins 15 --methods ts ts-grid nc-fl",
+            "nctv run --model fmnist-vit --calibration-size 2000 --out out/vit",
+            "nctv run --model hf-hub:timm/resnet101.tv_in1k --dataset folder:/data/imagenet/val --device cuda"],
+    "ablation": ["nctv ablation", "nctv ablation --seeds 3 --gamma 0.5"],
+    "timing": ["nctv timing", "nctv timing --resolutions 0.1 0.01 0.001"],
+    "sweep-gamma": ["nctv sweep-gamma", "nctv sweep-gamma --gammas 0 0.25 0.5 0.75 1 --calibration-size 2000"],
+    "init-study": ["nctv init-study", "nctv init-study --seeds 10 --fitter paper"],
+    "train": ["nctv train --epochs 3 --out out/my-resnet",
+              "nctv train --dataset bloodmnist --arch resnet18 --epochs 5 --out out/blood",
+              "nctv run --model local-dir:out/blood --dataset bloodmnist"],
+    "models": ["nctv models", "nctv models --json"],
+}
+
+
+def _para(text: str) -> str:
+    # The raw formatter keeps the examples' layout, so descriptions are wrapped here.
+    return textwrap.fill(text, 88)
+
+
+def _examples(command: str) -> str:
+    return "examples:\n" + "\n".join("  " + line for line in COMMAND_EXAMPLES[command])
+
+
+class CLIError(Exception):
+    """A mistake in how the command was called; shown as one line."""
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
+    return v
+
+
+def _size(text: str) -> int | None:
+    if text.lower() in ("all", "none"):
+        return None
+    return _positive_int(text)
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bins: bool = True,
+                gamma: bool = True) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, metavar="NAME",
+                   help="zoo name, hf-hub:<org>/<name> or local-dir:<folder> (default: the embedded model; "
+                        "see `nctv models`)")
+    g.add_argument("--dataset", default=None, metavar="NAME",
+                   help="fashion-mnist, bloodmnist, cifar100, folder:<path>, hf-dataset:<id> "
+                        "(default: the model's own)")
+    g.add_argument("--calibration-size", type=_size, default=5000, metavar="N",
+                   help="calibration images drawn from the calibration pool ('all' for the whole pool; "
+                        "default 5000)")
+    g.add_argument("--test-size", type=_size, default=None, metavar="N",
+                   help="test images (default: the whole test split)")
+    g.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:1, mps or auto (default auto: a GPU when present)")
+    g = p.add_argument_group("run")
+    if seeds:
+        g.add_argument("--seeds", type=_positive_int, default=5, metavar="N",
+                       help="runs of every stochastic method, seeds 0..N-1 (default 5)")
+    if bins:
+        g.add_argument("--bins", type=_positive_int, nargs="+", default=[10, 15, 20], metavar="M",
+                       help="bin counts of ECE/AECE/SCE (default 10 15 20)")
+    g.add_argument("--fitter", choices=["fast", "paper"], default="fast",
+                   help="Neural Clamping fitter: fast (L-BFGS, default) or paper (SGD, 100 epochs, exactly as "
+                        "published)")
+    g.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
+                   help="epochs of the paper fitter (default 100; the fast fitter stops on convergence)")
+    if gamma:
+        g.add_argument("--gamma", type=_float, default=None, metavar="G",
+                       help="focal-loss gamma of Neural Clamping (FL) and TS (FL) (default 1, as in the paper)")
+    g.add_argument("--batch-size", type=_positive_int, default=512, metavar="N",
+                   help="batch size of model passes (default 512)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, default=Path("out") / command, metavar="DIR",
+                   help=f"output folder (default out/{command})")
+    g.add_argument("--no-cache", action="store_true",
+                   help="do not read or write the logit cache ($NCTV_CACHE_DIR/logits, default ~/.cache/nctv/logits)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars; only the summary line")
+
+
+class _TrainFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown in the option list; examples kept as written."""
+
+
+def _command(sub, name: str, summary: str, description: str, formatter=argparse.RawDescriptionHelpFormatter):
+    return sub.add_parser(name, help=summary, description=_para(description), epilog=_examples(name),
+                          formatter_class=formatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nctv",
+        description=_para("Neural Clamping Toolkit & Visualizer: calibrate a classifier with Neural Clamping and "
+                          "the standard baselines, and write paper-style tables and figures."),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"nctv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = _command(sub, "run", "compare calibration methods on the test split (Tables 1-3)",
+                 "Fit every method on the calibration split, score it on the test split, and write tables (mean ± "
+                 "std over seeds, best/second marked, Welch's t-test of NC (FL) against the best baseline), "
+                 "reliability diagrams and the NC δ image.")
+    _add_common(p, "run")
+    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                   help="methods to run (full names in quotes, or short names: " + ", ".join(METHOD_ALIASES)
+                        + "); default: all ten")
+
+    p = _command(sub, "ablation", "NC (FL) against input-only and output-only parts (Table 4)",
+                 "Neural Clamping (FL) against f(x + δ*) (input only), f(x)/T* (output only), temperature scaling "
+                 "and temperature scaling with focal loss.")
+    _add_common(p, "ablation")
+
+    p = _command(sub, "timing", "run time of TS grid, NC (Eff.) and NC (FL) (Table 7)",
+                 "TS by grid search and NC (Eff.) at grid resolutions 0.01 and 0.001, and NC (FL): accuracy, "
+                 "entropy, ECE and seconds to fit.")
+    _add_common(p, "timing", seeds=False)
+    p.add_argument("--resolutions", type=_float, nargs="+", default=[0.01, 0.001], metavar="STEP",
+                   help="temperature grid steps (default 0.01 0.001)")
+
+    p = _command(sub, "sweep-gamma", "ECE, entropy and loss against gamma (Figure 2)",
+                 "Fit Neural Clamping for every gamma and plot ECE, entropy and training loss on the calibration "
+                 "and test splits.")
+    _add_common(p, "sweep-gamma", seeds=False, bins=False, gamma=False)
+    p.add_argument("--gammas", type=_float, nargs="+", default=None, metavar="G",
+                   help="gamma values (default 0, 0.05, ..., 1 as in the paper)")
+    p.add_argument("--n-bins", type=_positive_int, default=15, metavar="M", help="ECE bins (default 15)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random delta initialisation (default 0)")
+
+    p = _command(sub, "init-study", "random vs data-driven delta initialisation (Figure 3)",
+                 "Fit Neural Clamping from random and from data-driven (Theorem 1) δ₀, --seeds runs each, and draw "
+                 "box plots of entropy, ECE, AECE and SCE on the test split.")
+    _add_common(p, "init-study", bins=False)
+    p.add_argument("--n-bins", type=_positive_int, default=15, metavar="M", help="bins of the metrics (default 15)")
+
+    p = _command(sub, "train", "train a classifier for calibration experiments",
+                 "Train a timm classifier from scratch (plain recipe, no calibration tricks) and save it as "
+                 "config.json + model.safetensors + README.md, loadable with --model local-dir:<out>.",
+                 formatter=_TrainFormatter)
+    p.add_argument("--dataset", default="fashion-mnist",
+                   help="fashion-mnist (local, images 0-54,999), bloodmnist (downloaded once) or npz:<file> with "
+                        "train_images/train_labels [test_images/test_labels] (the MedMNIST layout)")
+    p.add_argument("--arch", default="small-resnet",
+                   help="timm architecture name, or small-resnet = resnet10t with widths 16/32/64/128 and stem 8 "
+                        "(the embedded model's size; fast on a CPU)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="architecture argument, JSON value (repeatable), e.g. --model-arg 'channels=[16,32,64,128]'")
+    p.add_argument("--class-names", nargs="+", default=None, metavar="NAME", help="class names for npz data")
+    p.add_argument("--epochs", type=_positive_int, default=5, help="training epochs")
+    p.add_argument("--batch-size", type=_positive_int, default=128, help="training batch size")
+    p.add_argument("--lr", type=_float, default=2e-3, help="peak learning rate (AdamW, cosine schedule)")
+    p.add_argument("--train-size", type=_size, default=None, metavar="N", help="use only the first N training images")
+    p.add_argument("--seed", type=int, default=0, help="training seed")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
+    p.add_argument("--out", type=Path, default=Path("out") / "train", metavar="DIR", help="model folder to write")
+    p.add_argument("--quiet", action="store_true", help="no progress bars; only the summary line")
+
+    p = _command(sub, "models", "list the model zoo", "List the models nctv knows by name.")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    return parser
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def resolve_methods(names: Sequence[str] | None) -> list[str] | None:
+    """Full method names from full or short names; commas also separate names."""
+    if names is None:
+        return None
+    out = []
+    for raw in names:
+        for part in str(raw).split(","):
+            part = part.strip()
+            if part:
+                out.append(METHOD_ALIASES.get(part.lower(), part))
+    if not out:
+        raise CLIError("--methods was given without method names.")
+    return out
+
+
+def _load(args: argparse.Namespace):
+    from nctv import data, zoo
+
+    name = args.model or zoo.DEFAULT_MODEL
+    loaded = zoo.load_model(name, device=_device(args.device))
+    cal, test = data.get_splits(loaded, dataset=args.dataset, calibration_size=args.calibration_size,
+                                test_size=args.test_size)
+    return loaded, cal, test
+
+
+def _device(text: str):
+    from nctv.inference import resolve_device
+
+    return resolve_device(text)
+
+
+def _cache(args: argparse.Namespace):
+    return False if args.no_cache else None
+
+
+def _save(figures: dict[str, tuple[Any, Any]], out: Path) -> None:
+    """Each figure as PNG and PDF (matplotlib) and HTML (plotly, one shared plotly.min.js)."""
+    from nctv.plots import save_figure
+
+    folder = out / "figures"
+    for name, (mpl, ply) in figures.items():
+        save_figure(mpl, folder / f"{name}.png")
+        save_figure(mpl, folder / f"{name}.pdf")
+        save_figure(ply, folder / f"{name}.html", plotlyjs="directory")
+
+
+def _both(fn, data) -> tuple[Any, Any]:
+    return fn(data, backend="matplotlib"), fn(data, backend="plotly")
+
+
+def _main_bins(bins: Sequence[int]) -> int:
+    return 15 if 15 in bins else bins[0]
+
+
+def _run_figures(result, loaded, test) -> dict[str, tuple[Any, Any]]:
+    from nctv import experiment, plots
+
+    b = _main_bins(result.bins)
+    rel = plots.reliability_data_from_result(result, n_bins=b)
+    figs = {"reliability": _both(plots.reliability_figure, rel), "confidence": _both(plots.confidence_figure, rel)}
+    with_delta = [m for m in result.methods.values() if m.delta is not None and m.delta.ndim == 3]
+    nc = next((m for m in with_delta if m.name == experiment.COMPARED_METHOD), with_delta[0] if with_delta else None)
+    if nc is not None:
+        x, _ = next(iter(test.loader(batch_size=1)))
+        cfg = loaded.data_config
+        temperature = nc.params.get("temperature", float("nan"))
+        d = plots.delta_image_data(nc.delta, cfg["mean"], cfg["std"], example=x[0],
+                                   title=f"{nc.name} δ (fitter {result.fitter}, T = {temperature:.3f})")
+        figs["delta"] = _both(plots.delta_figure, d)
+    return figs
+
+
+def _finish(result, out: Path, figures=None) -> str:
+    """Numbers first (results.json, tables), then figures, so a drawing problem loses no results."""
+    from nctv import report
+
+    result.save(out)
+    report.write_tables(result, out)
+    if figures is not None:
+        _save(figures(), out)
+    return report.summary_line(result) + f" -> {out}"
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_run(args: argparse.Namespace) -> str:
+    from nctv import experiment
+
+    # Names are checked before the model and data load, so a typo fails at once.
+    methods = experiment.check_methods(resolve_methods(args.methods) or experiment.DEFAULT_METHODS)
+    loaded, cal, test = _load(args)
+    result = experiment.run_experiment(
+        loaded, cal, test, methods=methods, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
+        epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
+        progress=not args.quiet)
+    return _finish(result, args.out, lambda: _run_figures(result, loaded, test))
+
+
+def cmd_ablation(args: argparse.Namespace) -> str:
+    from nctv import experiment
+
+    loaded, cal, test = _load(args)
+    result = experiment.run_ablation(
+        loaded, cal, test, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma, epochs=args.epochs,
+        device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args), progress=not args.quiet)
+    return _finish(result, args.out, lambda: _run_figures(result, loaded, test))
+
+
+def cmd_timing(args: argparse.Namespace) -> str:
+    from nctv import experiment
+
+    loaded, cal, test = _load(args)
+    result = experiment.run_timing(
+        loaded, cal, test, resolutions=args.resolutions, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
+        epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
+        progress=not args.quiet)
+    return _finish(result, args.out)
+
+
+def cmd_sweep_gamma(args: argparse.Namespace) -> str:
+    from nctv import experiment, plots, report
+
+    loaded, cal, test = _load(args)
+    settings = {} if args.epochs is None else {"epochs": args.epochs}
+    result = experiment.run_gamma_sweep(
+        loaded, cal, test, gammas=args.gammas, n_bins=args.n_bins, fitter=args.fitter, seed=args.seed,
+        device=_device(args.device), batch_size=args.batch_size, progress=not args.quiet, **settings)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
+    _write_table(report.gamma_table(result), out)
+    _save({"gamma": _both(plots.gamma_figure, plots.gamma_curve_data_from_sweep(result))}, out)
+    s = result.sweep
+    i = int(list(s.gammas).index(s.chosen_gamma))
+    test_ece = f", test ECE {100 * s.test['ece'][i]:.2f}%" if s.test is not None else ""
+    return (f"sweep-gamma: {len(s.gammas)} gammas on {result.model['name']} in {result.seconds:.1f} s; chosen gamma "
+            f"{s.chosen_gamma:g} (calibration ECE {100 * s.cal['ece'][i]:.2f}%{test_ece}; {s.n_bins} bins, fitter "
+            f"{s.fitter}) -> {out}")
+
+
+def cmd_init_study(args: argparse.Namespace) -> str:
+    from nctv import experiment, plots, report
+
+    loaded, cal, test = _load(args)
+    settings: dict[str, Any] = {}
+    if args.epochs is not None:
+        settings["epochs"] = args.epochs
+    if args.gamma is not None:
+        settings["gamma"] = args.gamma
+    result = experiment.run_init_study(
+        loaded, cal, test, runs=args.seeds, n_bins=args.n_bins, fitter=args.fitter, device=_device(args.device),
+        batch_size=args.batch_size, progress=not args.quiet, **settings)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
+    _write_table(report.init_study_table(result), out)
+    _save({"init_study": _both(plots.init_study_figure, plots.init_study_data_from_study(result))}, out)
+    ece = result.summary("ece")
+    parts = [f"{'data-driven' if k == 'data' else k} ECE {100 * v.mean:.2f} ± {100 * v.std:.2f}%"
+             for k, v in ece.items()]
+    return (f"init-study: {args.seeds} runs per initialisation on {result.model['name']} in {result.seconds:.1f} s; "
+            f"{'; '.join(parts)} ({args.n_bins} bins, fitter {result.fitter}) -> {out}")
+
+
+def _write_table(table, out: Path) -> None:
+    from nctv import report
+
+    (out / "table.md").write_text(report.to_markdown(table), encoding="utf-8")
+    (out / "table.csv").write_text(report.to_csv(table), encoding="utf-8")
+    (out / "table.tex").write_text(report.to_latex(table), encoding="utf-8")
+    (out / "table.json").write_text(report.to_json(table), encoding="utf-8")
+
+
+def _model_args(items: Sequence[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"--model-arg {item!r} must look like KEY=VALUE, e.g. stem_width=8.")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _training_data(args: argparse.Namespace):
+    """(train, test or None, class names) as (uint8 images, labels) tuples."""
+    import numpy as np
+
+    from nctv import data
+
+    name = args.dataset.strip()
+    if name == "fashion-mnist":
+        d = data.load_fashion_mnist_idx()
+        # The last 5,000 training images are the calibration pool; they must stay unseen.
+        train = (d["train_images"][:55_000], d["train_labels"][:55_000])
+        return train, (d["test_images"], d["test_labels"]), list(data.FASHION_MNIST_CLASSES)
+    if name == "bloodmnist":
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        repo, filename = data.BLOODMNIST_HUB
+        try:
+            path = hf_hub_download(repo, filename, repo_type="dataset")
+        except LocalEntryNotFoundError:
+            raise CLIError("BloodMNIST is not cached and the Hugging Face Hub cannot be reached; connect once to "
+                           "download it.") from None
+        names, path = list(data.BLOODMNIST_CLASSES), Path(path)
+    elif name.startswith("npz:"):
+        path, names = Path(name[4:]).expanduser(), args.class_names
+        if not path.is_file():
+            raise CLIError(f"{path} does not exist; give an .npz file with train_images and train_labels.")
+    else:
+        raise CLIError(f"Unknown training dataset {name!r}; use fashion-mnist, bloodmnist or npz:<file>.")
+    with np.load(path, allow_pickle=False) as z:
+        if "train_images" not in z.files or "train_labels" not in z.files:
+            raise CLIError(f"{path} has no train_images / train_labels arrays (the MedMNIST layout).")
+        train = (z["train_images"], z["train_labels"].reshape(-1))
+        test = (z["test_images"], z["test_labels"].reshape(-1)) if "test_images" in z.files else None
+    return train, test, names
+
+
+def cmd_train(args: argparse.Namespace) -> str:
+    from nctv import zoo
+
+    train, test, names = _training_data(args)
+    if args.train_size is not None:
+        train = (train[0][: args.train_size], train[1][: args.train_size])
+    arch, model_args = ARCH_PRESETS.get(args.arch, (args.arch, {}))
+    model_args = {**model_args, **_model_args(args.model_arg)}
+    result = zoo.train_classifier(
+        arch, model_args, train, out_dir=args.out, class_names=names, test_split=test,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=_device(args.device),
+        progress=not args.quiet,
+        card={"name": args.out.name, "train_data": f"{args.dataset}: {len(train[1])} training images"})
+    t = result.test_metrics
+    scores = (f"; test accuracy {100 * t['accuracy']:.2f}%, uncalibrated ECE {100 * t['ece_15']:.2f}%" if t else "")
+    return (f"train: {arch} on {args.dataset} ({len(train[1])} images, {args.epochs} epochs) in {result.seconds:.1f} s"
+            f"{scores} -> {args.out} (use --model local-dir:{args.out})")
+
+
+def cmd_models(args: argparse.Namespace) -> str:
+    from nctv import zoo
+
+    entries = zoo.list_models()
+    if args.json:
+        print(json.dumps([{"name": e.name, "source": e.source, "family": e.family, "datasets": list(e.datasets),
+                           "embedded": e.embedded, "description": e.description} for e in entries], indent=2))
+    else:
+        width = max(len(e.name) for e in entries)
+        for e in entries:
+            mark = "*" if e.name == zoo.DEFAULT_MODEL else " "
+            where = "embedded" if e.embedded else "Hub"
+            print(f"{mark} {e.name:<{width}}  {where:<8}  {', '.join(e.datasets):<14}  {e.description}")
+    return (f"models: {len(entries)} known, {sum(e.embedded for e in entries)} embedded; * = default "
+            f"({zoo.DEFAULT_MODEL}). Any timm model works as --model hf-hub:<org>/<name> or local-dir:<folder>.")
+
+
+COMMANDS = {
+    "run": cmd_run, "ablation": cmd_ablation, "timing": cmd_timing, "sweep-gamma": cmd_sweep_gamma,
+    "init-study": cmd_init_study, "train": cmd_train, "models": cmd_models,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nctv`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "quiet", False):
+        os.environ["TQDM_DISABLE"] = "1"
+    t0 = time.perf_counter()
+    try:
+        line = COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("nctv: interrupted", file=sys.stderr)
+        return 130
+    except (CLIError, ValueError, FileNotFoundError, PermissionError) as e:
+        print(f"nctv {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - any failure is reported as one line, never a traceback
+        print(f"nctv {args.command}: error: unexpected {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 2
+    print(line if line else f"nctv {args.command}: done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

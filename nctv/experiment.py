@@ -1,0 +1,1138 @@
+"""Paper-style runs: every method fitted on the calibration split, scored on the test split.
+
+A run (SPEC §4) takes a frozen model, a calibration split and a test split and
+
+* computes the unperturbed logits of each split once and caches them on disk (safetensors, keyed
+  by the model's weights and the split's content), so logit-space methods never touch the model;
+* fits every method on the calibration split; stochastic methods once per seed, deterministic ones
+  once (reported as ± 0);
+* scores the calibrated *test* logits with :func:`nctv.metrics.evaluate` for every bin count;
+* aggregates mean and sample standard deviation (ddof = 1) over the seeds;
+* compares "Neural Clamping (FL)" with the best baseline per metric by Welch's t-test.
+
+Conventions: metrics are fractions here (tables convert to % etc.); "better" means higher for
+accuracy and entropy (the paper's ↑ columns: a calibrated model should not be over-confident) and
+lower for every error (ECE, AECE, SCE, MCE, NLL, Brier). Every result records which Neural Clamping
+fitter produced its NC rows ("fast" by default, "paper" for the exact paper recipe).
+
+The same engine runs the ablation of Table 4 (:func:`run_ablation`) and the timing comparison of
+Table 7 (:func:`run_timing`); :func:`run_gamma_sweep` and :func:`run_init_study` wrap the γ sweep
+of Figure 2 and the initialisation study of Figure 3.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from scipy import stats
+from tqdm.auto import tqdm
+
+from nctv import __version__
+from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
+from nctv.metrics import METRIC_NAMES, evaluate
+
+DEFAULT_METHODS = (
+    "Uncalibrated",
+    "Temperature Scaling",
+    "TS by Grid Search",
+    "Vector Scaling",
+    "Matrix Scaling",
+    "MS-ODIR",
+    "Dir-ODIR",
+    "Neural Clamping (CE)",
+    "Neural Clamping (FL)",
+    "NC (Eff.)",
+)
+ABLATION_METHODS = (
+    "Uncalibrated",
+    "Temperature Scaling",
+    "Temperature Scaling (FL)",
+    "NC input only",
+    "NC output only",
+    "Neural Clamping (FL)",
+)
+DEFAULT_BINS = (10, 15, 20)
+DEFAULT_SEEDS = 5
+FITTERS = ("fast", "paper")
+#: The method Welch's t-test compares with the best baseline (the paper's proposal).
+COMPARED_METHOD = "Neural Clamping (FL)"
+REFERENCE_METHOD = "Uncalibrated"
+#: Metrics where a larger value is better; every other metric is an error (lower is better).
+HIGHER_IS_BETTER = frozenset({"accuracy", "entropy"})
+#: Ablation rows evaluated from the jointly fitted NC (FL) parameters of the same seed.
+NC_VARIANTS = {"NC input only": "input", "NC output only": "output"}
+TIMING_RESOLUTIONS = (0.01, 0.001)
+RESULTS_SCHEMA_VERSION = 1
+
+ProgressCallback = Callable[[float, str], None]
+
+
+def default_cache_dir() -> Path:
+    """NCTV's cache folder (``$NCTV_CACHE_DIR``, else ``~/.cache/nctv``), shared with the datasets."""
+    from nctv.data import cache_dir
+
+    return cache_dir()
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class MetricStats:
+    """One metric of one method at one bin count over the runs (fractions)."""
+
+    mean: float
+    std: float
+    runs: list[float]
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[float]) -> "MetricStats":
+        values = [float(v) for v in runs]
+        arr = np.asarray(values, dtype=np.float64)
+        # Sample std (ddof=1), the spread Welch's test uses; a single run has no spread.
+        std = float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+        return cls(float(arr.mean()), std, values)
+
+
+@dataclass
+class MethodResult:
+    """Everything measured for one method (one table row).
+
+    ``metrics[n_bins][metric]`` holds the statistics over ``seeds``; ``fit_seconds`` the wall time of
+    each fit (given the cached unperturbed logits; model passes a method needs itself are
+    included). ``params`` are the learned values of the first seed (``temperature``; for Neural
+    Clamping also ``delta_l2``, ``delta_linf``, ``gamma``, ``weight_decay``). ``test_logits`` (the
+    calibrated test logits of the first seed) and ``delta`` (NC's δ of the first seed, in the
+    model's normalised input space) are kept in memory and saved beside the JSON, not in it.
+    """
+
+    name: str
+    stochastic: bool
+    uses_model: bool
+    seeds: list[int]
+    metrics: dict[int, dict[str, MetricStats]]
+    fit_seconds: list[float]
+    params: dict[str, Any] = field(default_factory=dict)
+    test_logits: torch.Tensor | None = field(default=None, repr=False)
+    delta: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.name == REFERENCE_METHOD
+
+    @property
+    def is_baseline(self) -> bool:
+        """A logit-space calibrator (not the uncalibrated reference, not a Neural Clamping row)."""
+        return not self.uses_model and not self.is_reference
+
+
+@dataclass
+class WelchTest:
+    """Welch's t-test of ``method`` against ``baseline`` on one metric at one bin count.
+
+    ``t`` is positive when ``method`` has the larger mean. ``better`` says whether ``method`` is
+    better by the metric's direction (None on a tie). ``t``/``p``/``df`` are None when the test is
+    undefined (fewer than two runs of ``method``); ``note`` says why or how a degenerate case was
+    handled.
+    """
+
+    metric: str
+    n_bins: int
+    method: str
+    baseline: str
+    method_mean: float
+    baseline_mean: float
+    t: float | None
+    p: float | None
+    df: float | None
+    better: bool | None
+    note: str = ""
+
+
+@dataclass
+class RunResult:
+    """The outcome of a paper-style run; ``to_json()`` follows docs/results-schema.md."""
+
+    kind: str
+    model: dict[str, Any]
+    calibration: dict[str, Any]
+    test: dict[str, Any]
+    n_classes: int
+    class_names: list[str] | None
+    bins: list[int]
+    seeds: list[int]
+    fitter: str
+    methods: dict[str, MethodResult]
+    welch: list[WelchTest]
+    cache_hits: dict[str, bool]
+    settings: dict[str, Any]
+    seconds: float
+    created: str
+    test_labels: torch.Tensor | None = field(default=None, repr=False)
+
+    def stats(self, method: str, metric: str, n_bins: int = 15) -> MetricStats:
+        if method not in self.methods:
+            raise ValueError(f"No method {method!r} in this run; it has {', '.join(self.methods)}.")
+        if n_bins not in self.methods[method].metrics:
+            raise ValueError(f"This run has no {n_bins}-bin results; it used bins {self.bins}.")
+        per_bin = self.methods[method].metrics[n_bins]
+        if metric not in per_bin:
+            raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(per_bin)}.")
+        return per_bin[metric]
+
+    def welch_for(self, n_bins: int = 15) -> list[WelchTest]:
+        return [w for w in self.welch if w.n_bins == n_bins]
+
+    def to_dict(self) -> dict[str, Any]:
+        methods = {}
+        for name, m in self.methods.items():
+            methods[name] = {
+                "stochastic": m.stochastic,
+                "uses_model": m.uses_model,
+                "seeds": list(m.seeds),
+                "fit_seconds": list(m.fit_seconds),
+                "params": _jsonable(m.params),
+                "metrics": {
+                    str(b): {k: {"mean": s.mean, "std": s.std, "runs": list(s.runs)} for k, s in per.items()}
+                    for b, per in m.metrics.items()
+                },
+            }
+        return {
+            "schema_version": RESULTS_SCHEMA_VERSION,
+            "nctv_version": __version__,
+            "kind": self.kind,
+            "created": self.created,
+            "fitter": self.fitter,
+            "model": _jsonable(self.model),
+            "calibration": _jsonable(self.calibration),
+            "test": _jsonable(self.test),
+            "n_classes": self.n_classes,
+            "class_names": self.class_names,
+            "bins": list(self.bins),
+            "seeds": list(self.seeds),
+            "settings": _jsonable(self.settings),
+            "cache_hits": dict(self.cache_hits),
+            "seconds": self.seconds,
+            "methods": methods,
+            "welch": [_jsonable(vars(w)) for w in self.welch],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        # allow_nan=False: a NaN in results is a bug worth failing loudly on.
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunResult":
+        """Rebuild a result from ``to_dict()`` output (logits and δ are not part of the JSON)."""
+        if data.get("schema_version") != RESULTS_SCHEMA_VERSION:
+            raise ValueError(
+                f"results schema version {data.get('schema_version')!r} is not {RESULTS_SCHEMA_VERSION}; "
+                "re-run the experiment with this version of nctv."
+            )
+        methods = {}
+        for name, m in data["methods"].items():
+            metrics = {
+                int(b): {k: MetricStats(s["mean"], s["std"], list(s["runs"])) for k, s in per.items()}
+                for b, per in m["metrics"].items()
+            }
+            methods[name] = MethodResult(
+                name, m["stochastic"], m["uses_model"], list(m["seeds"]), metrics, list(m["fit_seconds"]),
+                dict(m["params"]),
+            )
+        welch = [WelchTest(**w) for w in data["welch"]]
+        return cls(
+            kind=data["kind"], model=data["model"], calibration=data["calibration"], test=data["test"],
+            n_classes=data["n_classes"], class_names=data["class_names"], bins=list(data["bins"]),
+            seeds=list(data["seeds"]), fitter=data["fitter"], methods=methods, welch=welch,
+            cache_hits=dict(data["cache_hits"]), settings=dict(data["settings"]), seconds=data["seconds"],
+            created=data["created"],
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunResult":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Write ``results.json`` and, when present, ``test_logits.safetensors`` (calibrated test
+        logits of the first seed per method, plus ``labels``) and ``delta.safetensors`` (δ per NC
+        method, normalised input space). Returns the written paths."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        written = [out / "results.json"]
+        written[0].write_text(self.to_json(), encoding="utf-8")
+        logits = {n: m.test_logits.contiguous() for n, m in self.methods.items() if m.test_logits is not None}
+        if logits and self.test_labels is not None:
+            logits["labels"] = self.test_labels.contiguous()
+            save_file(logits, str(out / "test_logits.safetensors"), metadata={"units": "logits"})
+            written.append(out / "test_logits.safetensors")
+        deltas = {n: m.delta.contiguous() for n, m in self.methods.items() if m.delta is not None}
+        if deltas:
+            save_file(deltas, str(out / "delta.safetensors"), metadata={"space": "normalised model input"})
+            written.append(out / "delta.safetensors")
+        return written
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return _jsonable(obj.item())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        # JSON has no inf/NaN; the schema spells them as strings.
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+# --------------------------------------------------------------------------- logit cache
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's class, parameter/buffer names, shapes, dtypes and values."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        # Raw bytes of any dtype (bfloat16 has no numpy equivalent); 0-d tensors need a 1-d view.
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class CachedLogits:
+    logits: torch.Tensor
+    labels: torch.Tensor
+    hit: bool
+    path: Path | None
+
+
+def split_logits(
+    model: torch.nn.Module,
+    split: Any,
+    cache_dir: str | Path | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: Any = None,
+    model_hash: str | None = None,
+) -> CachedLogits:
+    """Unperturbed logits (N, K) float32 of ``model`` on ``split``, read from or written to a cache.
+
+    The cache file is ``<cache_dir>/logits/<key>.safetensors`` (default ``cache_dir``:
+    :func:`default_cache_dir`) with key = SHA-256 of the model's
+    :func:`model_fingerprint` and ``split.fingerprint``; a different split or changed weights give
+    a different key. ``cache_dir=False`` disables the cache. Files hold tensors only (no pickle).
+    """
+    from safetensors.torch import load_file, save_file
+
+    labels = torch.as_tensor(np.asarray(split.labels)).long()
+    path = None
+    if cache_dir is not False:
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        mh = model_hash or model_fingerprint(model)
+        key = hashlib.sha256(f"{mh}|{split.fingerprint}|logits-v1".encode()).hexdigest()[:32]
+        path = root / "logits" / f"{key}.safetensors"
+        if path.is_file():
+            try:
+                stored = load_file(str(path))
+                z, y = stored["logits"], stored["labels"]
+                if z.ndim == 2 and z.shape[0] == len(labels) and torch.equal(y, labels):
+                    return CachedLogits(z, y, True, path)
+            except Exception:  # noqa: BLE001 - a damaged cache entry is simply recomputed
+                pass
+    z, seen = model_logits(model, split.loader(batch_size=batch_size), device=device, return_labels=True)
+    if not torch.equal(seen, labels):
+        raise ValueError(
+            f"The loader of split {getattr(split, 'name', '?')!r} yields its samples in a different order than "
+            "split.labels; a split's loader must not shuffle."
+        )
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file({"logits": z.contiguous(), "labels": labels.contiguous()}, str(tmp),
+                  metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint)})
+        os.replace(tmp, path)
+    return CachedLogits(z, labels, False, path)
+
+
+# --------------------------------------------------------------------------- splits
+
+
+class TensorSplit:
+    """A split given as preprocessed inputs (N, ...) and labels (N,): the minimal split interface
+    (``name``, ``labels``, ``fingerprint`` of the content, ``loader(batch_size)`` in order)."""
+
+    def __init__(self, inputs: Any, labels: Any, name: str = "split"):
+        x = torch.as_tensor(inputs)
+        y = torch.as_tensor(np.asarray(labels)).long().reshape(-1)
+        if x.ndim < 2 or x.shape[0] != y.shape[0]:
+            raise ValueError(f"A split needs inputs (N, ...) and N labels; got inputs {tuple(x.shape)} and "
+                             f"{y.shape[0]} labels.")
+        self.name, self.inputs, self.labels = name, x, y
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{tuple(self.inputs.shape)}|{self.inputs.dtype}".encode())
+            h.update(self.inputs.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(self.labels.numpy().astype("<i8").tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def loader(self, batch_size: int = DEFAULT_BATCH_SIZE) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.inputs, self.labels),
+                                           batch_size=batch_size, shuffle=False)
+
+
+def as_split(split: Any, name: str) -> Any:
+    """A split object as given (anything with ``labels``, ``fingerprint``, ``loader``), or a
+    :class:`TensorSplit` from an ``(inputs, labels)`` pair."""
+    if all(hasattr(split, a) for a in ("labels", "fingerprint", "loader")):
+        return split
+    if isinstance(split, (tuple, list)) and len(split) == 2:
+        return TensorSplit(split[0], split[1], name)
+    raise ValueError(f"The {name} split must be a Split from nctv.data.get_splits or a pair (inputs, labels).")
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """One table row: ``label`` shown, registry ``name`` fitted with ``overrides``.
+
+    ``variant`` ("input"/"output") marks an ablation row evaluated from the NC (FL) fit of the same
+    seed instead of a fit of its own.
+    """
+
+    label: str
+    name: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+    variant: str | None = None
+
+
+def _registry():
+    from nctv import calibration
+
+    if not hasattr(calibration, "METHODS"):  # pragma: no cover - guards a partial install
+        raise RuntimeError("nctv.calibration.METHODS is missing; the calibration registry is not installed.")
+    return calibration.METHODS
+
+
+def check_methods(methods: Iterable[str]) -> list[str]:
+    """Validate method names against the registry (plus the ablation rows); returns a list."""
+    names = list(methods)
+    if not names:
+        raise ValueError("No methods given; name at least one, e.g. 'Temperature Scaling'.")
+    known = list(_registry()) + [n for n in NC_VARIANTS if n not in _registry()]
+    lower = {k.lower(): k for k in known}
+    out = []
+    for n in names:
+        canon = lower.get(str(n).strip().lower())
+        if canon is None:
+            raise ValueError(f"Unknown method {n!r}; choose from: {', '.join(known)}.")
+        if canon in out:
+            raise ValueError(f"Method {canon!r} is listed twice.")
+        out.append(canon)
+    return out
+
+
+def _plans(methods: Sequence[str]) -> list[MethodPlan]:
+    return [MethodPlan(n, COMPARED_METHOD if n in NC_VARIANTS else n, variant=NC_VARIANTS.get(n)) for n in methods]
+
+
+def _check_bins_list(bins: Iterable[int]) -> list[int]:
+    out = []
+    for b in bins:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+            raise ValueError(f"Bin counts must be positive whole numbers; got {b!r}.")
+        if int(b) not in out:
+            out.append(int(b))
+    if not out:
+        raise ValueError("No bin counts given; use e.g. 10 15 20.")
+    return out
+
+
+def _check_seeds(seeds: int | Sequence[int]) -> list[int]:
+    if isinstance(seeds, (int, np.integer)) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise ValueError(f"seeds must be at least 1; got {seeds}.")
+        return list(range(int(seeds)))
+    out = [int(s) for s in seeds]
+    if not out:
+        raise ValueError("No seeds given; use a count such as 5.")
+    if len(set(out)) != len(out):
+        raise ValueError(f"Seeds must differ; got {out}.")
+    return out
+
+
+def _check_fitter(fitter: str) -> str:
+    if fitter not in FITTERS:
+        raise ValueError(f"Unknown Neural Clamping fitter {fitter!r}; use one of {', '.join(FITTERS)}.")
+    return fitter
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class _Progress:
+    """tqdm bar plus the optional ``callback(fraction, message)`` of the app."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, callback: ProgressCallback | None):
+        self.total = max(total, 1)
+        self.done = 0
+        self.callback = callback
+        self.bar = tqdm(total=total, desc=desc, disable=not enabled, unit="fit", leave=False)
+
+    def message(self, msg: str) -> None:
+        self.bar.set_postfix_str(msg, refresh=True)
+        if self.callback is not None:
+            self.callback(self.done / self.total, msg)
+
+    def step(self, msg: str) -> None:
+        self.done += 1
+        self.bar.update(1)
+        if self.callback is not None:
+            self.callback(min(self.done / self.total, 1.0), msg)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _unwrap_model(model: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(module, info) for an ``nn.Module`` or a zoo ``LoadedModel``."""
+    module = getattr(model, "model", model)
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError("model must be a torch.nn.Module or a model loaded with nctv.zoo.load_model.")
+    name = getattr(model, "name", None) or type(module).__name__
+    info = {"name": name, "class": type(module).__name__, "n_parameters": int(sum(p.numel() for p in module.parameters()))}
+    return module, info
+
+
+def _input_range(model: Any, input_range: Any) -> Any:
+    """The feasible input range (α, β): given, else the zoo model's own, else None."""
+    return input_range if input_range is not None else getattr(model, "input_range", None)
+
+
+def _split_info(split: Any) -> dict[str, Any]:
+    return {"name": str(getattr(split, "name", "split")), "size": int(len(split.labels)),
+            "fingerprint": str(split.fingerprint)}
+
+
+@dataclass
+class _Context:
+    model: torch.nn.Module
+    cal: Any
+    test: Any
+    cal_z: torch.Tensor
+    cal_y: torch.Tensor
+    test_z: torch.Tensor
+    test_y: torch.Tensor
+    fitter: str
+    device: torch.device
+    batch_size: int
+    epochs: int | None
+    gamma: float | None
+    input_range: Any
+    progress: _Progress
+    nc_fits: dict = field(default_factory=dict)
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+def _make(ctx: _Context, plan: MethodPlan, seed: int):
+    spec = _registry()[plan.name]
+    kw: dict[str, Any] = dict(plan.overrides)
+    if plan.name in ("Temperature Scaling (FL)", COMPARED_METHOD) and ctx.gamma is not None:
+        kw.setdefault("gamma", ctx.gamma)
+    if not spec.needs_model:
+        return _quiet(spec.factory(**kw))
+    kw.setdefault("device", ctx.device)
+    kw.setdefault("batch_size", ctx.batch_size)
+    if ctx.input_range is not None:
+        kw.setdefault("input_range", ctx.input_range)
+    if spec.stochastic:
+        # Trained input calibrators (Neural Clamping): seeded, fitter chosen by the run.
+        kw.setdefault("fitter", ctx.fitter)
+        kw.setdefault("seed", seed)
+        if ctx.epochs is not None:
+            kw.setdefault("epochs", ctx.epochs)
+        kw.setdefault("callback", _nc_callback(ctx, plan.label, seed))
+    return _quiet(spec.factory(ctx.model, **kw))
+
+
+def _quiet(method: Any) -> Any:
+    """Silence a method's own progress bar (the run reports progress); settings are plain attributes."""
+    if hasattr(method, "progress"):
+        method.progress = False
+    return method
+
+
+def _nc_callback(ctx: _Context, label: str, seed: int):
+    def report(info: dict) -> None:
+        loss = info.get("loss")
+        tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+        ctx.progress.message(f"{label} (seed {seed}): step {info.get('step', '?')}{tail}")
+
+    return report
+
+
+def _learned_params(method: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for attr in ("temperature_", "gamma_", "weight_decay_", "n_passes_"):
+        v = getattr(method, attr, None)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (int, float, np.generic)):
+            params[attr.rstrip("_")] = float(v) if not isinstance(v, (int, np.integer)) else int(v)
+    delta = getattr(method, "delta_", None)
+    if isinstance(delta, torch.Tensor):
+        d = delta.detach().float().cpu()
+        params["delta_l2"] = float(d.norm())
+        params["delta_linf"] = float(d.abs().max())
+        params["delta_shape"] = list(d.shape)
+    return params
+
+
+def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tensor, float, dict, torch.Tensor | None]:
+    """Calibrated test logits, fit seconds, learned params, δ (or None) of one method and seed."""
+    if plan.variant is not None:
+        nc, seconds = _nc_fit(ctx, plan, seed)
+        if plan.variant == "input":
+            z = nc.predict_logits(ctx.test.loader(batch_size=ctx.batch_size), use_delta=True, use_temperature=False)
+        else:
+            # f(x)/T*: the cached unperturbed logits are exactly f(x).
+            z = ctx.test_z / float(nc.temperature_)
+        params = _learned_params(nc)
+        params["shares_fit_with"] = plan.name
+        if plan.variant == "output":
+            params.pop("delta_l2", None), params.pop("delta_linf", None), params.pop("delta_shape", None)
+            return z, seconds, params, None
+        params["temperature"] = 1.0
+        return z, seconds, params, nc.delta_.detach().float().cpu()
+    spec = _registry()[plan.name]
+    if spec.needs_model:
+        nc, seconds = _nc_fit(ctx, plan, seed)
+        z = nc.predict_logits(ctx.test.loader(batch_size=ctx.batch_size))
+        delta = getattr(nc, "delta_", None)
+        return z, seconds, _learned_params(nc), (None if delta is None else delta.detach().float().cpu())
+    _seed_everything(seed)
+    m = _make(ctx, plan, seed)
+    t0 = time.perf_counter()
+    m.fit(ctx.cal_z, ctx.cal_y)
+    seconds = time.perf_counter() - t0
+    z = m.transform(ctx.test_z)
+    return z, seconds, _learned_params(m), None
+
+
+def _nc_fit(ctx: _Context, plan: MethodPlan, seed: int):
+    """Fit (or reuse within this run) a model-based method for ``seed``; ablation rows share it."""
+    key = (plan.name, plan.overrides, seed)
+    if key not in ctx.nc_fits:
+        _seed_everything(seed)
+        m = _make(ctx, plan, seed)
+        t0 = time.perf_counter()
+        m.fit(ctx.cal.loader(batch_size=ctx.batch_size))
+        ctx.nc_fits[key] = (m, time.perf_counter() - t0)
+    return ctx.nc_fits[key]
+
+
+def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[int]) -> MethodResult:
+    """One table row: fit and score ``plan`` for every seed; keep the first seed's logits and δ."""
+    per_bin: dict[int, dict[str, list[float]]] = {b: {k: [] for k in METRIC_NAMES} for b in bins}
+    seconds, first = [], None
+    for s in seeds:
+        ctx.progress.message(f"{plan.label} (seed {s})")
+        z, sec, params, delta = _fit_predict(ctx, plan, s)
+        z = z.detach().float().cpu()
+        seconds.append(sec)
+        for b in bins:
+            for k, v in evaluate(z, ctx.test_y, n_bins=b).items():
+                per_bin[b][k].append(v)
+        if first is None:
+            first = (z, dict(params, **dict(plan.overrides)), delta)
+        ctx.progress.step(f"{plan.label} (seed {s}) done")
+    spec = _registry()[plan.name]
+    return MethodResult(
+        plan.label, bool(spec.stochastic), bool(spec.needs_model), list(seeds),
+        {b: {k: MetricStats.from_runs(v) for k, v in per.items()} for b, per in per_bin.items()},
+        seconds, first[1], first[0], first[2],
+    )
+
+
+def _run_plans(
+    kind: str,
+    model: Any,
+    calibration: Any,
+    test: Any,
+    plans: Sequence[MethodPlan],
+    seeds: int | Sequence[int],
+    bins: Iterable[int],
+    fitter: str,
+    gamma: float | None,
+    epochs: int | None,
+    device: Any,
+    batch_size: int,
+    cache_dir: str | Path | None,
+    progress: bool,
+    callback: ProgressCallback | None,
+    settings: dict[str, Any],
+    input_range: Any = None,
+) -> RunResult:
+    t_start = time.perf_counter()
+    calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
+    fitter = _check_fitter(fitter)
+    bins = _check_bins_list(bins)
+    seed_list = _check_seeds(seeds)
+    n_test = len(test.labels)
+    if max(bins) > n_test:
+        raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
+    module, model_info = _unwrap_model(model)
+    dev = resolve_device(device) if device is not None else model_device(module)
+    module.to(dev)
+    stochastic = {p.label: bool(_registry()[p.name].stochastic) for p in plans}
+    total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
+    bar = _Progress(total, kind, progress, callback)
+    try:
+        model_info["fingerprint"] = model_fingerprint(module)
+        bar.message("logits of the calibration split")
+        cal = split_logits(module, calibration, cache_dir, batch_size, dev, model_info["fingerprint"])
+        bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
+        tst = split_logits(module, test, cache_dir, batch_size, dev, model_info["fingerprint"])
+        bar.step("test logits " + ("from cache" if tst.hit else "computed"))
+        n_classes = int(cal.logits.shape[1])
+        if tst.logits.shape[1] != n_classes:
+            raise ValueError("The calibration and test splits give different numbers of classes.")
+        ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, fitter, dev,
+                       batch_size, epochs, gamma, _input_range(model, input_range), bar)
+        results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
+                   for p in plans}
+    finally:
+        bar.close()
+    info = getattr(model, "class_names", None)
+    return RunResult(
+        kind=kind,
+        model=model_info,
+        calibration=_split_info(calibration),
+        test=_split_info(test),
+        n_classes=n_classes,
+        class_names=list(info) if info is not None else None,
+        bins=bins,
+        seeds=seed_list,
+        fitter=fitter,
+        methods=results,
+        welch=welch_tests(results, bins),
+        cache_hits={"calibration": cal.hit, "test": tst.hit},
+        settings={"gamma": gamma, "epochs": epochs, "batch_size": batch_size, "device": str(dev), **settings},
+        seconds=time.perf_counter() - t_start,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        test_labels=tst.labels,
+    )
+
+
+def run_experiment(
+    model: Any,
+    calibration: Any,
+    test: Any,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    seeds: int | Sequence[int] = DEFAULT_SEEDS,
+    bins: Iterable[int] = DEFAULT_BINS,
+    fitter: str = "fast",
+    gamma: float | None = None,
+    epochs: int | None = None,
+    device: Any = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    cache_dir: str | Path | None = None,
+    input_range: Any = None,
+    progress: bool = True,
+    callback: ProgressCallback | None = None,
+) -> RunResult:
+    """The comparison of Tables 1–3: fit ``methods`` on ``calibration``, score on ``test``.
+
+    ``model``: a zoo ``LoadedModel`` or any frozen ``nn.Module`` mapping preprocessed inputs to
+    logits. ``calibration``/``test``: splits (``.labels``, ``.fingerprint``, ``.loader(batch_size)``
+    yielding ``(x, y)`` in a fixed order), e.g. from :func:`nctv.data.get_splits`, or
+    ``(inputs, labels)`` pairs of preprocessed tensors. ``seeds``: a count
+    (seeds 0..n−1) or explicit seeds; deterministic methods run once. ``gamma`` and ``epochs``
+    override the registry defaults of the Neural Clamping rows (and TS (FL)); ``fitter`` picks the
+    NC fitter. ``input_range`` = (α, β), the preprocessed images of pixel values 0 and 1, is needed
+    by NC (Eff.); a zoo model brings its own. ``cache_dir=False`` turns the logit cache off.
+    ``callback(fraction, message)`` is called as the run advances.
+    """
+    names = check_methods(methods)
+    return _run_plans("run", model, calibration, test, _plans(names), seeds, bins, fitter, gamma, epochs, device,
+                      batch_size, cache_dir, progress, callback, {"methods": names}, input_range)
+
+
+def run_ablation(
+    model: Any,
+    calibration: Any,
+    test: Any,
+    seeds: int | Sequence[int] = DEFAULT_SEEDS,
+    bins: Iterable[int] = DEFAULT_BINS,
+    fitter: str = "fast",
+    gamma: float | None = None,
+    epochs: int | None = None,
+    device: Any = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    cache_dir: str | Path | None = None,
+    input_range: Any = None,
+    progress: bool = True,
+    callback: ProgressCallback | None = None,
+) -> RunResult:
+    """Table 4: NC (FL) against its parts. "NC input only" is f(x + δ*) and "NC output only"
+    f(x)/T*, both from the δ*, T* that NC (FL) learned jointly for the same seed (no separate fit);
+    "Temperature Scaling (FL)" fits T alone with NC's focal loss γ."""
+    return _run_plans("ablation", model, calibration, test, _plans(ABLATION_METHODS), seeds, bins, fitter, gamma,
+                      epochs, device, batch_size, cache_dir, progress, callback, {"methods": list(ABLATION_METHODS)},
+                      input_range)
+
+
+def run_timing(
+    model: Any,
+    calibration: Any,
+    test: Any,
+    resolutions: Sequence[float] = TIMING_RESOLUTIONS,
+    bins: Iterable[int] = (15,),
+    fitter: str = "fast",
+    gamma: float | None = None,
+    epochs: int | None = None,
+    device: Any = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    cache_dir: str | Path | None = None,
+    input_range: Any = None,
+    progress: bool = True,
+    callback: ProgressCallback | None = None,
+) -> RunResult:
+    """Table 7: TS by grid search and NC (Eff.) at each grid ``resolution``, and NC (FL), one run each.
+
+    Rows are labelled "TS-Grid (0.01)", "NC (Eff.) (0.01)", …; ``params["resolution"]`` holds the
+    step. ``fit_seconds`` is the time to fit given the cached unperturbed logits (NC (Eff.)'s
+    gradient pass and perturbed forward pass are included).
+    """
+    steps = []
+    for r in resolutions:
+        try:
+            step = float(r)
+        except (TypeError, ValueError):
+            raise ValueError(f"Grid resolutions must be numbers such as 0.01; got {r!r}.") from None
+        if not 0 < step < 5:
+            raise ValueError(f"Grid resolution {r!r} must lie between 0 and 5 (the grid spans T in (0, 5]).")
+        steps.append(step)
+    plans = [MethodPlan("Uncalibrated", "Uncalibrated")]
+    plans += [MethodPlan(f"TS-Grid ({r:g})", "TS by Grid Search", (("grid_step", r),)) for r in steps]
+    plans += [MethodPlan(f"NC (Eff.) ({r:g})", "NC (Eff.)", (("grid_step", r),)) for r in steps]
+    plans.append(MethodPlan(COMPARED_METHOD, COMPARED_METHOD))
+    result = _run_plans("timing", model, calibration, test, plans, 1, bins, fitter, gamma, epochs, device, batch_size,
+                        cache_dir, progress, callback, {"resolutions": steps}, input_range)
+    for m in result.methods.values():
+        if "grid_step" in m.params:
+            m.params["resolution"] = m.params.pop("grid_step")
+    return result
+
+
+# --------------------------------------------------------------------------- Welch's t-test
+
+
+def better(metric: str, a: float, b: float) -> bool | None:
+    """Is value ``a`` better than ``b`` for ``metric``? None when equal."""
+    if a == b:
+        return None
+    return (a > b) if metric in HIGHER_IS_BETTER else (a < b)
+
+
+def best_method(methods: dict[str, MethodResult], metric: str, n_bins: int, among: Iterable[str]) -> str | None:
+    """The name with the best mean among ``among`` (first listed wins ties)."""
+    best = None
+    for name in among:
+        v = methods[name].metrics[n_bins][metric].mean
+        if best is None or better(metric, v, methods[best].metrics[n_bins][metric].mean):
+            best = name
+    return best
+
+
+def welch_test(metric: str, n_bins: int, method: MethodResult, baseline: MethodResult) -> WelchTest:
+    """Welch's t-test (unequal variances) of ``method``'s runs against ``baseline``'s runs.
+
+    Degenerate cases, decided here: a deterministic baseline (one run, or identical runs) is a
+    known constant, and Welch's statistic with zero baseline variance is the one-sample t-test of
+    ``method``'s runs against that constant (df = n − 1); if ``method`` has no spread either, the
+    difference is exact: t = ±inf, p = 0 (or t = 0, p = 1 when the means are equal). Fewer than
+    two runs of ``method`` give no test (t = p = None).
+    """
+    a = np.asarray(method.metrics[n_bins][metric].runs, dtype=np.float64)
+    b = np.asarray(baseline.metrics[n_bins][metric].runs, dtype=np.float64)
+    ma, mb = float(a.mean()), float(b.mean())
+    base = dict(metric=metric, n_bins=n_bins, method=method.name, baseline=baseline.name,
+                method_mean=ma, baseline_mean=mb, better=better(metric, ma, mb))
+    if len(a) < 2:
+        return WelchTest(**base, t=None, p=None, df=None, note=f"needs at least 2 runs of {method.name}")
+    a_flat = bool(np.all(a == a[0]))
+    b_flat = len(b) < 2 or bool(np.all(b == b[0]))
+    if a_flat and b_flat:
+        if ma == mb:
+            return WelchTest(**base, t=0.0, p=1.0, df=None, note="identical values, no spread")
+        return WelchTest(**base, t=math.copysign(math.inf, ma - mb), p=0.0, df=None,
+                         note="no spread in either; the difference is exact")
+    if b_flat:
+        r = stats.ttest_1samp(a, mb)
+        return WelchTest(**base, t=float(r.statistic), p=float(r.pvalue), df=float(len(a) - 1),
+                         note="deterministic baseline: one-sample t-test against its value")
+    r = stats.ttest_ind(a, b, equal_var=False)
+    return WelchTest(**base, t=float(r.statistic), p=float(r.pvalue), df=float(r.df))
+
+
+def welch_tests(methods: dict[str, MethodResult], bins: Iterable[int], compared: str = COMPARED_METHOD) -> list[WelchTest]:
+    """``compared`` against the best baseline (logit-space calibrator) per metric and bin count."""
+    if compared not in methods:
+        return []
+    baselines = [n for n, m in methods.items() if m.is_baseline]
+    out = []
+    for b in bins:
+        for metric in METRIC_NAMES:
+            best = best_method(methods, metric, b, baselines)
+            if best is not None:
+                out.append(welch_test(metric, b, methods[compared], methods[best]))
+    return out
+
+
+# --------------------------------------------------------------------------- γ sweep and init study
+
+
+def _prepare_model_run(model: Any, device: Any) -> tuple[torch.nn.Module, dict[str, Any], torch.device]:
+    module, info = _unwrap_model(model)
+    dev = resolve_device(device) if device is not None else model_device(module)
+    module.to(dev)
+    info["fingerprint"] = model_fingerprint(module)
+    return module, info, dev
+
+
+def _passes_callback(total: float, what: str, bar: Any, callback: ProgressCallback | None):
+    """Turn Neural Clamping's per-step ``info`` into a fraction of about ``total`` passes.
+
+    The fast fitter counts passes per fit (the count restarts), the paper fitter over the whole
+    split (it only grows); a drop therefore starts a new fit whose passes add to the earlier ones.
+    """
+    state = {"before": 0.0, "last": 0.0}
+
+    def report(info: dict) -> None:
+        passes = float(info.get("passes", state["last"]))
+        if passes < state["last"]:
+            state["before"] += state["last"]
+        state["last"] = passes
+        now = state["before"] + passes
+        bar.n = round(min(now, total), 2)
+        bar.refresh()
+        if callback is not None:
+            loss = info.get("loss")
+            tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+            callback(min(now / total, 0.99), f"{what}: about {now:.0f} of {total:.0f} passes{tail}")
+
+    return report
+
+
+@dataclass
+class GammaSweepResult:
+    """Figure 2's numbers (``sweep``: a ``nctv.calibration.clamping.GammaSweep``) and what was run."""
+
+    sweep: Any
+    model: dict[str, Any]
+    calibration: dict[str, Any]
+    test: dict[str, Any]
+    settings: dict[str, Any]
+    seconds: float
+    created: str
+
+    @property
+    def fitter(self) -> str:
+        return self.sweep.fitter
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.sweep
+        return {
+            "schema_version": RESULTS_SCHEMA_VERSION, "nctv_version": __version__, "kind": "gamma-sweep",
+            "created": self.created, "fitter": s.fitter, "model": _jsonable(self.model),
+            "calibration": _jsonable(self.calibration), "test": _jsonable(self.test),
+            "settings": _jsonable(self.settings), "seconds": self.seconds, "n_bins": s.n_bins,
+            "gammas": _jsonable(s.gammas), "chosen_gamma": s.chosen_gamma, "temperature": _jsonable(s.temperature),
+            "weight_decay": _jsonable(s.weight_decay), "objective": _jsonable(s.objective),
+            "passes": _jsonable(s.passes), "n_passes": s.n_passes,
+            "splits": {"calibration": _jsonable(s.cal), **({"test": _jsonable(s.test)} if s.test is not None else {})},
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+
+def run_gamma_sweep(
+    model: Any,
+    calibration: Any,
+    test: Any | None = None,
+    gammas: Sequence[float] | None = None,
+    n_bins: int = 15,
+    fitter: str = "fast",
+    seed: int = 0,
+    device: Any = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: bool = True,
+    callback: ProgressCallback | None = None,
+    **settings: Any,
+) -> GammaSweepResult:
+    """Figure 2: Neural Clamping fitted for every γ (default 0, 0.05, …, 1), with ECE, entropy and
+    training loss on the calibration and test splits (``clamping.gamma_sweep``). ``settings`` go to
+    ``NeuralClamping`` (init, weight_decay, epochs, …); a zoo model's ``input_range`` is passed
+    when ``init="data"`` asks for it."""
+    from nctv.calibration import clamping
+
+    t0 = time.perf_counter()
+    calibration = as_split(calibration, "calibration")
+    test = None if test is None else as_split(test, "test")
+    fitter = _check_fitter(fitter)
+    module, info, dev = _prepare_model_run(model, device)
+    gammas = list(clamping.SWEEP_GAMMAS if gammas is None else gammas)
+    if settings.get("init") == "data" or settings.get("clamp"):
+        settings.setdefault("input_range", _input_range(model, None))
+    epochs = int(settings.get("epochs", 100))
+    passes_per_gamma = float(settings.pop("passes_per_gamma", 4))
+    if fitter == "paper":
+        total = (epochs + 1.5) * len(gammas)
+    else:
+        total = settings.get("max_passes", 20) + passes_per_gamma * (len(gammas) - 1)
+    bar = tqdm(total=total, desc="gamma sweep", unit="pass", disable=not progress, leave=False)
+    try:
+        sweep = clamping.gamma_sweep(
+            module, calibration.loader(batch_size=batch_size), None,
+            None if test is None else test.loader(batch_size=batch_size), None,
+            gammas=gammas, n_bins=n_bins, passes_per_gamma=passes_per_gamma, fitter=fitter, seed=seed, device=dev,
+            batch_size=batch_size, progress=False,
+            callback=_passes_callback(total, "γ sweep", bar, callback), **settings,
+        )
+    finally:
+        bar.close()
+    if callback is not None:
+        callback(1.0, f"γ sweep done; chosen γ = {sweep.chosen_gamma:g}")
+    return GammaSweepResult(
+        sweep, info, _split_info(calibration), _split_info(test) if test is not None else {},
+        {"seed": seed, "batch_size": batch_size, "device": str(dev), "passes_per_gamma": passes_per_gamma,
+         **{k: v for k, v in settings.items() if k != "input_range"}},
+        time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+@dataclass
+class InitStudyResult:
+    """Figure 3's numbers (``study``: a ``nctv.calibration.clamping.InitStudy``) and what was run."""
+
+    study: Any
+    model: dict[str, Any]
+    calibration: dict[str, Any]
+    test: dict[str, Any]
+    n_classes: int
+    settings: dict[str, Any]
+    seconds: float
+    created: str
+
+    @property
+    def fitter(self) -> str:
+        return self.study.fitter
+
+    def summary(self, metric: str = "ece") -> dict[str, MetricStats]:
+        """Mean ± std of ``metric`` per initialisation ("random", "data")."""
+        return {init: MetricStats.from_runs(self.study.values(init, metric)) for init in self.study.runs}
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.study
+        return {
+            "schema_version": RESULTS_SCHEMA_VERSION, "nctv_version": __version__, "kind": "init-study",
+            "created": self.created, "fitter": s.fitter, "model": _jsonable(self.model),
+            "calibration": _jsonable(self.calibration), "test": _jsonable(self.test), "n_classes": self.n_classes,
+            "settings": _jsonable(self.settings), "seconds": self.seconds, "n_bins": s.n_bins,
+            "seeds": list(s.seeds), "shared_data_fit": s.shared_data_fit, "n_passes": s.n_passes,
+            "runs": _jsonable(s.runs),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+
+def run_init_study(
+    model: Any,
+    calibration: Any,
+    test: Any,
+    runs: int = DEFAULT_SEEDS,
+    n_bins: int = 15,
+    fitter: str = "fast",
+    seed: int = 0,
+    input_range: Any = None,
+    device: Any = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: bool = True,
+    callback: ProgressCallback | None = None,
+    **settings: Any,
+) -> InitStudyResult:
+    """Figure 3: Neural Clamping from random and from data-driven δ₀ (Theorem 1), ``runs`` runs each
+    (seeds ``seed``…), scored on the test split (``clamping.init_study``). Needs ``input_range``;
+    a zoo model brings its own."""
+    from nctv.calibration import clamping
+
+    t0 = time.perf_counter()
+    calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
+    fitter = _check_fitter(fitter)
+    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
+        raise ValueError(f"runs must be a whole number >= 1; got {runs!r}.")
+    module, info, dev = _prepare_model_run(model, device)
+    rng = _input_range(model, input_range)
+    if rng is None:
+        raise ValueError("The initialisation study needs input_range=(alpha, beta), the preprocessed images of "
+                         "pixel values 0 and 1 (a model from nctv.zoo brings its own).")
+    epochs = int(settings.get("epochs", 100))
+    per_fit = epochs + 0.5 if fitter == "paper" else float(settings.get("max_passes", 20))
+    fits = 2 * runs if fitter == "paper" else runs + 1
+    total = per_fit * fits + 1
+    bar = tqdm(total=total, desc="init study", unit="pass", disable=not progress, leave=False)
+    try:
+        study = clamping.init_study(
+            module, calibration.loader(batch_size=batch_size), test.loader(batch_size=batch_size), n_runs=runs,
+            seed=seed, n_bins=n_bins, fitter=fitter, input_range=rng, device=dev, batch_size=batch_size,
+            progress=False, callback=_passes_callback(total, "initialisation study", bar, callback), **settings,
+        )
+    finally:
+        bar.close()
+    if callback is not None:
+        callback(1.0, "initialisation study done")
+    n_classes = _n_classes(model, module, test, batch_size)
+    return InitStudyResult(
+        study, info, _split_info(calibration), _split_info(test), n_classes,
+        {"runs": runs, "seed": seed, "batch_size": batch_size, "device": str(dev), **settings},
+        time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _n_classes(model: Any, module: torch.nn.Module, split: Any, batch_size: int) -> int:
+    """K: the zoo model's or the split's class names, else the width of one batch of logits."""
+    for names in (getattr(model, "class_names", None), getattr(split, "class_names", None)):
+        if names:
+            return len(names)
+    x, _ = next(iter(split.loader(batch_size=min(batch_size, 8))))
+    return int(model_logits(module, x).shape[1])

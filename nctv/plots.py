@@ -1,0 +1,643 @@
+"""Figures from data: numbers first (small dataclasses), drawing second.
+
+Every figure exists twice from the same data object: ``backend="matplotlib"`` gives a
+``matplotlib.figure.Figure`` for paper export (PNG/PDF; built without pyplot, so it is safe in
+threads and under any backend), ``backend="plotly"`` an interactive ``plotly`` figure whose hover
+text shows the numbers (for reliability diagrams: bin range, count, accuracy, confidence).
+:func:`save_figure` writes either kind by file extension.
+
+Data objects and their units:
+
+* :class:`ReliabilityData` — equal-width bins of top-1 confidence from
+  :func:`nctv.metrics.reliability_bins`; fractions; ECE shown in %.
+* :class:`DeltaImageData` — Neural Clamping's δ **in pixel units**: δ lives in the model's
+  normalised input space, so δ_pixel = δ · std (per channel); shown on the 0–255 intensity scale
+  with a symmetric diverging colour map (white = 0).
+* :class:`GammaCurveData` — ECE, entropy and training loss against γ for the calibration and test
+  splits (Figure 2).
+* :class:`InitStudyData` — per-run metrics of random vs data-driven δ initialisation (Figure 3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from nctv import metrics
+
+BACKENDS = ("matplotlib", "plotly")
+BLUE, GREEN, RED, GREY = "#1f77b4", "#2ca02c", "#d62728", "#7f7f7f"
+#: Colours of the initialisation study, as in the paper's Figure 3 (random blue, data-driven green).
+INIT_COLOURS = {"random": BLUE, "data-driven": GREEN}
+_PER_ROW = 5
+#: Plotly legend on the title's line, right-aligned, clear of the subplot titles.
+_TOP_LEGEND = dict(orientation="h", yref="container", y=0.97, yanchor="top", xanchor="right", x=1)
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown plotting backend {backend!r}; use 'matplotlib' or 'plotly'.")
+    return backend
+
+
+def _new_figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+# --------------------------------------------------------------------------- reliability
+
+
+@dataclass(frozen=True)
+class ReliabilityData:
+    """A reliability diagram's numbers for one method (fractions; NaN for empty bins)."""
+
+    method: str
+    edges: np.ndarray
+    counts: np.ndarray
+    confidence: np.ndarray
+    accuracy: np.ndarray
+    ece: float
+    overall_accuracy: float
+    mean_confidence: float
+
+    @property
+    def n(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def n_bins(self) -> int:
+        return len(self.counts)
+
+
+def reliability_data(logits: Any, labels: Any, n_bins: int = 15, method: str = "") -> ReliabilityData:
+    """Bins from :func:`nctv.metrics.reliability_bins` of ``logits`` (N, K) and ``labels`` (N,)."""
+    bins = metrics.reliability_bins(logits, labels, n_bins)
+    conf, _ = metrics.confidences_and_predictions(logits)
+    return ReliabilityData(
+        method, bins.edges, bins.counts, bins.confidence, bins.accuracy,
+        metrics.ece(logits, labels, n_bins), metrics.accuracy(logits, labels), float(conf.mean()),
+    )
+
+
+def reliability_data_from_result(result: Any, n_bins: int = 15,
+                                 methods: Sequence[str] | None = None) -> list[ReliabilityData]:
+    """One :class:`ReliabilityData` per method of a ``RunResult`` (first seed's calibrated test logits)."""
+    names = list(result.methods) if methods is None else list(methods)
+    if result.test_labels is None:
+        raise ValueError("This result has no test logits (it was read from JSON); re-run it to draw diagrams.")
+    out = []
+    for name in names:
+        if name not in result.methods:
+            raise ValueError(f"No method {name!r} in this run; it has {', '.join(result.methods)}.")
+        z = result.methods[name].test_logits
+        if z is None:
+            raise ValueError(f"Method {name!r} kept no test logits; re-run it to draw diagrams.")
+        out.append(reliability_data(z, result.test_labels, n_bins, name))
+    return out
+
+
+def _as_list(data):
+    items = [data] if not isinstance(data, (list, tuple)) else list(data)
+    if not items:
+        raise ValueError("Nothing to draw: pass at least one data object.")
+    return items
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = min(n, _PER_ROW)
+    return math.ceil(n / cols), cols
+
+
+def _hover_rows(d: ReliabilityData) -> list[str]:
+    rows = []
+    for i in range(d.n_bins):
+        lo, hi = d.edges[i], d.edges[i + 1]
+        opening = "[" if i == 0 else "("
+        if d.counts[i]:
+            rows.append(f"bin {opening}{lo:.3f}, {hi:.3f}]<br>count {d.counts[i]}<br>"
+                        f"accuracy {d.accuracy[i]:.4f}<br>confidence {d.confidence[i]:.4f}")
+        else:
+            rows.append(f"bin {opening}{lo:.3f}, {hi:.3f}]<br>count 0 (empty)")
+    return rows
+
+
+def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib"):
+    """Reliability diagrams side by side (five per row): per bin the accuracy as a bar against the
+    diagonal, the gap to the bin's mean confidence shaded, ECE written on the panel, and the sample
+    count per bin below."""
+    items = _as_list(data)
+    if _check_backend(backend) == "plotly":
+        return _reliability_plotly(items)
+    rows, cols = _grid(len(items))
+    fig = _new_figure(3.0 * cols, 4.0 * rows)
+    grid = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows)
+    for k, d in enumerate(items):
+        r, c = divmod(k, cols)
+        ax = fig.add_subplot(grid[2 * r, c])
+        hx = fig.add_subplot(grid[2 * r + 1, c], sharex=ax)
+        left, width = d.edges[:-1], np.diff(d.edges)
+        filled = d.counts > 0
+        acc = np.where(filled, d.accuracy, 0.0)
+        conf = np.where(filled, d.confidence, 0.0)
+        ax.bar(left, acc, width=width, align="edge", color=BLUE, edgecolor="black", linewidth=0.5, label="Accuracy")
+        ax.bar(left, conf - acc, bottom=acc, width=width, align="edge", color=RED, alpha=0.3, edgecolor=RED,
+               hatch="//", linewidth=0.5, label="Gap")
+        ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
+        ax.set(xlim=(0, 1), ylim=(0, 1), title=d.method or None)
+        ax.set_ylabel("Accuracy" if c == 0 else "")
+        ax.text(0.97, 0.04, f"ECE = {100 * d.ece:.2f}%", transform=ax.transAxes, ha="right", va="bottom",
+                fontsize=9, bbox=dict(boxstyle="round", facecolor="white", edgecolor=GREY, alpha=0.9))
+        if k == 0:
+            ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        ax.tick_params(labelbottom=False)
+        hx.bar(left, d.counts, width=width, align="edge", color=GREY, edgecolor="black", linewidth=0.5)
+        hx.set_xlabel("Confidence")
+        hx.set_ylabel("Count" if c == 0 else "")
+    return fig
+
+
+def _reliability_plotly(items: list[ReliabilityData]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows, cols = _grid(len(items))
+    # make_subplots takes titles row by row: names on the diagram rows, blanks on the count rows.
+    names = [d.method for d in items] + [""] * (rows * cols - len(items))
+    titles = []
+    for r in range(rows):
+        titles += names[r * cols:(r + 1) * cols] + [""] * cols
+    fig = make_subplots(rows=2 * rows, cols=cols, row_heights=[0.75, 0.25] * rows, vertical_spacing=0.04,
+                        subplot_titles=titles)
+    for k, d in enumerate(items):
+        r, c = divmod(k, cols)
+        top, bottom = 2 * r + 1, 2 * r + 2
+        centers = (d.edges[:-1] + d.edges[1:]) / 2
+        width = np.diff(d.edges)
+        filled = d.counts > 0
+        acc = np.where(filled, d.accuracy, 0.0)
+        conf = np.where(filled, d.confidence, 0.0)
+        hover = _hover_rows(d)
+        show = k == 0
+        fig.add_trace(go.Bar(x=centers, y=acc, width=width, marker=dict(color=BLUE, line=dict(color="black", width=0.5)),
+                             name="Accuracy", legendgroup="acc", showlegend=show, hovertext=hover,
+                             hovertemplate="%{hovertext}<extra>" + (d.method or "") + "</extra>"), row=top, col=c + 1)
+        fig.add_trace(go.Bar(x=centers, y=conf - acc, base=acc, width=width,
+                             marker=dict(color="rgba(214,39,40,0.3)", line=dict(color=RED, width=0.5)),
+                             name="Gap", legendgroup="gap", showlegend=show, hovertext=hover,
+                             hovertemplate="%{hovertext}<extra>gap</extra>"), row=top, col=c + 1)
+        fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines", line=dict(dash="dash", color=GREY), showlegend=False,
+                                 hoverinfo="skip"), row=top, col=c + 1)
+        fig.add_trace(go.Bar(x=centers, y=d.counts, width=width, marker=dict(color=GREY), name="Count", showlegend=False,
+                             hovertext=hover, hovertemplate="%{hovertext}<extra>count</extra>"), row=bottom, col=c + 1)
+        fig.add_annotation(x=0.97, y=0.05, text=f"ECE = {100 * d.ece:.2f}%", showarrow=False, xanchor="right",
+                           bgcolor="white", bordercolor=GREY, row=top, col=c + 1)
+        fig.update_xaxes(range=[0, 1], row=top, col=c + 1, showticklabels=False)
+        fig.update_xaxes(range=[0, 1], title_text="Confidence", row=bottom, col=c + 1)
+        fig.update_yaxes(range=[0, 1], title_text="Accuracy" if c == 0 else None, row=top, col=c + 1)
+        fig.update_yaxes(title_text="Count" if c == 0 else None, row=bottom, col=c + 1)
+    fig.update_layout(barmode="overlay", bargap=0, height=420 * rows, width=max(340 * cols, 420),
+                      template="plotly_white", title="Reliability diagrams",
+                      margin=dict(t=110), legend=_TOP_LEGEND)
+    return fig
+
+
+def confidence_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib"):
+    """Confidence histograms side by side: share of samples per confidence bin, with the mean
+    confidence and the accuracy marked (a gap between the two lines is over/under-confidence)."""
+    items = _as_list(data)
+    if _check_backend(backend) == "plotly":
+        return _confidence_plotly(items)
+    rows, cols = _grid(len(items))
+    fig = _new_figure(3.0 * cols, 2.8 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for k, d in enumerate(items):
+        ax = axes[divmod(k, cols)]
+        ax.bar(d.edges[:-1], d.counts / max(d.n, 1), width=np.diff(d.edges), align="edge", color=BLUE,
+               edgecolor="black", linewidth=0.5)
+        ax.axvline(d.overall_accuracy, color=GREEN, ls="--", lw=1.5, label=f"Accuracy {100 * d.overall_accuracy:.1f}%")
+        ax.axvline(d.mean_confidence, color=RED, ls=":", lw=1.5, label=f"Avg. confidence {100 * d.mean_confidence:.1f}%")
+        ax.set(xlim=(0, 1), title=d.method or None, xlabel="Confidence")
+        ax.set_ylabel("Share of samples" if k % cols == 0 else "")
+        ax.legend(fontsize=7, loc="upper left", framealpha=0.9)
+    for k in range(len(items), rows * cols):
+        axes[divmod(k, cols)].set_visible(False)
+    return fig
+
+
+def _confidence_plotly(items: list[ReliabilityData]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows, cols = _grid(len(items))
+    titles = [f"{d.method}<br><sup>accuracy {100 * d.overall_accuracy:.1f}%, avg. confidence "
+              f"{100 * d.mean_confidence:.1f}%</sup>" for d in items]
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles)
+    for k, d in enumerate(items):
+        r, c = divmod(k, cols)
+        centers = (d.edges[:-1] + d.edges[1:]) / 2
+        share = d.counts / max(d.n, 1)
+        fig.add_trace(go.Bar(x=centers, y=share, width=np.diff(d.edges), marker=dict(color=BLUE),
+                             hovertext=_hover_rows(d), hovertemplate="%{hovertext}<br>share %{y:.3f}<extra></extra>",
+                             showlegend=False), row=r + 1, col=c + 1)
+        top = float(share.max()) if d.n else 1.0
+        for value, colour, dash, label in ((d.overall_accuracy, GREEN, "dash", "accuracy"),
+                                           (d.mean_confidence, RED, "dot", "avg. confidence")):
+            fig.add_trace(go.Scatter(x=[value, value], y=[0, top], mode="lines", line=dict(color=colour, dash=dash),
+                                     name=label, legendgroup=label, showlegend=k == 0,
+                                     hovertemplate=f"{label} {100 * value:.2f}%<extra></extra>"), row=r + 1, col=c + 1)
+        fig.update_xaxes(range=[0, 1], title_text="Confidence", row=r + 1, col=c + 1)
+    fig.update_layout(height=340 * rows + 60, width=max(340 * cols, 420), template="plotly_white", bargap=0,
+                      title="Confidence histograms", margin=dict(t=110), legend=_TOP_LEGEND)
+    return fig
+
+
+# --------------------------------------------------------------------------- δ image
+
+
+@dataclass(frozen=True)
+class DeltaImageData:
+    """δ in pixel units (C, H, W) on the 0–255 intensity scale, optionally beside an example.
+
+    ``example`` is the example input in pixel values (C, H, W) in [0, 1]; ``perturbed`` is
+    example + δ in the same units, clipped to [0, 1] for display; ``difference`` = perturbed −
+    example on the 0–255 scale (equals δ except where clipping bites).
+    """
+
+    delta: np.ndarray
+    channel_names: tuple[str, ...]
+    example: np.ndarray | None = None
+    perturbed: np.ndarray | None = None
+    difference: np.ndarray | None = None
+    title: str = "Neural Clamping δ"
+
+    @property
+    def limit(self) -> float:
+        """Half-range of the symmetric colour scale: the largest |δ| (1 if δ is zero)."""
+        m = float(np.abs(self.delta).max()) if self.delta.size else 0.0
+        return m if m > 0 else 1.0
+
+    @property
+    def combined(self) -> np.ndarray:
+        """The signed mean of δ over channels (H, W)."""
+        return self.delta.mean(axis=0)
+
+
+def delta_image_data(
+    delta: Any,
+    mean: Sequence[float],
+    std: Sequence[float],
+    example: Any | None = None,
+    channel_names: Sequence[str] | None = None,
+    title: str = "Neural Clamping δ",
+) -> DeltaImageData:
+    """Convert δ (C, H, W) from normalised input space to pixel units: δ · std per channel.
+
+    ``mean``/``std``: the model's normalisation (as in its data config, on the 0–1 pixel scale).
+    ``example``: one *preprocessed* (normalised) model input (C, H, W); its pixels are x · std + mean.
+    """
+    d = _to_numpy(delta)
+    if d.ndim != 3:
+        raise ValueError(f"δ has shape {tuple(d.shape)}; an image needs (channels, height, width).")
+    c = d.shape[0]
+    s = np.asarray(std, dtype=np.float64).reshape(-1)
+    mu = np.asarray(mean, dtype=np.float64).reshape(-1)
+    if len(s) == 1:
+        s, mu = np.repeat(s, c), np.repeat(mu, c)
+    if len(s) != c or len(mu) != c:
+        raise ValueError(f"δ has {c} channel(s) but the normalisation has {len(s)} std value(s); they must match.")
+    if np.any(s <= 0):
+        raise ValueError("Normalisation std values must be positive.")
+    names = tuple(channel_names) if channel_names is not None else (
+        ("R", "G", "B") if c == 3 else ("grey",) if c == 1 else tuple(f"channel {i}" for i in range(c)))
+    if len(names) != c:
+        raise ValueError(f"{len(names)} channel names for {c} channels.")
+    d_pix = d * s[:, None, None]
+    ex = pert = diff = None
+    if example is not None:
+        x = _to_numpy(example)
+        if x.shape != d.shape:
+            raise ValueError(f"The example has shape {tuple(x.shape)} but δ has {tuple(d.shape)}; they must match.")
+        ex = np.clip(x * s[:, None, None] + mu[:, None, None], 0.0, 1.0)
+        pert = np.clip(ex + d_pix, 0.0, 1.0)
+        diff = 255.0 * (pert - ex)
+    return DeltaImageData(255.0 * d_pix, names, ex, pert, diff, title)
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().to("cpu").double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _as_rgb(img: np.ndarray) -> np.ndarray:
+    """(C, H, W) in [0, 1] → (H, W, 3) for display (grey repeated; only the first three channels)."""
+    if img.shape[0] == 1:
+        img = np.repeat(img, 3, axis=0)
+    return np.transpose(img[:3], (1, 2, 0))
+
+
+def _delta_panels(d: DeltaImageData) -> list[tuple[str, np.ndarray, str]]:
+    """(title, array, kind) with kind 'image' (H, W, 3 in [0, 1]) or 'signed' (H, W, 0–255 scale)."""
+    panels: list[tuple[str, np.ndarray, str]] = []
+    if d.example is not None:
+        several = d.difference.shape[0] > 1
+        panels += [("Input", _as_rgb(d.example), "image"), ("Input + δ", _as_rgb(d.perturbed), "image"),
+                   ("Difference" + (" (mean over channels)" if several else ""), d.difference.mean(axis=0), "signed")]
+    if d.delta.shape[0] > 1:
+        panels.append(("δ (mean over channels)", d.combined, "signed"))
+    panels += [(f"δ {name}", d.delta[i], "signed") for i, name in enumerate(d.channel_names)]
+    return panels
+
+
+def delta_figure(data: DeltaImageData, backend: str = "matplotlib"):
+    """The δ perturbation as images: the example, example + δ and their difference, δ combined and
+    per channel — all signed maps on one symmetric diverging scale (0–255 pixel levels) with a
+    colour bar."""
+    panels = _delta_panels(data)
+    lim = data.limit
+    if _check_backend(backend) == "plotly":
+        return _delta_plotly(data, panels, lim)
+    n = len(panels)
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig = _new_figure(2.6 * cols + 0.6, 2.6 * rows + 0.4)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    mappable = None
+    for k, (title, arr, kind) in enumerate(panels):
+        ax = axes[divmod(k, cols)]
+        if kind == "image":
+            ax.imshow(arr, interpolation="nearest")
+        else:
+            mappable = ax.imshow(arr, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks([]), ax.set_yticks([])
+    for k in range(n, rows * cols):
+        axes[divmod(k, cols)].set_visible(False)
+    if mappable is not None:
+        bar = fig.colorbar(mappable, ax=axes.ravel().tolist(), shrink=0.8)
+        bar.set_label("pixel change (0–255 scale)")
+    fig.suptitle(f"{data.title} — max |δ| = {np.abs(data.delta).max():.2f} of 255")
+    return fig
+
+
+def _delta_plotly(data: DeltaImageData, panels, lim: float):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    n = len(panels)
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.03,
+                        vertical_spacing=0.08)
+    first_signed = True
+    for k, (title, arr, kind) in enumerate(panels):
+        r, c = divmod(k, cols)
+        if kind == "image":
+            fig.add_trace(go.Image(z=np.round(255 * arr).astype(np.uint8), name=title,
+                                   hovertemplate="x %{x}, y %{y}<br>RGB %{z}<extra>" + title + "</extra>"),
+                          row=r + 1, col=c + 1)
+        else:
+            fig.add_trace(go.Heatmap(z=arr, zmin=-lim, zmax=lim, zmid=0, colorscale="RdBu", reversescale=True,
+                                     showscale=first_signed, name=title,
+                                     colorbar=dict(title=dict(text="pixel change<br>(0–255)")),
+                                     hovertemplate="x %{x}, y %{y}<br>%{z:.3f} of 255<extra>" + title + "</extra>"),
+                          row=r + 1, col=c + 1)
+            first_signed = False
+        fig.update_yaxes(autorange="reversed", scaleanchor=f"x{k + 1 if k else ''}", showticklabels=False,
+                         row=r + 1, col=c + 1)
+        fig.update_xaxes(showticklabels=False, row=r + 1, col=c + 1)
+    fig.update_layout(title=f"{data.title} — max |δ| = {np.abs(data.delta).max():.2f} of 255", template="plotly_white",
+                      height=280 * rows + 80, width=260 * cols + 120)
+    return fig
+
+
+# --------------------------------------------------------------------------- γ curves
+
+
+@dataclass(frozen=True)
+class GammaCurveData:
+    """Metrics against γ: ``ece[split]``, ``entropy[split]``, ``loss[split]`` arrays aligned with
+    ``gammas`` (fractions; loss is the mean focal loss of the fitted δ, T on that split).
+    ``chosen`` is the γ with the lowest calibration ECE, if known."""
+
+    gammas: np.ndarray
+    ece: dict[str, np.ndarray]
+    entropy: dict[str, np.ndarray]
+    loss: dict[str, np.ndarray]
+    chosen: float | None = None
+    n_bins: int = 15
+    fitter: str | None = None
+    title: str = "Neural Clamping against γ"
+
+
+def gamma_curve_data(
+    gammas: Sequence[float],
+    ece: Mapping[str, Sequence[float]],
+    entropy: Mapping[str, Sequence[float]],
+    loss: Mapping[str, Sequence[float]],
+    chosen: float | None = None,
+    n_bins: int = 15,
+    fitter: str | None = None,
+    title: str = "Neural Clamping against γ",
+) -> GammaCurveData:
+    """Validate and pack γ-sweep numbers (one value per γ for every split)."""
+    g = np.asarray(gammas, dtype=np.float64)
+    if g.ndim != 1 or g.size == 0:
+        raise ValueError("gammas must be a non-empty list of numbers.")
+    packed = []
+    for name, series in (("ece", ece), ("entropy", entropy), ("loss", loss)):
+        out = {}
+        for split, values in series.items():
+            v = np.asarray(values, dtype=np.float64)
+            if v.shape != g.shape:
+                raise ValueError(f"{name} for split {split!r} has {v.size} values for {g.size} γ values.")
+            out[str(split)] = v
+        packed.append(out)
+    return GammaCurveData(g, *packed, chosen=chosen, n_bins=n_bins, fitter=fitter, title=title)
+
+
+_SPLIT_STYLE = {0: ("-", "o"), 1: ("--", "s"), 2: (":", "^")}
+
+
+def gamma_figure(data: GammaCurveData, backend: str = "matplotlib"):
+    """Three panels against γ — ECE (%), entropy and training loss — one line per split, the chosen
+    γ marked."""
+    panels = [("ECE (%)", {k: 100 * v for k, v in data.ece.items()}), ("Entropy", data.entropy), ("Loss", data.loss)]
+    if _check_backend(backend) == "plotly":
+        return _gamma_plotly(data, panels)
+    fig = _new_figure(10.5, 3.2)
+    axes = fig.subplots(1, 3)
+    for ax, (ylabel, series) in zip(axes, panels):
+        for i, (split, values) in enumerate(series.items()):
+            ls, marker = _SPLIT_STYLE.get(i, ("-", "."))
+            ax.plot(data.gammas, values, ls=ls, marker=marker, ms=3, label=split)
+        if data.chosen is not None:
+            ax.axvline(data.chosen, color=GREY, ls=":", lw=1)
+        ax.set(xlabel="γ", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, frameon=False)
+    extra = f", chosen γ = {data.chosen:g}" if data.chosen is not None else ""
+    fit = f", fitter {data.fitter}" if data.fitter else ""
+    fig.suptitle(f"{data.title} ({data.n_bins} bins{extra}{fit})")
+    return fig
+
+
+def _gamma_plotly(data: GammaCurveData, panels):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[p[0] for p in panels])
+    colours = [BLUE, RED, GREEN]
+    for j, (ylabel, series) in enumerate(panels):
+        for i, (split, values) in enumerate(series.items()):
+            fig.add_trace(go.Scatter(x=data.gammas, y=values, mode="lines+markers", name=split, legendgroup=split,
+                                     showlegend=j == 0, line=dict(color=colours[i % 3], dash="solid" if i == 0 else "dash"),
+                                     hovertemplate=f"{split}<br>γ %{{x:.3g}}<br>{ylabel} %{{y:.4f}}<extra></extra>"),
+                          row=1, col=j + 1)
+        if data.chosen is not None:
+            fig.add_vline(x=data.chosen, line=dict(color=GREY, dash="dot"), row=1, col=j + 1)
+        fig.update_xaxes(title_text="γ", row=1, col=j + 1)
+    extra = f", chosen γ = {data.chosen:g}" if data.chosen is not None else ""
+    fig.update_layout(title=f"{data.title} ({data.n_bins} bins{extra})", template="plotly_white", height=380, width=1050)
+    return fig
+
+
+# --------------------------------------------------------------------------- initialisation study
+
+
+@dataclass(frozen=True)
+class InitStudyData:
+    """Per-run metric values (fractions) per initialisation: ``values[init][metric]`` arrays."""
+
+    values: dict[str, dict[str, np.ndarray]]
+    metrics: tuple[str, ...] = ("entropy", "ece", "aece", "sce")
+    n_classes: int = 2
+    n_bins: int = 15
+    fitter: str | None = None
+    title: str = "Random vs data-driven initialisation of δ"
+
+
+def init_study_data(
+    values: Mapping[str, Mapping[str, Sequence[float]]],
+    metrics_shown: Sequence[str] = ("entropy", "ece", "aece", "sce"),
+    n_classes: int = 2,
+    n_bins: int = 15,
+    fitter: str | None = None,
+) -> InitStudyData:
+    """Validate and pack per-run metrics, e.g. ``{"random": {"ece": [...]}, "data-driven": {...}}``."""
+    if not values:
+        raise ValueError("The initialisation study has no runs.")
+    packed = {}
+    for init, per in values.items():
+        packed[str(init)] = {}
+        for m in metrics_shown:
+            if m not in per:
+                raise ValueError(f"Initialisation {init!r} has no values for metric {m!r}.")
+            arr = np.asarray(per[m], dtype=np.float64).reshape(-1)
+            if arr.size == 0:
+                raise ValueError(f"Initialisation {init!r} has no runs for metric {m!r}.")
+            packed[str(init)][m] = arr
+    return InitStudyData(packed, tuple(metrics_shown), n_classes, n_bins, fitter)
+
+
+def _shown(metric: str, n_classes: int) -> tuple[str, float]:
+    from nctv.report import metric_column
+
+    col = metric_column(metric, n_classes)
+    return col.label(), col.scale
+
+
+def init_study_figure(data: InitStudyData, backend: str = "matplotlib"):
+    """Box plots (quartiles, runs as dots) per metric, one box per initialisation, in table units."""
+    inits = list(data.values)
+    if _check_backend(backend) == "plotly":
+        return _init_plotly(data, inits)
+    fig = _new_figure(2.7 * len(data.metrics), 3.2)
+    axes = fig.subplots(1, len(data.metrics), squeeze=False)[0]
+    rng = np.random.default_rng(0)
+    for ax, m in zip(axes, data.metrics):
+        label, scale = _shown(m, data.n_classes)
+        series = [data.values[i][m] * scale for i in inits]
+        box = ax.boxplot(series, patch_artist=True, widths=0.5, showfliers=False)
+        ax.set_xticks(range(1, len(inits) + 1), inits)
+        for patch, init in zip(box["boxes"], inits):
+            patch.set(facecolor=INIT_COLOURS.get(init, GREY), alpha=0.45)
+        for j, s in enumerate(series):
+            # Small horizontal jitter so that equal runs stay visible as separate dots.
+            ax.scatter(j + 1 + rng.uniform(-0.08, 0.08, len(s)), s, s=12, color="black", zorder=3)
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fit = f", fitter {data.fitter}" if data.fitter else ""
+    fig.suptitle(f"{data.title} ({data.n_bins} bins{fit})")
+    return fig
+
+
+def _init_plotly(data: InitStudyData, inits: list[str]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    labels = [_shown(m, data.n_classes) for m in data.metrics]
+    fig = make_subplots(rows=1, cols=len(data.metrics), subplot_titles=[lab for lab, _ in labels])
+    for j, (m, (label, scale)) in enumerate(zip(data.metrics, labels)):
+        for init in inits:
+            fig.add_trace(go.Box(y=data.values[init][m] * scale, name=init, boxpoints="all", jitter=0.3,
+                                 marker_color=INIT_COLOURS.get(init, GREY), legendgroup=init, showlegend=j == 0,
+                                 hovertemplate=f"{init}<br>{label} %{{y:.4f}}<extra></extra>"), row=1, col=j + 1)
+    fig.update_layout(title=f"{data.title} ({data.n_bins} bins)", template="plotly_white", height=380,
+                      width=280 * len(data.metrics) + 100)
+    return fig
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 200, plotlyjs: str | bool = True) -> Path:
+    """Write a figure by extension: matplotlib to .png/.pdf/.svg, plotly to .html.
+
+    ``plotlyjs`` is passed to plotly's ``write_html(include_plotlyjs=...)``: True embeds the
+    library (the file works offline), "directory" writes one shared ``plotly.min.js`` beside it.
+    """
+    p = Path(path)
+    ext = p.suffix.lower()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if hasattr(fig, "savefig"):
+        if ext not in (".png", ".pdf", ".svg"):
+            raise ValueError(f"A matplotlib figure is saved as .png, .pdf or .svg, not {ext or 'no extension'}.")
+        fig.savefig(p, dpi=dpi, bbox_inches="tight")
+        return p
+    if hasattr(fig, "write_html"):
+        if ext in (".html", ".htm"):
+            fig.write_html(str(p), include_plotlyjs=plotlyjs, full_html=True)
+            return p
+        raise ValueError(f"A plotly figure is saved as .html (static {ext} files need the kaleido package); "
+                         "draw it with backend='matplotlib' for PNG/PDF.")
+    raise ValueError(f"Cannot save an object of type {type(fig).__name__}; expected a matplotlib or plotly figure.")
+
+
+# --------------------------------------------------------------------------- from experiment results
+
+
+def gamma_curve_data_from_sweep(sweep: Any, title: str = "Neural Clamping against γ") -> GammaCurveData:
+    """Pack a ``clamping.GammaSweep`` (or an ``experiment.GammaSweepResult``) for :func:`gamma_figure`."""
+    s = getattr(sweep, "sweep", sweep)
+    splits = {"calibration": s.cal, **({"test": s.test} if s.test is not None else {})}
+    return gamma_curve_data(
+        s.gammas, {k: v["ece"] for k, v in splits.items()}, {k: v["entropy"] for k, v in splits.items()},
+        {k: v["loss"] for k, v in splits.items()}, chosen=s.chosen_gamma, n_bins=s.n_bins, fitter=s.fitter, title=title,
+    )
+
+
+def init_study_data_from_study(study: Any, n_classes: int | None = None,
+                               metrics_shown: Sequence[str] = ("entropy", "ece", "aece", "sce")) -> InitStudyData:
+    """Pack a ``clamping.InitStudy`` (or an ``experiment.InitStudyResult``, which knows K) for
+    :func:`init_study_figure`; the "data" runs are labelled "data-driven"."""
+    s = getattr(study, "study", study)
+    k = n_classes if n_classes is not None else getattr(study, "n_classes", 2)
+    names = {"random": "random", "data": "data-driven"}
+    values = {names.get(init, init): {m: s.values(init, m) for m in metrics_shown} for init in s.runs}
+    return init_study_data(values, metrics_shown, k, s.n_bins, s.fitter)

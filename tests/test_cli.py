@@ -1,0 +1,119 @@
+"""The `nctv` command end to end on the embedded model (small splits, 2 seeds)."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nctv import metrics
+from nctv.cli import build_parser, resolve_methods
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def nctv(*args, cwd, check=True):
+    env = dict(os.environ, NCTV_CACHE_DIR=str(Path(cwd) / "cache"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-m", "nctv.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"nctv {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_help_has_examples_and_every_command():
+    text = build_parser().format_help()
+    for cmd in ("run", "ablation", "timing", "sweep-gamma", "init-study", "train", "models"):
+        assert cmd in text
+    assert "examples:" in text and "nctv run --seeds 2" in text
+    assert resolve_methods(["ts", "NC-FL", "Dir-ODIR,ms"]) == ["Temperature Scaling", "Neural Clamping (FL)", "Dir-ODIR",
+                                                                  "Matrix Scaling"]
+
+
+def test_errors_are_one_line_with_exit_status_2(tmp_path):
+    proc = nctv("run", "--model", "no-such-model", "--quiet", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nctv run: error: Unknown model 'no-such-model'")
+    assert "Traceback" not in proc.stderr
+    proc = nctv("run", "--methods", "platt", "--quiet", "--calibration-size", "100", "--test-size", "100",
+                cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Unknown method 'platt'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_models_lists_the_default(tmp_path):
+    out = nctv("models", cwd=tmp_path).stdout
+    assert "* fmnist-resnet" in out and "embedded" in out
+
+
+@pytest.mark.slow
+def test_run_end_to_end(tmp_path):
+    out = tmp_path / "res"
+    # The paper fitter with 2 epochs keeps this test short (the fast fitter is tested in test_experiment)
+    # and shows that --fitter reaches the results.
+    proc = nctv("run", "--seeds", "2", "--bins", "10", "15", "--calibration-size", "300", "--test-size", "400",
+                "--methods", "uncal", "ts", "nc-fl", "nc-eff", "--fitter", "paper", "--epochs", "2", "--out", str(out),
+                "--quiet", cwd=tmp_path)
+    line = proc.stdout.strip()
+    assert "\n" not in line and line.startswith("run: 4 methods") and "fitter paper" in line and str(out) in line
+    for name in ("results.json", "table.md", "table.csv", "table.tex", "table.json", "test_logits.safetensors",
+                 "delta.safetensors"):
+        assert (out / name).stat().st_size > 0, name
+    for fig in ("reliability", "confidence", "delta"):
+        with Image.open(out / "figures" / f"{fig}.png") as im:
+            assert im.format == "PNG" and im.width > 100
+        assert (out / "figures" / f"{fig}.pdf").read_bytes().startswith(b"%PDF")
+        assert "Plotly.newPlot" in (out / "figures" / f"{fig}.html").read_text()
+    data = json.loads((out / "results.json").read_text())
+    assert data["fitter"] == "paper" and data["seeds"] == [0, 1] and data["test"]["size"] == 400
+    assert data["methods"]["Neural Clamping (FL)"]["seeds"] == [0, 1]
+    assert data["methods"]["Temperature Scaling"]["seeds"] == [0]
+    # The table shows the JSON's numbers in the paper's units.
+    rows = {(r["bins"], r["method"]): r for r in csv.DictReader((out / "table.csv").open())}
+    for method, m in data["methods"].items():
+        ece = m["metrics"]["15"]["ece"]["mean"]
+        assert float(rows[("15", method)]["ECE (%)"]) == pytest.approx(100 * ece, rel=1e-12)
+    # ... and the JSON's numbers are the metrics of the saved calibrated logits.
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "test_logits.safetensors"))
+    ts = metrics.evaluate(saved["Temperature Scaling"], saved["labels"], n_bins=10)
+    assert data["methods"]["Temperature Scaling"]["metrics"]["10"]["sce"]["mean"] == pytest.approx(ts["sce"], abs=1e-12)
+    md = (out / "table.md").read_text()
+    assert "Welch" in md and "Neural Clamping fitter: paper" in md
+
+
+@pytest.mark.slow
+def test_sweep_gamma_and_init_study(tmp_path):
+    small = ["--calibration-size", "200", "--test-size", "200", "--fitter", "paper", "--epochs", "1", "--quiet"]
+    proc = nctv("sweep-gamma", "--gammas", "0", "1", "--out", str(tmp_path / "g"), *small, cwd=tmp_path)
+    assert proc.stdout.startswith("sweep-gamma: 2 gammas") and "chosen gamma" in proc.stdout
+    data = json.loads((tmp_path / "g" / "results.json").read_text())
+    assert data["gammas"] == [0.0, 1.0] and set(data["splits"]) == {"calibration", "test"} and data["fitter"] == "paper"
+    assert (tmp_path / "g" / "figures" / "gamma.png").exists() and (tmp_path / "g" / "table.md").exists()
+    proc = nctv("init-study", "--seeds", "2", "--out", str(tmp_path / "i"), *small, cwd=tmp_path)
+    assert proc.stdout.startswith("init-study: 2 runs") and "data-driven ECE" in proc.stdout
+    assert (tmp_path / "i" / "figures" / "init_study.pdf").read_bytes().startswith(b"%PDF")
+
+
+@pytest.mark.slow
+def test_train_writes_a_loadable_model(tmp_path):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, 90)
+    images = (rng.uniform(0, 1, (90, 8, 8)) * 80 + labels[:, None, None] * 60).astype(np.uint8)
+    np.savez(tmp_path / "tiny.npz", train_images=images[:60], train_labels=labels[:60], test_images=images[60:],
+             test_labels=labels[60:])
+    proc = nctv("train", "--dataset", f"npz:{tmp_path / 'tiny.npz'}", "--arch", "resnet10t", "--model-arg",
+                "channels=[4,8,8,8]", "--model-arg", "stem_width=4", "--epochs", "2", "--batch-size", "16",
+                "--class-names", "a", "b", "c",
+                "--out", str(tmp_path / "m"), "--quiet", cwd=tmp_path)
+    assert proc.stdout.startswith("train: resnet10t") and "test accuracy" in proc.stdout
+    from nctv import zoo
+
+    loaded = zoo.load_model(f"local-dir:{tmp_path / 'm'}")
+    assert loaded.class_names == ["a", "b", "c"] and loaded.input_shape == (1, 8, 8)

@@ -1,0 +1,216 @@
+"""Paper-style runs on a small synthetic model: logit cache, aggregation, seeds, ablation, timing,
+γ sweep and initialisation study wrappers, and the saved results."""
+import json
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nctv import experiment, metrics
+from nctv.data import ArrayImages, Split
+from nctv.inference import model_logits
+
+K = 4
+CONFIG = {"input_size": (1, 8, 8), "mean": (0.5,), "std": (0.25,), "interpolation": "bilinear", "crop_pct": 1.0}
+TEMPLATES = np.random.default_rng(123).uniform(0, 1, (K, 8, 8))
+RANGE = (torch.full((1, 8, 8), -2.0), torch.full((1, 8, 8), 2.0))  # images of pixel 0 and 1 under CONFIG
+
+
+def toy_split(n, seed, name):
+    """Noisy copies of K grey 8×8 templates, as uint8 images (a real Split, preprocessed by timm)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, K, n)
+    images = np.clip(TEMPLATES[labels] + rng.normal(0, 0.9, (n, 8, 8)), 0, 1)
+    return Split(name, ArrayImages((images * 255).round().astype(np.uint8), name), np.arange(n), labels,
+                 [f"class {i}" for i in range(K)], CONFIG)
+
+
+class CountingMatchedFilter(torch.nn.Module):
+    """A linear classifier matched to the templates (over-confident), counting its forward calls."""
+
+    def __init__(self, scale=0.25):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, K)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.tensor((TEMPLATES.reshape(K, 64) - 0.5) / 0.25 * scale, dtype=torch.float32))
+            self.fc.bias.zero_()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x.flatten(1))
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return toy_split(400, 1, "toy calibration"), toy_split(500, 2, "toy test")
+
+
+def test_logit_cache_hits_and_invalidates(splits, tmp_path):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    first = experiment.split_logits(model, test, tmp_path, batch_size=128)
+    assert not first.hit and model.calls == 4  # 500 samples in batches of 128
+    second = experiment.split_logits(model, test, tmp_path, batch_size=128)
+    assert second.hit and model.calls == 4 and torch.equal(second.logits, first.logits)
+    torch.testing.assert_close(first.logits, model_logits(model, test.tensors()[0]))
+    assert torch.equal(first.labels, test.labels)
+    # Another split (different content) misses; so do changed weights.
+    other = experiment.split_logits(model, toy_split(500, 3, "toy test"), tmp_path)
+    assert not other.hit
+    with torch.no_grad():
+        model.fc.bias.add_(0.1)
+    changed = experiment.split_logits(model, test, tmp_path)
+    assert not changed.hit and not torch.equal(changed.logits, first.logits)
+    assert len(list((tmp_path / "logits").glob("*.safetensors"))) == 3
+    assert not experiment.split_logits(model, test, False).hit  # cache off
+
+
+def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    seen = []
+    r = experiment.run_experiment(model, cal, test, methods=["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"],
+                                  seeds=2, bins=(10, 15), cache_dir=tmp_path, progress=False,
+                                  callback=lambda f, m: seen.append((f, m)))
+    assert r.fitter == "fast" and r.bins == [10, 15] and r.seeds == [0, 1]
+    assert r.cache_hits == {"calibration": False, "test": False}
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and all(isinstance(m, str) for _, m in seen)
+
+    x_test, y_test = test.tensors()
+    z = model_logits(model, x_test)
+    unc = r.methods["Uncalibrated"]
+    assert unc.seeds == [0] and not unc.stochastic
+    for b in (10, 15):
+        assert unc.metrics[b]["ece"].runs == [metrics.ece(z, y_test, b)]
+        assert unc.metrics[b]["ece"].std == 0.0
+
+    ts = r.methods["Temperature Scaling"]
+    t = ts.params["temperature"]
+    torch.testing.assert_close(ts.test_logits, z / t)
+    assert ts.metrics[15]["nll"].mean == pytest.approx(metrics.nll(z / t, y_test), rel=1e-6)
+
+    nc = r.methods["Neural Clamping (FL)"]
+    assert nc.stochastic and nc.uses_model and nc.seeds == [0, 1] and len(nc.fit_seconds) == 2
+    # The kept logits are f(x + δ)/T of the first seed's learned parameters.
+    torch.testing.assert_close(nc.test_logits, model_logits(model, x_test, delta=nc.delta) / nc.params["temperature"],
+                               rtol=1e-5, atol=1e-5)
+    first = metrics.evaluate(nc.test_logits, y_test, 15)
+    assert nc.metrics[15]["ece"].runs[0] == pytest.approx(first["ece"], abs=1e-7)
+    runs = nc.metrics[15]["entropy"].runs
+    assert nc.metrics[15]["entropy"].mean == pytest.approx(statistics.fmean(runs))
+    assert nc.metrics[15]["entropy"].std == pytest.approx(statistics.stdev(runs))
+
+    # Welch: NC (FL) against the only baseline (TS), for every metric and bin count.
+    assert {(w.metric, w.n_bins) for w in r.welch} == {(m, b) for m in metrics.METRIC_NAMES for b in (10, 15)}
+    assert {w.baseline for w in r.welch} == {"Temperature Scaling"}
+
+    again = experiment.run_experiment(model, cal, test, methods=["Uncalibrated"], seeds=1, bins=(15,), cache_dir=tmp_path,
+                                      progress=False)
+    assert again.cache_hits == {"calibration": True, "test": True}
+
+
+def test_saved_results(splits, tmp_path):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    r = experiment.run_experiment(model, cal, test, methods=["Uncalibrated", "Neural Clamping (CE)"], seeds=2, bins=(15,),
+                                  cache_dir=False, progress=False)
+    paths = r.save(tmp_path)
+    assert sorted(p.name for p in paths) == ["delta.safetensors", "results.json", "test_logits.safetensors"]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["schema_version"] == experiment.RESULTS_SCHEMA_VERSION and data["fitter"] == "fast"
+    nc = r.methods["Neural Clamping (CE)"]
+    assert data["methods"]["Neural Clamping (CE)"]["metrics"]["15"]["ece"]["runs"] == nc.metrics[15]["ece"].runs
+    assert data["model"]["fingerprint"] == experiment.model_fingerprint(model)
+    logits = load_file(str(tmp_path / "test_logits.safetensors"))
+    assert torch.equal(logits["labels"], test.labels)
+    assert torch.equal(logits["Neural Clamping (CE)"], r.methods["Neural Clamping (CE)"].test_logits)
+    assert load_file(str(tmp_path / "delta.safetensors"))["Neural Clamping (CE)"].shape == (1, 8, 8)
+    back = experiment.RunResult.from_json((tmp_path / "results.json").read_text())
+    assert back.methods["Neural Clamping (CE)"].metrics[15]["ece"] == r.methods["Neural Clamping (CE)"].metrics[15]["ece"]
+
+
+def test_ablation_rows_share_the_nc_fit(splits):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    r = experiment.run_ablation(model, cal, test, seeds=2, bins=(15,), cache_dir=False, progress=False)
+    assert list(r.methods) == list(experiment.ABLATION_METHODS)
+    nc, inp, out = (r.methods[n] for n in ("Neural Clamping (FL)", "NC input only", "NC output only"))
+    x_test, _ = test.tensors()
+    z = model_logits(model, x_test)
+    assert torch.equal(inp.delta, nc.delta) and out.delta is None
+    torch.testing.assert_close(inp.test_logits, model_logits(model, x_test, delta=nc.delta), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.test_logits, z / nc.params["temperature"])
+    assert inp.params["temperature"] == 1.0 and inp.params["shares_fit_with"] == "Neural Clamping (FL)"
+    assert inp.fit_seconds == nc.fit_seconds  # one fit per seed, shared
+    ts_fl = r.methods["Temperature Scaling (FL)"]
+    assert not ts_fl.stochastic and ts_fl.seeds == [0]
+
+
+def test_timing_rows(splits):
+    cal, test = splits
+    r = experiment.run_timing(CountingMatchedFilter(), cal, test, resolutions=(0.1, 0.01), input_range=RANGE,
+                              cache_dir=False, progress=False)
+    assert list(r.methods) == ["Uncalibrated", "TS-Grid (0.1)", "TS-Grid (0.01)", "NC (Eff.) (0.1)", "NC (Eff.) (0.01)",
+                               "Neural Clamping (FL)"]
+    assert r.methods["TS-Grid (0.01)"].params["resolution"] == 0.01
+    # A grid temperature is a multiple of its step.
+    t = r.methods["TS-Grid (0.1)"].params["temperature"]
+    assert abs(t / 0.1 - round(t / 0.1)) < 1e-6
+    assert all(len(m.fit_seconds) == 1 and m.fit_seconds[0] >= 0 for m in r.methods.values())
+    with pytest.raises(ValueError, match="between 0 and 5"):
+        experiment.run_timing(CountingMatchedFilter(), cal, test, resolutions=(0,), progress=False)
+
+
+def test_gamma_sweep_and_init_study(splits):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    seen = []
+    g = experiment.run_gamma_sweep(model, cal, test, gammas=[0.0, 1.0], progress=False, callback=lambda f, m: seen.append(f))
+    s = g.sweep
+    assert list(s.gammas) == [0.0, 1.0] and s.chosen_gamma in (0.0, 1.0) and g.fitter == "fast"
+    assert seen[-1] == 1.0 and all(0 <= f <= 1 for f in seen)
+    data = json.loads(g.to_json())
+    assert data["kind"] == "gamma-sweep" and data["splits"]["test"]["ece"] == list(s.test["ece"])
+    i = experiment.run_init_study(model, cal, test, runs=2, input_range=RANGE, progress=False)
+    assert set(i.study.runs) == {"random", "data"} and len(i.study.runs["random"]) == 2
+    assert i.n_classes == K
+    summary = i.summary("ece")
+    assert summary["random"].mean == pytest.approx(np.mean(i.study.values("random", "ece")))
+    assert json.loads(i.to_json())["kind"] == "init-study"
+    with pytest.raises(ValueError, match="input_range"):
+        experiment.run_init_study(model, cal, test, runs=1, progress=False)
+
+
+def test_bad_input_is_explained(splits):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    with pytest.raises(ValueError, match="Unknown method 'Platt'"):
+        experiment.run_experiment(model, cal, test, methods=["Platt"], progress=False)
+    with pytest.raises(ValueError, match="seeds must be at least 1"):
+        experiment.run_experiment(model, cal, test, methods=["Uncalibrated"], seeds=0, progress=False)
+    with pytest.raises(ValueError, match="fitter"):
+        experiment.run_experiment(model, cal, test, methods=["Uncalibrated"], fitter="adam", progress=False)
+    with pytest.raises(ValueError, match="more than the 500 test samples"):
+        experiment.run_experiment(model, cal, test, methods=["Uncalibrated"], bins=(1000,), cache_dir=False, progress=False)
+    assert experiment.check_methods(["temperature scaling", "NC (EFF.)"]) == ["Temperature Scaling", "NC (Eff.)"]
+
+
+def test_tensor_pairs_work_as_splits(splits, tmp_path):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    kw = dict(methods=["Uncalibrated", "Temperature Scaling"], seeds=1, bins=(15,), cache_dir=tmp_path, progress=False)
+    from_splits = experiment.run_experiment(model, cal, test, **kw)
+    from_pairs = experiment.run_experiment(model, cal.tensors(), test.tensors(), **kw)
+    for name in kw["methods"]:
+        assert from_pairs.methods[name].metrics[15]["ece"].runs == from_splits.methods[name].metrics[15]["ece"].runs
+    x, y = test.tensors()
+    changed = x.clone()
+    changed[0, 0, 0, 0] += 1.0
+    assert experiment.TensorSplit(x, y).fingerprint == experiment.TensorSplit(x.clone(), y).fingerprint
+    assert experiment.TensorSplit(x, y).fingerprint != experiment.TensorSplit(changed, y).fingerprint
+    with pytest.raises(ValueError, match="pair"):
+        experiment.run_experiment(model, "cal.npz", test, **kw)

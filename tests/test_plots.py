@@ -1,0 +1,164 @@
+"""Figure data objects against hand-computed numbers; every figure renders to PNG / PDF / HTML."""
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from nctv import metrics, plots
+from nctv.calibration.clamping import GammaSweep, InitStudy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _hand_case():
+    # Confidences 0.35, 0.5, 0.9, 0.9, 0.7 with correctness T, F, T, F, T; with 5 bins they fall in
+    # bins (0.2, 0.4], (0.4, 0.6], (0.8, 1.0], (0.8, 1.0], (0.6, 0.8].
+    p = torch.tensor([[0.35, 0.33, 0.32], [0.5, 0.3, 0.2], [0.9, 0.05, 0.05], [0.9, 0.06, 0.04], [0.1, 0.7, 0.2]],
+                     dtype=torch.float64)
+    return p.log(), torch.tensor([0, 1, 0, 2, 1])
+
+
+def test_reliability_data_by_hand():
+    z, y = _hand_case()
+    d = plots.reliability_data(z, y, n_bins=5, method="hand")
+    assert d.method == "hand" and d.n == 5 and d.n_bins == 5
+    np.testing.assert_allclose(d.edges, [0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    assert d.counts.tolist() == [0, 1, 1, 1, 2]
+    np.testing.assert_allclose(d.confidence[1:], [0.35, 0.5, 0.7, 0.9], atol=1e-12)
+    np.testing.assert_allclose(d.accuracy[1:], [1.0, 0.0, 1.0, 0.5])
+    assert np.isnan(d.accuracy[0]) and np.isnan(d.confidence[0])
+    ece = (0.65 + 0.5 + 0.3 + 2 * 0.4) / 5
+    assert d.ece == pytest.approx(ece, abs=1e-12)
+    assert d.overall_accuracy == pytest.approx(0.6)
+    assert d.mean_confidence == pytest.approx((0.35 + 0.5 + 0.9 + 0.9 + 0.7) / 5)
+
+
+def test_reliability_data_agrees_with_metrics():
+    g = torch.Generator().manual_seed(0)
+    z, y = 3 * torch.randn(300, 6, generator=g), torch.randint(0, 6, (300,), generator=g)
+    for b in (10, 15, 20):
+        d = plots.reliability_data(z, y, b)
+        ref = metrics.reliability_bins(z, y, b)
+        assert d.ece == pytest.approx(metrics.ece(z, y, b)) and d.ece == pytest.approx(ref.ece)
+        np.testing.assert_array_equal(d.counts, ref.counts)
+        assert d.counts.sum() == 300
+
+
+def test_delta_image_data_in_pixel_units():
+    g = torch.Generator().manual_seed(1)
+    delta = 0.05 * torch.randn(3, 4, 5, generator=g)
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    x = 0.5 * torch.randn(3, 4, 5, generator=g)
+    x[0, 0, 0] = (1.0 - mean[0]) / std[0]  # a white pixel: a positive δ there is clipped for display
+    delta[0, 0, 0] = 0.3
+    d = plots.delta_image_data(delta, mean, std, example=x)
+    s = np.array(std)[:, None, None]
+    m = np.array(mean)[:, None, None]
+    np.testing.assert_allclose(d.delta, 255 * delta.double().numpy() * s, rtol=1e-12)
+    ex = np.clip(x.double().numpy() * s + m, 0, 1)
+    np.testing.assert_allclose(d.example, ex, rtol=1e-12)
+    np.testing.assert_allclose(d.perturbed, np.clip(ex + d.delta / 255, 0, 1), rtol=1e-12)
+    np.testing.assert_allclose(d.difference, 255 * (d.perturbed - d.example), atol=1e-9)
+    inside = (ex + d.delta / 255 > 0) & (ex + d.delta / 255 < 1)
+    np.testing.assert_allclose(d.difference[inside], d.delta[inside], atol=1e-9)
+    assert d.difference[0, 0, 0] == pytest.approx(0.0)  # clipped: already white
+    np.testing.assert_allclose(d.combined, d.delta.mean(0))
+    assert d.limit == pytest.approx(np.abs(d.delta).max())
+    assert d.channel_names == ("R", "G", "B")
+
+
+def test_delta_image_data_errors():
+    with pytest.raises(ValueError, match="3 channel"):
+        plots.delta_image_data(torch.zeros(3, 4, 4), (0.5,) * 2, (0.2,) * 2)
+    with pytest.raises(ValueError, match="channels, height, width"):
+        plots.delta_image_data(torch.zeros(16), (0.5,), (0.2,))
+    with pytest.raises(ValueError, match="example has shape"):
+        plots.delta_image_data(torch.zeros(1, 4, 4), (0.5,), (0.2,), example=torch.zeros(1, 5, 5))
+    zero = plots.delta_image_data(torch.zeros(1, 2, 2), (0.5,), (0.2,))
+    assert zero.limit == 1.0  # a zero δ still gets a valid colour scale
+
+
+def _sweep():
+    g = np.array([0.0, 0.5, 1.0])
+    rows = {"ece": np.array([0.03, 0.01, 0.02]), "entropy": np.array([0.2, 0.3, 0.4]), "loss": np.array([0.5, 0.4, 0.3])}
+    return GammaSweep(gammas=g, temperature=np.ones(3), weight_decay=np.ones(3), objective=np.ones(3), passes=np.ones(3),
+                      cal=rows, test={k: v + 0.01 for k, v in rows.items()}, chosen_gamma=0.5, n_passes=3.0,
+                      test_passes=1.5, fitter="fast", n_bins=15)
+
+
+def _study():
+    runs = {"random": [{"entropy": 0.3 + i / 100, "ece": 0.02 + i / 1000, "aece": 0.021, "sce": 0.004} for i in range(3)],
+            "data": [{"entropy": 0.31, "ece": 0.015, "aece": 0.016, "sce": 0.0035}] * 3}
+    return InitStudy(runs=runs, seeds=[0, 1, 2], fitter="fast", n_passes=10.0, shared_data_fit=True, n_bins=15)
+
+
+def test_gamma_and_init_data_from_experiment_objects():
+    gd = plots.gamma_curve_data_from_sweep(_sweep())
+    assert list(gd.ece) == ["calibration", "test"] and gd.chosen == 0.5 and gd.fitter == "fast"
+    np.testing.assert_allclose(gd.ece["test"], [0.04, 0.02, 0.03])
+    idata = plots.init_study_data_from_study(_study(), n_classes=10)
+    assert list(idata.values) == ["random", "data-driven"]
+    np.testing.assert_allclose(idata.values["random"]["ece"], [0.02, 0.021, 0.022])
+    with pytest.raises(ValueError, match="2 values for 3"):
+        plots.gamma_curve_data([0, 0.5, 1], {"cal": [1, 2]}, {}, {})
+    with pytest.raises(ValueError, match="no values for metric 'sce'"):
+        plots.init_study_data({"random": {"ece": [0.1]}}, metrics_shown=("ece", "sce"))
+
+
+def _figures():
+    z, y = _hand_case()
+    g = torch.Generator().manual_seed(0)
+    zz, yy = 2 * torch.randn(200, 4, generator=g), torch.randint(0, 4, (200,), generator=g)
+    rel = [plots.reliability_data(zz, yy, 15, "A"), plots.reliability_data(zz / 2, yy, 15, "B")]
+    delta = plots.delta_image_data(0.1 * torch.randn(3, 6, 6, generator=g), (0.5,) * 3, (0.25,) * 3,
+                                   example=torch.randn(3, 6, 6, generator=g))
+    return {
+        "reliability": (plots.reliability_figure, rel),
+        "confidence": (plots.confidence_figure, rel),
+        "delta": (plots.delta_figure, delta),
+        "delta-grey": (plots.delta_figure, plots.delta_image_data(torch.randn(1, 5, 5), (0.5,), (0.25,))),
+        "gamma": (plots.gamma_figure, plots.gamma_curve_data_from_sweep(_sweep())),
+        "init": (plots.init_study_figure, plots.init_study_data_from_study(_study(), n_classes=10)),
+    }
+
+
+@pytest.mark.parametrize("name", ["reliability", "confidence", "delta", "delta-grey", "gamma", "init"])
+def test_figures_render_png_pdf_html(name, tmp_path):
+    fn, data = _figures()[name]
+    fig = fn(data, backend="matplotlib")
+    png = plots.save_figure(fig, tmp_path / f"{name}.png", dpi=40)
+    raw = png.read_bytes()
+    assert raw.startswith(PNG_MAGIC)
+    with Image.open(io.BytesIO(raw)) as im:
+        im.load()
+        assert im.width > 50 and im.height > 50
+    pdf = plots.save_figure(fig, tmp_path / f"{name}.pdf")
+    assert pdf.read_bytes().startswith(b"%PDF") and pdf.stat().st_size > 1000
+    html = plots.save_figure(fn(data, backend="plotly"), tmp_path / f"{name}.html", plotlyjs="directory")
+    text = html.read_text()
+    assert "<html>" in text and "Plotly.newPlot" in text and (tmp_path / "plotly.min.js").exists()
+
+
+def test_reliability_hover_shows_bin_numbers():
+    z, y = _hand_case()
+    d = plots.reliability_data(z, y, 5, "hand")
+    fig = plots.reliability_figure(d, backend="plotly")
+    hover = fig.data[0].hovertext
+    assert hover[4] == "bin (0.800, 1.000]<br>count 2<br>accuracy 0.5000<br>confidence 0.9000"
+    assert hover[0] == "bin [0.000, 0.200]<br>count 0 (empty)"
+    assert any("ECE = 45.00%" in a.text for a in fig.layout.annotations)
+
+
+def test_save_figure_errors(tmp_path):
+    z, y = _hand_case()
+    d = plots.reliability_data(z, y, 5)
+    with pytest.raises(ValueError, match="kaleido"):
+        plots.save_figure(plots.reliability_figure(d, backend="plotly"), tmp_path / "x.png")
+    with pytest.raises(ValueError, match=r"\.png, \.pdf or \.svg"):
+        plots.save_figure(plots.reliability_figure(d), tmp_path / "x.html")
+    with pytest.raises(ValueError, match="backend"):
+        plots.reliability_figure(d, backend="bokeh")
+    with pytest.raises(ValueError, match="Nothing to draw"):
+        plots.reliability_figure([])

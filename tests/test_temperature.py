@@ -1,0 +1,202 @@
+"""Temperature scaling, TS by grid search, TS (FL): against known temperatures, brute force and
+independent optimisers."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize_scalar
+
+import nctv.calibration.temperature as T
+import nctv.metrics as M
+from nctv.calibration.base import NotFittedError, focal_loss
+from nctv.calibration.temperature import (
+    FocalTemperatureScaling,
+    GridSearchTemperature,
+    TemperatureScaling,
+    grid_search_temperature,
+    temperature_grid,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These problems are small: a second intra-op thread only adds synchronisation overhead.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def calibrated_sample(n, k, scale=2.0, seed=0):
+    """Logits of a perfectly calibrated model: labels are drawn from softmax(z)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, k, dtype=torch.float64, generator=g) * scale
+    y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
+    return z, y
+
+
+def mean_loss(z, y, t, gamma=0.0):
+    return float(focal_loss(z / t, y, gamma))
+
+
+def loss_slope_in_t(z, y, t, gamma=0.0):
+    tt = torch.tensor(t, dtype=torch.float64, requires_grad=True)
+    focal_loss(z / tt, y, gamma).backward()
+    return float(tt.grad)
+
+
+@pytest.fixture(scope="module")
+def sharpened():
+    z, y = calibrated_sample(20000, 10)
+    return z * 2.5, y  # an overconfident model whose true temperature is 2.5
+
+
+def test_ts_recovers_the_sharpening_factor(sharpened):
+    z, y = sharpened
+    ts = TemperatureScaling().fit(z, y)
+    # 20000 samples pin the NLL-optimal temperature to about ±0.02 around 2.5.
+    assert ts.temperature_ == pytest.approx(2.5, abs=0.05)
+    # Exactly optimal on the sample: zero derivative, and no nearby temperature does better.
+    assert abs(loss_slope_in_t(z, y, ts.temperature_)) < 1e-12
+    best = mean_loss(z, y, ts.temperature_)
+    for factor in (1 - 1e-6, 1 + 1e-6, 0.9, 1.1):
+        assert best <= mean_loss(z, y, ts.temperature_ * factor)
+
+
+def test_ts_agrees_with_an_independent_optimiser():
+    z, y = calibrated_sample(3000, 7, seed=3)
+    z = 0.4 * z + 1.0  # underconfident: T < 1
+    res = minimize_scalar(lambda u: mean_loss(z, y, math.exp(u)), bounds=(-5, 5), method="bounded",
+                          options={"xatol": 1e-10})
+    t = TemperatureScaling().fit(z, y).temperature_
+    assert t == pytest.approx(0.4, abs=0.05)
+    assert t == pytest.approx(math.exp(res.x), rel=1e-6)
+
+
+def test_ts_transform_divides_logits_and_keeps_device_and_float32():
+    z, y = calibrated_sample(500, 4, seed=1)
+    ts = TemperatureScaling().fit(z * 3, y)
+    out = ts.transform(z.numpy())
+    assert out.dtype == torch.float32 and out.device.type == "cpu"
+    torch.testing.assert_close(out, (z / ts.temperature_).float())
+    assert torch.equal(out.argmax(1), z.argmax(1))  # temperature never changes the prediction
+
+
+def test_focal_ts_with_gamma_zero_is_temperature_scaling(sharpened):
+    z, y = sharpened
+    t_ts = TemperatureScaling().fit(z, y).temperature_
+    t_fl = FocalTemperatureScaling(gamma=0.0).fit(z, y).temperature_
+    assert t_fl == pytest.approx(t_ts, rel=1e-10)
+
+
+def test_focal_ts_minimises_the_focal_loss(sharpened):
+    z, y = sharpened[0][:4000], sharpened[1][:4000]
+    t = FocalTemperatureScaling(gamma=1.0).fit(z, y).temperature_
+    assert abs(loss_slope_in_t(z, y, t, gamma=1.0)) < 1e-10
+    # Brute force over a dense grid: nothing beats the fitted temperature.
+    grid = np.linspace(2.0, 4.0, 401)
+    losses = [mean_loss(z, y, g, gamma=1.0) for g in grid]
+    assert mean_loss(z, y, t, gamma=1.0) <= min(losses) + 1e-15
+    assert abs(grid[int(np.argmin(losses))] - t) <= 0.005
+    # Focal loss puts less weight on confident samples, so it prefers a hotter temperature than NLL.
+    assert t > TemperatureScaling().fit(z, y).temperature_
+
+
+def test_grid_is_whole_multiples_of_the_step():
+    g = temperature_grid()
+    assert len(g) == 5000 and g[0] == 0.001 and g[-1] == 5.0
+    assert np.array_equal(g, np.arange(1, 5001) * 0.001)
+    assert np.array_equal(temperature_grid(0.1, 1.0), np.arange(1, 11) * 0.1)
+
+
+def test_grid_search_equals_a_loop_over_every_temperature():
+    z, y = calibrated_sample(300, 5, seed=2)
+    z = z * 1.8
+    grid = temperature_grid()
+    loop = np.array([M.ece(z / t, y, n_bins=15) for t in grid])
+    best, eces = grid_search_temperature(z, y)
+    assert best == grid[int(np.argmin(loop))]  # np.argmin: first minimum = lowest T
+    np.testing.assert_allclose(eces, loop, rtol=0, atol=1e-12)
+    assert 0.5 < best < 5.0  # an interior optimum, not an edge of the grid
+
+
+def test_grid_search_chunking_does_not_change_the_result(monkeypatch):
+    z, y = calibrated_sample(200, 6, seed=4)
+    grid = np.arange(1, 401) * 0.01
+    ref_t, ref = grid_search_temperature(z * 2, y, grid=grid, n_bins=10)
+    for chunk in (1, 7, 400):
+        t, e = grid_search_temperature(z * 2, y, grid=grid, n_bins=10, chunk_size=chunk)
+        assert t == ref_t
+        np.testing.assert_allclose(e, ref, rtol=0, atol=1e-14)
+    monkeypatch.setattr(T, "_CHUNK_ELEMENTS", {"cpu": 500})  # forces the samples to be split as well
+    t, e = grid_search_temperature(z * 2, y, grid=grid, n_bins=10)
+    assert t == ref_t
+    np.testing.assert_allclose(e, ref, rtol=0, atol=1e-14)
+
+
+def test_grid_search_ties_go_to_the_lowest_temperature():
+    # Every prediction is right with a wide margin: at small T all confidences are exactly 1.0 in
+    # float64, so ECE is exactly 0 for a whole range of temperatures.
+    z = torch.tensor([[40.0, 0.0, 0.0], [0.0, 40.0, 0.0], [0.0, 0.0, 40.0]]).repeat(10, 1)
+    y = torch.tensor([0, 1, 2]).repeat(10)
+    best, eces = grid_search_temperature(z, y)
+    assert eces[0] == 0.0 and eces[1] == 0.0
+    assert best == 0.001
+
+
+def test_grid_search_class_exposes_curve():
+    z, y = calibrated_sample(400, 4, seed=5)
+    gs = GridSearchTemperature(progress=False).fit(z * 2, y)
+    assert gs.grid_.shape == gs.ece_grid_.shape == (5000,)
+    i = int(np.argmin(gs.ece_grid_))
+    assert gs.temperature_ == gs.grid_[i]
+    assert gs.ece_grid_[i] == pytest.approx(M.ece(gs.transform(z * 2).double(), y), abs=1e-6)
+    coarse = GridSearchTemperature(grid_step=0.01, t_max=3.0, n_bins=10, progress=False).fit(z * 2, y)
+    assert len(coarse.grid_) == 300 and coarse.grid_[-1] == 3.0
+
+
+def test_all_are_deterministic_and_refuse_use_before_fit():
+    z, y = calibrated_sample(100, 3)
+    for cls in (TemperatureScaling, GridSearchTemperature, FocalTemperatureScaling):
+        assert cls.stochastic is False
+        with pytest.raises(NotFittedError, match="fit"):
+            cls().transform(z)
+
+
+@pytest.mark.parametrize("cls", [TemperatureScaling, GridSearchTemperature, FocalTemperatureScaling])
+def test_bad_inputs_are_refused(cls):
+    z, y = calibrated_sample(60, 3)
+    with pytest.raises(ValueError, match="match"):
+        cls().fit(z, y[:-1])
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        cls().fit(z, y + 3)
+    bad = z.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cls().fit(bad, y)
+    with pytest.raises(ValueError, match="at least 2 classes"):
+        cls().fit(z[:, :1], torch.zeros(60, dtype=torch.long))
+
+
+def test_bad_hyperparameters_are_refused():
+    z, y = calibrated_sample(60, 3)
+    for kwargs in ({"grid_step": 0}, {"grid_step": -0.1}, {"t_max": 0.0001}, {"n_bins": 0}, {"n_bins": 1.5}):
+        with pytest.raises(ValueError):
+            GridSearchTemperature(**kwargs).fit(z, y)
+    with pytest.raises(ValueError, match="gamma"):
+        FocalTemperatureScaling(gamma=-1).fit(z, y)
+    with pytest.raises(ValueError, match="grid"):
+        grid_search_temperature(z, y, grid=[0.5, -1.0])
+    with pytest.raises(ValueError, match="chunk_size"):
+        grid_search_temperature(z, y, chunk_size=0)
+    with pytest.raises(ValueError, match="bins"):
+        grid_search_temperature(z[:10], y[:10], n_bins=15)
+
+
+def test_separable_calibration_data_hits_the_bound_with_a_warning():
+    z = torch.tensor([[5.0, 0.0], [0.0, 5.0]]).repeat(5, 1)
+    y = torch.tensor([0, 1]).repeat(5)
+    with pytest.warns(UserWarning, match="separate the labels"):
+        ts = TemperatureScaling().fit(z, y)
+    assert ts.temperature_ == T.T_MIN

@@ -271,12 +271,13 @@ class RunResult:
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "results.json"]
         written[0].write_text(self.to_json(), encoding="utf-8")
-        logits = {n: m.test_logits.contiguous() for n, m in self.methods.items() if m.test_logits is not None}
+        # Rows may share one tensor (ablation rows reuse NC's δ); safetensors stores each key's own copy.
+        logits = {n: m.test_logits.clone().contiguous() for n, m in self.methods.items() if m.test_logits is not None}
         if logits and self.test_labels is not None:
             logits["labels"] = self.test_labels.contiguous()
             save_file(logits, str(out / "test_logits.safetensors"), metadata={"units": "logits"})
             written.append(out / "test_logits.safetensors")
-        deltas = {n: m.delta.contiguous() for n, m in self.methods.items() if m.delta is not None}
+        deltas = {n: m.delta.clone().contiguous() for n, m in self.methods.items() if m.delta is not None}
         if deltas:
             save_file(deltas, str(out / "delta.safetensors"), metadata={"space": "normalised model input"})
             written.append(out / "delta.safetensors")

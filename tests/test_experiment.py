@@ -133,7 +133,7 @@ def test_saved_results(splits, tmp_path):
     assert back.methods["Neural Clamping (CE)"].metrics[15]["ece"] == r.methods["Neural Clamping (CE)"].metrics[15]["ece"]
 
 
-def test_ablation_rows_share_the_nc_fit(splits):
+def test_ablation_rows_share_the_nc_fit(splits, tmp_path):
     cal, test = splits
     model = CountingMatchedFilter()
     r = experiment.run_ablation(model, cal, test, seeds=2, bins=(15,), cache_dir=False, progress=False)
@@ -148,6 +148,8 @@ def test_ablation_rows_share_the_nc_fit(splits):
     assert inp.fit_seconds == nc.fit_seconds  # one fit per seed, shared
     ts_fl = r.methods["Temperature Scaling (FL)"]
     assert not ts_fl.stochastic and ts_fl.seeds == [0]
+    r.save(tmp_path)  # rows sharing one δ are stored as separate tensors
+    assert torch.equal(load_file(str(tmp_path / "delta.safetensors"))["NC input only"], nc.delta)
 
 
 def test_timing_rows(splits):

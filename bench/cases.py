@@ -1,0 +1,311 @@
+"""One benchmark case per process: ``python -m bench.cases CASE PARAMS_JSON RESULT_PATH``.
+
+``bench.run`` starts every case in a fresh interpreter so that the process's peak resident set
+size (``ru_maxrss``) belongs to that case alone; torch allocates outside Python's allocator, so
+``tracemalloc`` would miss most of it. On a CUDA device the peak of
+``torch.cuda.max_memory_allocated`` is recorded as well.
+
+Conventions: seconds are wall-clock (``time.perf_counter``) around the measured call only (model
+loading, data preparation and test-split evaluation are outside it); CPU seconds are this
+process's user + system time over the same call. ECE uses 15 equal-width bins and is a fraction.
+Costs of Neural Clamping are in passes over the calibration split, as ``NeuralClamping.n_passes_``
+counts them (forward + backward to the input = 1, forward only = 0.5).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+#: Logit-space baselines of the paper, in table order.
+BASELINES = (
+    "Temperature Scaling",
+    "TS by Grid Search",
+    "Temperature Scaling (FL)",
+    "Vector Scaling",
+    "Matrix Scaling",
+    "MS-ODIR",
+    "Dir-ODIR",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    """Current resident set size of this process, MiB (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timed(device: torch.device, into: dict):
+    """Wall and CPU seconds of the block, stored in ``into`` as "seconds" and "cpu_seconds"."""
+    _sync(device)
+    w0, c0 = time.perf_counter(), time.process_time()
+    yield
+    _sync(device)
+    into["seconds"] = time.perf_counter() - w0
+    into["cpu_seconds"] = time.process_time() - c0
+
+
+def _memory(device: torch.device, rss_before: float) -> dict:
+    out = {"peak_rss_mb": _peak_rss_mb(), "rss_before_mb": rss_before}
+    if device.type == "cuda":
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def _model_and_splits(name: str, cal_size: int, test_size: int | None, device: torch.device):
+    from nctv.data import get_splits
+    from nctv.zoo import load_model
+
+    loaded = load_model(name, device=device)
+    cal, test = get_splits(loaded, calibration_size=cal_size, test_size=test_size)
+    x, y = cal.tensors()
+    return loaded, (x.to(device), y.to(device)), test
+
+
+def warm_up(model: torch.nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    """One untimed forward + backward to the input on a batch, so that one-off start-up costs of
+    the process (kernel selection, allocator growth) do not land in the first measured fit.
+    Returns its seconds."""
+    t0 = time.perf_counter()
+    xb = x[:512].clone().requires_grad_(True)
+    torch.autograd.grad(model(xb).logsumexp(1).sum(), xb)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def synthetic_logits(n: int, k: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overconfident synthetic logits (n, k) float32 and labels (n,), reproducible from ``seed``.
+
+    True logits u: N(0, 1) per class plus a margin m on one uniformly drawn class, m chosen so that
+    this class is the label about 70 % of the time; the label is drawn from softmax(u), so u is
+    exactly calibrated. The returned logits are 2.5 · u: overconfident, and temperature scaling
+    with T = 2.5 recovers calibrated probabilities.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    # E[Σ_{j≠c} e^{u_j}] = (k − 1)·e^{1/2}; solve e^m / (e^m + that) = 0.7 for m.
+    margin = math.log(0.7 / 0.3 * (k - 1) * math.exp(0.5))
+    u = torch.randn(n, k, generator=g, dtype=torch.float64)
+    u[torch.arange(n), torch.randint(0, k, (n,), generator=g)] += margin
+    y = torch.multinomial(torch.softmax(u, dim=1), 1, generator=g).squeeze(1)
+    return (2.5 * u).float().to(device), y.to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------
+
+
+def case_nc(p: dict, device: torch.device) -> dict:
+    """One Neural Clamping fit (fast fitter or paper recipe) on an embedded model, then test ECE."""
+    from nctv.calibration.clamping import NeuralClamping
+    from nctv.metrics import ece
+
+    loaded, (x, y), test = _model_and_splits(p["model"], p["cal_size"], p.get("test_size"), device)
+    warm = warm_up(loaded.model, x, device)
+    rss_before = _rss_mb()
+    nc = NeuralClamping(loaded.model, gamma=p.get("gamma", 1.0), fitter=p["fitter"], seed=p.get("seed", 0),
+                        progress=False)
+    out: dict[str, Any] = {}
+    with timed(device, out):
+        nc.fit(x, y)
+    memory = _memory(device, rss_before)
+    xt, yt = test.tensors()
+    z_test = nc.predict_logits(xt.to(device))
+    out.update(
+        model=p["model"], fitter=p["fitter"], cal_size=int(x.shape[0]), test_size=int(xt.shape[0]),
+        passes=float(nc.n_passes_), objective=float(nc.objective_), temperature=float(nc.temperature_),
+        weight_decay=float(nc.weight_decay_), delta_norm=float(nc.delta_.norm()),
+        cal_ece=float(nc.candidates_[0]["ece"]), test_ece=ece(z_test, yt, n_bins=15),
+        stopped_early=bool(nc.stopped_early_), warmup_seconds=warm,
+    )
+    if p["fitter"] == "fast":
+        # The fast fitter's history has the exact objective after every evaluation.
+        out["history"] = [{"passes": float(h["passes"]), "objective": float(h["loss"])} for h in nc.history_]
+    if p.get("uncalibrated"):
+        z0 = nc.predict_logits(xt.to(device), use_delta=False, use_temperature=False)
+        out["uncalibrated_test_ece"] = ece(z0, yt, n_bins=15)
+    out.update(memory)
+    return out
+
+
+def case_sweep(p: dict, device: torch.device) -> dict:
+    """The 21-point γ sweep (0, 0.05, …, 1) as one warm-started continuation (fast fitter)."""
+    from nctv.calibration.clamping import SWEEP_GAMMAS, gamma_sweep
+
+    loaded, (x, y), _ = _model_and_splits(p["model"], p["cal_size"], None, device)
+    warm = warm_up(loaded.model, x, device)
+    rss_before = _rss_mb()
+    out: dict[str, Any] = {"warmup_seconds": warm}
+    with timed(device, out):
+        sweep = gamma_sweep(loaded.model, x, y, gammas=SWEEP_GAMMAS, seed=p.get("seed", 0), progress=False)
+    out.update(
+        model=p["model"], cal_size=int(x.shape[0]), n_gammas=len(sweep.gammas), passes=float(sweep.n_passes),
+        passes_per_gamma=[float(v) for v in sweep.passes], gammas=[float(g) for g in sweep.gammas],
+        objective=[float(v) for v in sweep.objective], cal_ece=[float(v) for v in sweep.cal["ece"]],
+        chosen_gamma=float(sweep.chosen_gamma), **_memory(device, rss_before),
+    )
+    return out
+
+
+def case_sequential(p: dict, device: torch.device) -> dict:
+    """Independent fast fits, one per γ in ``gammas``, each from scratch (same seed as the sweep)."""
+    from nctv.calibration.clamping import NeuralClamping
+
+    loaded, (x, y), _ = _model_and_splits(p["model"], p["cal_size"], None, device)
+    warm = warm_up(loaded.model, x, device)
+    rss_before = _rss_mb()
+    fits = []
+    for gamma in p["gammas"]:
+        row: dict[str, Any] = {"gamma": float(gamma)}
+        nc = NeuralClamping(loaded.model, gamma=float(gamma), seed=p.get("seed", 0), progress=False)
+        with timed(device, row):
+            nc.fit(x, y)
+        row.update(passes=float(nc.n_passes_), objective=float(nc.objective_), cal_ece=float(nc.candidates_[0]["ece"]))
+        fits.append(row)
+    return {"model": p["model"], "cal_size": int(x.shape[0]), "fits": fits, "warmup_seconds": warm,
+            **_memory(device, rss_before)}
+
+
+def case_grid(p: dict, device: torch.device) -> dict:
+    """TS grid search: the vectorised search against a loop calling ``nctv.metrics.ece`` per T.
+
+    Both use the same grid (``grid_step``, 2·``grid_step``, …, ``t_max``) on the calibration
+    logits of an embedded model. The vectorised search is timed ``repeats`` times (the median is
+    reported). The loop runs over the whole grid unless its projected time passes ``loop_cap_s``;
+    then it stops there and its full time is extrapolated linearly from the temperatures done.
+    """
+    from nctv.calibration.temperature import grid_search_temperature
+    from nctv.inference import model_logits
+    from nctv.metrics import ece
+
+    loaded, (x, y), _ = _model_and_splits(p["model"], p["cal_size"], None, device)
+    z = model_logits(loaded.model, x, device=device).to(device)
+    n_grid = int(round(p["t_max"] / p["grid_step"]))
+    grid = np.arange(1, n_grid + 1) * p["grid_step"]
+    rss_before = _rss_mb()
+    runs = []
+    for _ in range(p["repeats"]):
+        row: dict[str, Any] = {}
+        with timed(device, row):
+            best_t, eces = grid_search_temperature(z, y, grid=grid, n_bins=15)
+        runs.append(row)
+    eces = np.asarray(eces, dtype=np.float64)
+    vec_memory = _memory(device, rss_before)
+
+    loop: dict[str, Any] = {}
+    loop_eces = []
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i, t in enumerate(grid):
+        loop_eces.append(ece(z / float(t), y, n_bins=15))
+        elapsed = time.perf_counter() - w0
+        if i + 1 < n_grid and i >= 49 and elapsed * n_grid / (i + 1) > p["loop_cap_s"]:
+            break
+    loop.update(seconds=time.perf_counter() - w0, cpu_seconds=time.process_time() - c0, n_done=len(loop_eces))
+    done = loop["n_done"]
+    loop["complete"] = done == n_grid
+    loop["seconds_full"] = loop["seconds"] * n_grid / done
+    loop_eces = np.asarray(loop_eces)
+    # First minimum: ties go to the smallest temperature, as in the vectorised search.
+    loop_best = float(grid[int(np.argmin(loop_eces))]) if loop["complete"] else None
+    return {
+        "model": p["model"], "cal_size": int(x.shape[0]), "n_grid": n_grid, "grid_step": p["grid_step"],
+        "t_max": p["t_max"], "vectorised_seconds": float(np.median([r["seconds"] for r in runs])),
+        "vectorised_runs": runs, "best_t": float(best_t), "best_ece": float(eces.min()), "loop": loop,
+        "loop_best_t": loop_best, "max_abs_ece_difference": float(np.abs(loop_eces - eces[:done]).max()),
+        **vec_memory,
+    }
+
+
+def _fitted_summary(method: Any) -> dict:
+    keep = {}
+    for name in ("temperature_", "lambda_", "mu_", "n_iter_", "converged_"):
+        v = getattr(method, name, None)
+        if isinstance(v, (bool, np.bool_)):
+            keep[name.rstrip("_")] = bool(v)
+        elif isinstance(v, (int, float, np.integer, np.floating)):
+            keep[name.rstrip("_")] = float(v)
+    return keep
+
+
+def case_baseline(p: dict, device: torch.device) -> dict:
+    """One logit-space baseline fitted on synthetic logits (n × k), including any hyperparameter
+    selection its ``fit`` does (ODIR's cross-validated λ, μ); test ECE on a second synthetic set."""
+    import inspect
+
+    from nctv.calibration import METHODS, make_method
+    from nctv.metrics import ece
+
+    n, k = int(p["n"]), int(p["k"])
+    z, y = synthetic_logits(n, k, p.get("seed", 0), device)
+    z_test, y_test = synthetic_logits(n, k, p.get("seed", 0) + 1, device)
+    cls = getattr(importlib.import_module("nctv.calibration"), METHODS[p["method"]].cls)
+    kwargs = {"progress": False} if "progress" in inspect.signature(cls.__init__).parameters else {}
+    method = make_method(p["method"], **kwargs)
+    rss_before = _rss_mb()
+    out: dict[str, Any] = {}
+    with timed(device, out):
+        method.fit(z, y)
+    memory = _memory(device, rss_before)
+    out.update(method=p["method"], n=n, k=k, uncalibrated_test_ece=ece(z_test, y_test, n_bins=15),
+               test_ece=ece(method.transform(z_test), y_test, n_bins=15), **_fitted_summary(method), **memory)
+    return out
+
+
+CASES: dict[str, Callable[[dict, torch.device], dict]] = {
+    "nc": case_nc,
+    "sweep": case_sweep,
+    "sequential": case_sequential,
+    "grid": case_grid,
+    "baseline": case_baseline,
+}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] not in CASES:
+        print(f"usage: python -m bench.cases {{{','.join(CASES)}}} PARAMS_JSON RESULT_PATH", file=sys.stderr)
+        return 2
+    name, params, path = argv[0], json.loads(argv[1]), argv[2]
+    torch.set_num_threads(int(params.get("threads", 2)))
+    from nctv.inference import resolve_device
+
+    device = resolve_device(params.get("device", "cpu"))
+    result = CASES[name](params, device)
+    result["threads"] = torch.get_num_threads()
+    with open(path, "w") as f:
+        json.dump(result, f, allow_nan=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -43,7 +43,7 @@ GRID_SPEEDUP_MIN = 100.0
 BASELINES_SECONDS_MAX = 30.0
 BASELINES_TARGET_SIZE = (5000, 100)
 
-FULL = dict(cal_size=5000, test_size=None, sweep_size=1000, sequential=5,
+FULL = dict(cal_size=5000, test_size=None, sweep_size=1000, sequential=21,
             sizes="5000x10,5000x100,25000x1000", grid_step=0.001, t_max=5.0, loop_cap_s=180.0,
             baseline_cap_s=300.0, large_cap_s=60.0, cap_s=1800.0)
 QUICK = dict(cal_size=500, test_size=2000, sweep_size=300, sequential=2,

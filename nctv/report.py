@@ -254,7 +254,7 @@ def to_markdown(table: Table) -> str:
     """A GitHub-flavoured Markdown table with the title above and the notes below."""
     head = [table.first_column] + [c.label("markdown") for c in table.columns]
     lines = [f"**{table.title}**", "", "| " + " | ".join(head) + " |",
-             "| " + " | ".join([":--"] + ["--:" if c.higher_is_better is not None else ":--" for c in table.columns]) + " |"]
+             "| " + " | ".join([":--"] + ["--:" if _numeric(table, j) else ":--" for j in range(len(table.columns))]) + " |"]
     for name, row in zip(table.rows, table.cells):
         parts = [_md_escape(name)]
         for cell, col in zip(row, table.columns):
@@ -270,6 +270,11 @@ def to_markdown(table: Table) -> str:
     if _has_marks(table):
         lines.append("Best per column in **bold**, second best in _italics_.")
     return "\n".join(lines) + "\n"
+
+
+def _numeric(table: Table, j: int) -> bool:
+    """Numbers are right-aligned: a column is numeric when any of its cells holds a number."""
+    return any(row[j].mean is not None for row in table.cells)
 
 
 def _has_marks(table: Table) -> bool:

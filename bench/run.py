@@ -630,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = _dt.datetime.now().astimezone()
     load_start, uptime_start = os.getloadavg(), _uptime()
+    commit, dirty = _git("rev-parse", "--short", "HEAD"), bool(_git("status", "--porcelain"))
     t0 = time.perf_counter()
     log(f"NCTV benchmarks ({'quick' if args.quick else 'full'}); load average {load_start[0]:.2f}")
     results = run_all(args, log)
@@ -642,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "started": started.isoformat(timespec="seconds"), "total_seconds": total,
             "load_start": list(load_start), "load_end": list(load_end),
             "uptime_start": uptime_start, "uptime_end": uptime_end,
-            "commit": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
+            "commit": commit, "dirty": dirty,
         },
         "machine": machine_facts(args),
         "settings": settings,

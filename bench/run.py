@@ -69,16 +69,22 @@ def _peak_rss_of(pid: int) -> float | None:
     return None
 
 
+#: Set by ``--omp-passive``: run every case with OpenMP threads that sleep while they wait.
+OMP_PASSIVE = False
+
+
 def case_environment() -> dict[str, str]:
-    """The environment of every case: the caller's, with OpenMP threads that sleep while they wait.
+    """The environment of every case: the caller's, with ``OMP_WAIT_POLICY=PASSIVE`` if asked.
 
     By default OpenMP threads spin while waiting for each other. When other processes share the
     cores, a spinning thread burns the time slice its partner needs, and a 2-thread torch fit ran
-    3–8 × slower than with 1 thread on a loaded 2-core machine; ``OMP_WAIT_POLICY=PASSIVE``
-    removes that artefact (on an idle machine it changes little). A value already set is kept.
+    3–8 × slower than with 1 thread on a loaded 2-core machine; ``--omp-passive`` removes that
+    artefact there. On an idle machine it costs instead (the ODIR selection ran about 2 × slower
+    with sleeping threads), so it is off unless asked for. A value already set is kept.
     """
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if OMP_PASSIVE:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
@@ -209,7 +215,7 @@ def machine_facts(args: argparse.Namespace) -> dict:
         "platform": platform.platform(),
         "device": args.device,
         "niceness": os.nice(0),
-        "omp_wait_policy": case_environment()["OMP_WAIT_POLICY"],
+        "omp_wait_policy": case_environment().get("OMP_WAIT_POLICY", "unset (spinning threads)"),
     }
     if args.device.startswith("cuda") and torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
@@ -510,7 +516,7 @@ def _md_sweep(results: dict) -> list[str]:
 
 
 def _md_grid(r: dict) -> list[str]:
-    lines = ["## 3. TS grid search: vectorised vs a per-temperature loop", ""]
+    lines = ["## 3. TS grid search: branch and bound and full curve vs a per-temperature loop", ""]
     if not _ok(r):
         return lines + [f"- {_failure(r)}", ""]
     g = grid_summary(r)
@@ -521,17 +527,25 @@ def _md_grid(r: dict) -> list[str]:
            f"the cap) and its full time is extrapolated linearly: {loop['seconds']:.1f} s × {r['n_grid']}/{loop['n_done']}")
     lines += [
         f"Calibration logits of {r['model']} ({r['cal_size']} × K), grid {r['grid_step']:g}, {2 * r['grid_step']:g}, …, "
-        f"{r['t_max']:g} ({r['n_grid']} temperatures), ECE with 15 bins. Vectorised: "
-        f"`grid_search_temperature` (median of {len(r['vectorised_runs'])} runs). Loop: `nctv.metrics.ece(z / T, y)` "
-        f"for each T; {how}.",
+        f"{r['t_max']:g} ({r['n_grid']} temperatures), ECE with 15 bins. Library search: "
+        f"`grid_search_temperature` (default: vectorised branch and bound, which evaluates a coarse subset and "
+        f"then only the intervals whose lower bound on the ECE can still beat the best found); full curve: the "
+        f"same with `full_curve=True` (every T, vectorised); median of {len(r['vectorised_runs'])} runs each. "
+        f"Loop: `nctv.metrics.ece(z / T, y)` for each T; {how}.",
         "",
-        "| | seconds | best T | ECE at best T % |",
-        "| --- | --- | --- | --- |",
-        f"| vectorised | {r['vectorised_seconds']:.3f} | {r['best_t']:g} | {_pct(r['best_ece'])} |",
-        f"| loop | {loop['seconds_full']:.1f}{'' if loop['complete'] else ' (extrapolated)'} | {loop_t} | |",
+        "| | seconds | temperatures evaluated | best T | ECE at best T % |",
+        "| --- | --- | --- | --- | --- |",
+        f"| branch and bound (default) | {r['vectorised_seconds']:.3f} | {r.get('n_evaluated', r['n_grid'])} | "
+        f"{r['best_t']:g} | {_pct(r['best_ece'])} |",
+        *([f"| full curve | {r['full_curve_seconds']:.3f} | {r['n_grid']} | {r['full_curve_best_t']:g} | |"]
+          if "full_curve_seconds" in r else []),
+        f"| loop | {loop['seconds_full']:.1f}{'' if loop['complete'] else ' (extrapolated)'} | {r['n_grid']} | {loop_t} | |",
         "",
-        f"Speed-up {g['speedup']:.0f} ×; largest difference between the two ECE curves over the "
-        f"temperatures both computed: {r['max_abs_ece_difference']:.2e}. Peak RSS {r['peak_rss_mb']:.0f} MB.",
+        f"Speed-up {g['speedup']:.0f} × (full curve: "
+        f"{loop['seconds_full'] / r['full_curve_seconds'] if r.get('full_curve_seconds') else float('nan'):.0f} ×); "
+        f"largest difference between the full curve and the loop's over the "
+        f"temperatures both computed: {r['max_abs_ece_difference']:.2e}; the branch and bound's values equal the "
+        f"full curve's where it evaluated: {r.get('bounded_matches_full', '—')}. Peak RSS {r['peak_rss_mb']:.0f} MB.",
         "",
     ]
     return lines
@@ -544,7 +558,7 @@ def _md_baselines(results: list[dict], s: dict) -> list[str]:
         "Synthetic, overconfident logits (`bench.cases.synthetic_logits`: calibrated logits u with the top "
         "class right about 70 % of the time, labels drawn from softmax(u), returned as 2.5 · u, so T = 2.5 is "
         "ideal for temperature scaling), seed 0 for fitting and seed 1 for a test set of the same size. Seconds = `fit()` only, including ODIR's (λ, μ) "
-        "selection by 5-fold cross-validation over the 7 × 7 grid and the refit. "
+        "selection by 3-fold cross-validation (the default) over the 7 × 7 grid and the refit. "
         f"Each case was capped at {s['baseline_cap_s']:.0f} s (ten times the target for all seven together, so a "
         f"capped case misses it anyway), and cases with ≥ {LARGE_LOGITS:,} logits at {s['large_cap_s']:.0f} s "
         "(that size is meant for a GPU). A capped process is stopped; nothing of it is reported but the cap.",
@@ -604,6 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cap-s", type=float, help="time cap per Neural Clamping or grid case (full 1800)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--threads", type=int, default=2, help="torch threads in every case")
+    ap.add_argument("--omp-passive", action="store_true",
+                    help="OMP_WAIT_POLICY=PASSIVE in every case (use on a machine that other work shares)")
     ap.add_argument("--out", type=Path, help="output folder (full: bench/results, quick: bench/results/quick)")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else FULL
@@ -622,7 +638,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global OMP_PASSIVE
     args = parse_args(argv)
+    OMP_PASSIVE = bool(args.omp_passive)
     args.out.mkdir(parents=True, exist_ok=True)
 
     def log(msg: str) -> None:

@@ -541,10 +541,10 @@ def train_classifier(architecture: str, model_args: dict, train_split: Any, *, o
     background = ((0.0 - torch.tensor(mean)) / torch.tensor(std)).float()
     steps_per_epoch = math.ceil(n / batch_size)
     total = epochs * steps_per_epoch
-    warmup = max(1, int(warmup_fraction * total))
+    warmup = min(max(1, int(warmup_fraction * total)), total)
     optimizer = create_optimizer_v2(model, "adamw", lr=lr, weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))))
+        optimizer, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(total - warmup, 1))))
     history = []
     start = time.perf_counter()
     for epoch in range(epochs):

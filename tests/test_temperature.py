@@ -115,22 +115,50 @@ def test_grid_search_equals_a_loop_over_every_temperature():
     z = z * 1.8
     grid = temperature_grid()
     loop = np.array([M.ece(z / t, y, n_bins=15) for t in grid])
+    best_full, full = grid_search_temperature(z, y, full_curve=True)
+    np.testing.assert_allclose(full, loop, rtol=0, atol=1e-12)
+    assert best_full == grid[int(np.argmin(loop))]  # np.argmin: first minimum = lowest T
+    # The default branch and bound gives the same temperature, evaluating only part of the grid;
+    # what it did evaluate agrees with the loop, what it skipped is provably above the minimum.
     best, eces = grid_search_temperature(z, y)
-    assert best == grid[int(np.argmin(loop))]  # np.argmin: first minimum = lowest T
-    np.testing.assert_allclose(eces, loop, rtol=0, atol=1e-12)
+    assert best == best_full
+    done = ~np.isnan(eces)
+    assert done.sum() < 0.2 * len(grid)
+    np.testing.assert_allclose(eces[done], loop[done], rtol=0, atol=1e-12)
+    assert loop[~done].min() > loop.min()
     assert 0.5 < best < 5.0  # an interior optimum, not an edge of the grid
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_branch_and_bound_matches_the_full_search(seed):
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(20, 400)), int(rng.integers(2, 9))
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, k, generator=g) * float(rng.uniform(0.5, 5.0))
+    # Labels partly follow the argmax, partly random: from badly to well calibrated.
+    y = torch.where(torch.rand(n, generator=g) < rng.uniform(0.2, 0.9), z.argmax(1), torch.randint(0, k, (n,), generator=g))
+    grid = np.arange(1, int(rng.integers(3, 900)) + 1) * float(rng.choice([0.001, 0.005, 0.01]))
+    n_bins = int(rng.choice([5, 10, 15]))
+    chunk = int(rng.choice([1, 3, 64]))
+    full_t, full = grid_search_temperature(z, y, grid=grid, n_bins=n_bins, full_curve=True)
+    t, eces = grid_search_temperature(z, y, grid=grid, n_bins=n_bins, chunk_size=chunk)
+    assert t == full_t
+    done = ~np.isnan(eces)
+    np.testing.assert_allclose(eces[done], full[done], rtol=0, atol=1e-12)
+    if (~done).any():
+        assert full[~done].min() > np.nanmin(eces)
 
 
 def test_grid_search_chunking_does_not_change_the_result(monkeypatch):
     z, y = calibrated_sample(200, 6, seed=4)
     grid = np.arange(1, 401) * 0.01
-    ref_t, ref = grid_search_temperature(z * 2, y, grid=grid, n_bins=10)
+    ref_t, ref = grid_search_temperature(z * 2, y, grid=grid, n_bins=10, full_curve=True)
     for chunk in (1, 7, 400):
-        t, e = grid_search_temperature(z * 2, y, grid=grid, n_bins=10, chunk_size=chunk)
+        t, e = grid_search_temperature(z * 2, y, grid=grid, n_bins=10, chunk_size=chunk, full_curve=True)
         assert t == ref_t
         np.testing.assert_allclose(e, ref, rtol=0, atol=1e-14)
     monkeypatch.setattr(T, "_CHUNK_ELEMENTS", {"cpu": 500})  # forces the samples to be split as well
-    t, e = grid_search_temperature(z * 2, y, grid=grid, n_bins=10)
+    t, e = grid_search_temperature(z * 2, y, grid=grid, n_bins=10, full_curve=True)
     assert t == ref_t
     np.testing.assert_allclose(e, ref, rtol=0, atol=1e-14)
 
@@ -147,8 +175,10 @@ def test_grid_search_ties_go_to_the_lowest_temperature():
 
 def test_grid_search_class_exposes_curve():
     z, y = calibrated_sample(400, 4, seed=5)
-    gs = GridSearchTemperature(progress=False).fit(z * 2, y)
+    gs = GridSearchTemperature(progress=False, full_curve=True).fit(z * 2, y)
     assert gs.grid_.shape == gs.ece_grid_.shape == (5000,)
+    assert not np.isnan(gs.ece_grid_).any()
+    assert GridSearchTemperature(progress=False).fit(z * 2, y).temperature_ == gs.temperature_
     i = int(np.argmin(gs.ece_grid_))
     assert gs.temperature_ == gs.grid_[i]
     assert gs.ece_grid_[i] == pytest.approx(M.ece(gs.transform(z * 2).double(), y), abs=1e-6)

@@ -281,3 +281,16 @@ def test_train_classifier_saves_a_loadable_model_with_an_honest_card(tmp_path):
     assert all(same_seed.values())  # same seed, threads and machine: same weights
     with pytest.raises(ValueError, match="uint8"):
         z.train_classifier("nctv_mlp_mixer", {}, (images.astype(np.float32), y), out_dir=tmp_path / "bad")
+
+
+def test_train_classifier_with_a_single_step(tmp_path):
+    # One epoch of one batch: the warm-up takes the only step and the cosine part has no length.
+    rng = np.random.default_rng(1)
+    y = np.arange(16) % 2
+    images = (rng.integers(0, 100, (16, 12, 12)) + 100 * y[:, None, None]).astype(np.uint8)
+    result = z.train_classifier(
+        "nctv_mlp_mixer", dict(img_size=12, patch_size=4, embed_dim=8, num_blocks=1, mlp_ratio=[0.5, 1.0]),
+        (images, y), out_dir=tmp_path / "one-step", class_names=["dark", "bright"], epochs=1, batch_size=16,
+        progress=False)
+    assert len(result.history) == 1 and np.isfinite(result.history[0]["train_loss"])
+    assert (tmp_path / "one-step" / "model.safetensors").exists()

@@ -302,7 +302,7 @@ class NeuralClamping(_InputCalibrator):
                  init: str = "random", fitter: str = "fast", epochs: int = 100, lr: float = 0.001,
                  batch_size: int = DEFAULT_BATCH_SIZE, clamp: bool = False, input_range: Any = None, seed: int = 0,
                  device: Any = None, gamma_candidates: Sequence[float] | None = None, progress: bool = True,
-                 callback: Callable[[dict], Any] | None = None, max_passes: float = 20, tol: float = 1e-5):
+                 callback: Callable[[dict], Any] | None = None, max_passes: float = 20, tol: float = 1e-3):
         self.model = model
         self.gamma = gamma
         self.weight_decay = weight_decay

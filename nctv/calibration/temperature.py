@@ -9,9 +9,11 @@ device. Losses are means over samples, in nats.
   mean(logsumexp(a·z_i) − a·z_iy) is convex, so T is the root of its derivative, found by Newton's
   method inside a shrinking bracket to float64 precision.
 * :class:`GridSearchTemperature` takes T from the grid 0.001, 0.002, …, 5.000 with the lowest
-  calibration-set ECE (15 equal-width bins, SPEC §1), ties to the lowest T; every grid point is
-  evaluated (vectorised over chunks of temperatures) and the answer is exactly that of a loop calling
-  :func:`nctv.metrics.ece` on ``z / T`` for every T, with z in float64.
+  calibration-set ECE (15 equal-width bins, SPEC §1), ties to the lowest T. The answer is exactly
+  that of a loop calling :func:`nctv.metrics.ece` on ``z / T`` for every T (z in float64); the work
+  is not: temperatures are evaluated vectorised in chunks, and a branch and bound (confidences fall
+  monotonically with T, which bounds the ECE between two evaluated temperatures) skips the
+  intervals of the grid that provably cannot hold the minimum.
 * :class:`FocalTemperatureScaling` minimises the mean focal loss FL_γ = −(1 − p_y)^γ·log p_y, not
   necessarily convex in T: a coarse logarithmic grid finds the basin, then the derivative's root is
   bracketed and polished to float64 precision.
@@ -162,6 +164,125 @@ def _check_grid(grid: Any) -> np.ndarray:
     return g
 
 
+class _GridProblem:
+    """ECE of softmax(z / T) at chosen temperatures, for the grid search (float64 throughout)."""
+
+    def __init__(self, z: torch.Tensor, y: torch.Tensor, n_bins: int, chunk_size: int | None):
+        n, k = z.shape
+        self.n, self.n_bins, self.device = n, n_bins, z.device
+        budget = _CHUNK_ELEMENTS.get(z.device.type, _CHUNK_ELEMENTS_ACCELERATOR)
+        if chunk_size is None:
+            chunk_size = max(1, budget // (n * k))
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a whole number >= 1; got {chunk_size!r}.")
+        self.chunk_size = int(chunk_size)
+        self.rows = n if n * k * chunk_size <= budget else max(1, budget // (k * chunk_size))
+        self.z64 = z.to(torch.float64)
+        self.d = self.z64 - self.z64.max(1, keepdim=True)[0]
+        self.correct = (torch.argmax(self.z64, dim=1) == y).to(torch.float64)
+        self.edges = metrics.bin_edges(n_bins).to(z.device)
+
+    def confidences(self, t: torch.Tensor) -> torch.Tensor:
+        """(len(t), N) confidences 1 / Σ_k exp((z_k − max z)/T); one chunk of temperatures."""
+        conf = torch.empty(len(t), self.n, dtype=torch.float64, device=self.device)
+        for r0 in range(0, self.n, self.rows):
+            e = torch.div(self.d[None, r0 : r0 + self.rows], t[:, None, None]).exp_()
+            conf[:, r0 : r0 + self.rows] = e.sum(2).reciprocal_()
+        return conf
+
+    def bins(self, conf: torch.Tensor) -> torch.Tensor:
+        # Same bin rule as nctv.metrics: edges[m] < c <= edges[m+1], c = 0 in the first bin.
+        return (torch.searchsorted(self.edges, conf) - 1).clamp_(0, self.n_bins - 1)
+
+    def _bin_sums(self, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        rows = idx.shape[0]
+        key = (idx + self.n_bins * torch.arange(rows, device=self.device)[:, None]).flatten()
+        return torch.bincount(key, weights=values.flatten(), minlength=rows * self.n_bins).view(rows, self.n_bins)
+
+    def eces(self, conf: torch.Tensor) -> torch.Tensor:
+        """ECE for every row of confidences: Σ_m |Σ_{i∈B_m} (c_i − acc_i)| / N."""
+        gap = conf - self.correct
+        return self._bin_sums(self.bins(conf), gap).abs_().sum(1) / self.n
+
+    def lower_bounds(self, hot: torch.Tensor, cold: torch.Tensor) -> torch.Tensor:
+        """A lower bound on the ECE at every T between two temperatures T_lo < T_hi.
+
+        ``hot`` holds the confidences at T_lo and ``cold`` those at T_hi, one interval per row.
+        A sample's confidence falls as T rises, so between the two it stays within [cold, hot] and
+        its bin between their bins. Samples in the same bin at both ends stay in that bin: the bin's
+        sum of (c − acc) over them lies between its values at the two ends, and is at least the
+        distance of that range from 0. Each other sample sits in some bin and can move that bin's
+        |sum| by at most max |c − acc| over the range, which is subtracted.
+        """
+        b_hot, b_cold = self.bins(hot), self.bins(cold)
+        fixed = b_hot == b_cold
+        gap_hot, gap_cold = hot - self.correct, cold - self.correct
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        upper = self._bin_sums(b_hot, torch.where(fixed, gap_hot, zero))
+        lower = self._bin_sums(b_hot, torch.where(fixed, gap_cold, zero))
+        distance = torch.where(lower > 0, lower, torch.where(upper < 0, -upper, zero)).sum(1)
+        slack = torch.where(fixed, zero, torch.maximum(gap_hot.abs(), gap_cold.abs())).sum(1)
+        return (distance - slack) / self.n
+
+
+def _all_eces(problem: _GridProblem, temps: np.ndarray, progress: bool) -> np.ndarray:
+    t_all = torch.as_tensor(temps, device=problem.device)
+    eces = np.empty(len(temps))
+    step = problem.chunk_size
+    for c0 in tqdm(range(0, len(temps), step), desc="TS grid search", disable=not progress):
+        conf = problem.confidences(t_all[c0 : c0 + step])
+        eces[c0 : c0 + len(conf)] = problem.eces(conf).cpu().numpy()
+    return eces
+
+
+def _bounded_eces(problem: _GridProblem, temps: np.ndarray, progress: bool, first_step: int = 128) -> np.ndarray:
+    """ECE at the grid points that can hold the minimum; NaN at those proven not to (see below).
+
+    Branch and bound over intervals of the (increasing) grid: evaluate a coarse subset, bound the
+    ECE inside every interval between two evaluated neighbours (:meth:`_GridProblem.lower_bounds`),
+    drop intervals whose bound exceeds the best ECE found so far (with a margin of 1e-9 against
+    rounding), bisect the rest, and repeat until no interval has an unevaluated point left. A
+    dropped point's ECE is provably above the minimum, so the winner is that of the full search.
+    """
+    n_grid = len(temps)
+    t_all = torch.as_tensor(temps, device=problem.device)
+    eces = np.full(n_grid, np.nan)
+    conf: dict[int, torch.Tensor] = {}
+
+    def evaluate(points: list[int]) -> None:
+        step = problem.chunk_size
+        for c0 in range(0, len(points), step):
+            chunk = points[c0 : c0 + step]
+            c = problem.confidences(t_all[chunk])
+            eces[chunk] = problem.eces(c).cpu().numpy()
+            conf.update(zip(chunk, c))
+
+    points = sorted(set(range(0, n_grid, first_step)) | {n_grid - 1})
+    bar = tqdm(total=n_grid, desc="TS grid search", disable=not progress)
+    evaluate(points)
+    bar.update(len(points))
+    intervals = [(a, c) for a, c in zip(points[:-1], points[1:]) if c - a > 1]
+    while intervals:
+        best = float(np.nanmin(eces))
+        bounds = []
+        for i0 in range(0, len(intervals), problem.chunk_size):
+            part = intervals[i0 : i0 + problem.chunk_size]
+            hot = torch.stack([conf[a] for a, _ in part])
+            cold = torch.stack([conf[c] for _, c in part])
+            bounds.append(problem.lower_bounds(hot, cold).cpu().numpy())
+        keep = [iv for iv, lb in zip(intervals, np.concatenate(bounds)) if lb <= best + _RECHECK_TOL]
+        bar.update(sum(c - a - 1 for a, c in intervals) - sum(c - a - 1 for a, c in keep))
+        mids = [(a + c) // 2 for a, c in keep]
+        evaluate(mids)
+        bar.update(len(mids))
+        intervals = [iv for (a, c), m in zip(keep, mids) for iv in ((a, m), (m, c)) if iv[1] - iv[0] > 1]
+        live = {i for iv in intervals for i in iv}
+        for i in [i for i in conf if i not in live]:
+            del conf[i]
+    bar.close()
+    return eces
+
+
 def grid_search_temperature(
     logits: Any,
     labels: Any,
@@ -169,55 +290,42 @@ def grid_search_temperature(
     n_bins: int = 15,
     chunk_size: int | None = None,
     progress: bool = False,
+    full_curve: bool = False,
 ) -> tuple[float, np.ndarray]:
-    """ECE of softmax(z / T) for every T of ``grid``, and the T with the lowest ECE.
+    """The T of ``grid`` with the lowest ECE of softmax(z / T), and the ECE per grid point.
 
     ``grid`` defaults to 0.001, 0.002, …, 5.000. ECE uses ``n_bins`` equal-width bins exactly as
-    :func:`nctv.metrics.ece`, with z in float64. Ties go to the lowest T. ``chunk_size`` is the
-    number of temperatures evaluated together (default: as many as fit a small working set, 4 MiB
-    on a CPU; the samples are split too when one temperature alone exceeds it). Returns ``(best_T, eces)`` with
-    ``eces`` a float64 numpy array aligned with ``grid``.
+    :func:`nctv.metrics.ece`, with z in float64. Ties go to the lowest T. Returns
+    ``(best_T, eces)`` with ``eces`` a float64 numpy array aligned with ``grid``.
 
     The confidence of a sample is 1 / Σ_k exp((z_k − max z)/T) and its correctness does not depend
-    on T, so each chunk costs one exp per logit and two bin counts. Grid points within 1e-9 of the
-    smallest ECE are re-evaluated with :func:`nctv.metrics.ece` (their entries in ``eces`` become
-    those values), so float rounding in the vectorised pass cannot change the winner.
+    on T, so a temperature costs one exp per logit and two bin counts; temperatures are evaluated
+    together in chunks of ``chunk_size`` (default: as many as fit a 4 MiB working set on a CPU; the
+    samples are split too when one temperature alone exceeds it).
+
+    The search is exhaustive in its answer but not in its work: with ``full_curve=False`` (the
+    default) and an increasing grid, a branch and bound evaluates a coarse subset of the grid and
+    then only the intervals whose lower bound on the ECE (confidences fall monotonically with T)
+    does not exceed the best ECE found; ``eces`` is NaN at the points it proved cannot win. With
+    ``full_curve=True`` (or a grid that is not increasing) every grid point is evaluated.
+    Either way, grid points within 1e-9 of the smallest ECE are re-evaluated with
+    :func:`nctv.metrics.ece` (their entries in ``eces`` become those values), so float rounding cannot
+    change the winner: the answer is that of a loop calling :func:`nctv.metrics.ece` on ``z / T``
+    for every T.
     """
     z, y = check_logits_labels(logits, labels)
-    n, k = z.shape
-    n_bins = check_bins(n_bins, n)
+    n_bins = check_bins(n_bins, z.shape[0])
     temps = temperature_grid() if grid is None else _check_grid(grid)
-    budget = _CHUNK_ELEMENTS.get(z.device.type, _CHUNK_ELEMENTS_ACCELERATOR)
-    if chunk_size is None:
-        chunk_size = max(1, budget // (n * k))
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a whole number >= 1; got {chunk_size!r}.")
-    rows = n if n * k * chunk_size <= budget else max(1, budget // (k * chunk_size))
+    problem = _GridProblem(z, y, n_bins, chunk_size)
+    if full_curve or len(temps) < 3 or not np.all(np.diff(temps) > 0):
+        eces = _all_eces(problem, temps, progress)
+    else:
+        eces = _bounded_eces(problem, temps, progress)
 
-    z64 = z.to(torch.float64)
-    zmax, pred = z64.max(1, keepdim=True)[0], torch.argmax(z64, dim=1)
-    d = z64 - zmax
-    correct = (pred == y).to(torch.float64)
-    edges = metrics.bin_edges(n_bins).to(z.device)
-    t_all = torch.as_tensor(temps, device=z.device)
-    eces = np.empty(len(temps))
-    for c0 in tqdm(range(0, len(temps), chunk_size), desc="TS grid search", disable=not progress):
-        t = t_all[c0 : c0 + chunk_size]
-        conf = torch.empty(len(t), n, dtype=torch.float64, device=z.device)
-        for r0 in range(0, n, rows):
-            e = torch.div(d[None, r0 : r0 + rows], t[:, None, None]).exp_()
-            conf[:, r0 : r0 + rows] = e.sum(2).reciprocal_()
-        # Same bin rule as nctv.metrics: edges[m] < c <= edges[m+1], c = 0 in the first bin.
-        idx = (torch.searchsorted(edges, conf) - 1).clamp_(0, n_bins - 1)
-        key = (idx + n_bins * torch.arange(len(t), device=z.device)[:, None]).flatten()
-        size = len(t) * n_bins
-        sum_conf = torch.bincount(key, weights=conf.flatten(), minlength=size)
-        sum_acc = torch.bincount(key, weights=correct.expand(len(t), n).flatten(), minlength=size)
-        eces[c0 : c0 + len(t)] = ((sum_acc - sum_conf).view(len(t), n_bins).abs().sum(1) / n).cpu().numpy()
-
-    order = np.lexsort((temps, eces))  # by ECE, then by T
+    done = np.flatnonzero(~np.isnan(eces))
+    order = done[np.lexsort((temps[done], eces[done]))]  # by ECE, then by T
     near = order[eces[order] <= eces[order[0]] + _RECHECK_TOL][:_MAX_RECHECK]
-    z_cpu, y_cpu = z64.cpu(), y.cpu()
+    z_cpu, y_cpu = problem.z64.cpu(), y.cpu()
     for i in near:
         eces[i] = metrics.ece(z_cpu / temps[i], y_cpu, n_bins)
     best = min(near, key=lambda i: (eces[i], temps[i]))
@@ -229,18 +337,23 @@ class GridSearchTemperature(Calibrator):
 
     Defaults follow the paper: step 0.001, t_max 5.0 (5000 temperatures), 15 bins. Learned:
     ``temperature_`` (float), ``grid_`` (the temperatures) and ``ece_grid_`` (calibration ECE per
-    temperature, fractions), both numpy float64 arrays. See :func:`grid_search_temperature`.
+    temperature, fractions; NaN where the branch and bound proved a temperature cannot win, unless
+    ``full_curve=True`` asks for every value), both numpy float64 arrays. The chosen T is the same
+    either way. See :func:`grid_search_temperature`.
     """
 
-    def __init__(self, grid_step: float = 0.001, t_max: float = 5.0, n_bins: int = 15, progress: bool = True):
+    def __init__(self, grid_step: float = 0.001, t_max: float = 5.0, n_bins: int = 15, progress: bool = True,
+                 full_curve: bool = False):
         self.grid_step = grid_step
         self.t_max = t_max
         self.n_bins = n_bins
         self.progress = progress
+        self.full_curve = full_curve
 
     def fit(self, logits: Any, labels: Any) -> "GridSearchTemperature":
         grid = temperature_grid(self.grid_step, self.t_max)
-        t, eces = grid_search_temperature(logits, labels, grid, self.n_bins, progress=self.progress)
+        t, eces = grid_search_temperature(logits, labels, grid, self.n_bins, progress=self.progress,
+                                          full_curve=bool(self.full_curve))
         self.temperature_, self.grid_, self.ece_grid_ = t, grid, eces
         return self
 

@@ -406,12 +406,13 @@ def render_markdown(report: dict) -> str:
         f"| load average at end (1/5/15 min) | {' / '.join(f'{v:.2f}' for v in run['load_end'])} |",
         "",
     ]
-    busy = max(run["load_start"][0], run["load_end"][0], run["load_start"][1], run["load_end"][1])
-    if busy > 0.5 * (m["usable_cpus"] or 1):
-        lines += [f"Other processes shared the CPU during this run (load average up to {busy:.1f} on "
-                  f"{m['usable_cpus']} cores), so absolute seconds are longer than on an idle machine; "
-                  "passes and the ratios of figures measured in the same run are the robust numbers. "
-                  "CPU seconds (this process's user + system time) are given beside wall seconds.", ""]
+    threads = m.get("torch_threads") or 1
+    lines += [f"While a case runs the bench itself accounts for about {threads} of the load average, so a figure "
+              f"well above {threads} at the end means other work shared the CPU; a high figure at start can also be "
+              "work that had just finished (the averages decay over 1, 5 and 15 minutes). On a shared machine "
+              "absolute seconds are longer than on an idle one; passes and the ratios of figures measured in the "
+              "same run are the robust numbers. CPU seconds (this process's user + system time) are given beside "
+              "wall seconds.", ""]
 
     lines += ["## Targets", "", "| target | measured | limit | verdict | note |", "| --- | --- | --- | --- | --- |"]
     for t in report["targets"]:
@@ -443,7 +444,7 @@ def _md_nc(results: list[dict], s: dict) -> list[str]:
         f"Each embedded model, {s['cal_size']} calibration images (seed 0), test split: {test} images; γ = 1, "
         "λ = \"auto\" (0.1 × the unperturbed mean focal loss), random δ₀ with seed 0 for both fitters. "
         "Paper recipe: SGD, lr 0.001, batch 512, 100 epochs. Fast: the library default (L-BFGS, "
-        "`max_passes`=20). *Objective* = mean FL_γ + λ‖δ‖² over the calibration split at the result, "
+        "`max_passes`=20, `tol`=1e-3: it stops when an iteration lowers the objective by less than 0.1 %). *Objective* = mean FL_γ + λ‖δ‖² over the calibration split at the result, "
         "computed exactly by the library for both fitters. Seconds = `fit()` only, after one untimed "
         "warm-up forward + backward on a batch in the same process (its time is in the JSON).",
         "",

@@ -34,6 +34,7 @@ import hashlib
 import math
 import os
 import re
+import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -437,7 +438,8 @@ def _bloodmnist_pools(token: str | None, with_train: bool = False) -> Pools:
     from huggingface_hub import hf_hub_download
 
     repo, filename = BLOODMNIST_HUB
-    path = _hub_file(lambda: hf_hub_download(repo, filename, repo_type="dataset", token=token),
+    path = _hub_file(lambda offline: hf_hub_download(repo, filename, repo_type="dataset", token=token,
+                                                     local_files_only=offline),
                      f"BloodMNIST ({repo}, {filename})")
     keys = ["val_images", "val_labels", "test_images", "test_labels"] + (["train_images", "train_labels"] if with_train else [])
     z = _load_npz(Path(path), keys)
@@ -451,12 +453,44 @@ def _bloodmnist_pools(token: str | None, with_train: bool = False) -> Pools:
     return pools
 
 
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's endpoint accepts a TCP connection within ``timeout`` seconds.
+
+    False at once with HF_HUB_OFFLINE=1. Behind a proxy (a ``*_PROXY`` variable is set) a direct
+    connection says nothing, so the answer is True and the download itself decides. Without this
+    probe an unreachable Hub costs half a minute of retries before the offline message.
+    """
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    if not url.hostname:
+        return True
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _hub_file(download: Callable[..., str], what: str) -> str:
-    """Run a Hub download, turning 'no network' into an error that says what to do."""
+    """Run a Hub download, turning 'no network' into an error that says what to do.
+
+    ``download(offline)`` gets ``offline=True`` when the Hub cannot be reached, so that a cached file
+    is used at once instead of after the client's retries.
+    """
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return download()
+        return download(not hub_reachable())
     except LocalEntryNotFoundError:
         raise ValueError(
             f"{what} is not in the local Hugging Face cache and the Hub cannot be reached "

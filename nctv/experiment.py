@@ -26,10 +26,11 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -528,6 +529,16 @@ def _unwrap_model(model: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
     return module, info
 
 
+def _prepare_model_run(model: Any, device: Any) -> tuple[torch.nn.Module, dict[str, Any], torch.device]:
+    """(module, info, device) for a run: the unwrapped model moved to ``device`` (default: where it
+    already is), with its :func:`model_fingerprint` in ``info["fingerprint"]``."""
+    module, info = _unwrap_model(model)
+    dev = resolve_device(device) if device is not None else model_device(module)
+    module.to(dev)
+    info["fingerprint"] = model_fingerprint(module)
+    return module, info, dev
+
+
 def _input_range(model: Any, input_range: Any) -> Any:
     """The feasible input range (α, β): given, else the zoo model's own, else None."""
     return input_range if input_range is not None else getattr(model, "input_range", None)
@@ -709,14 +720,11 @@ def _run_plans(
     n_test = len(test.labels)
     if max(bins) > n_test:
         raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
-    module, model_info = _unwrap_model(model)
-    dev = resolve_device(device) if device is not None else model_device(module)
-    module.to(dev)
+    module, model_info, dev = _prepare_model_run(model, device)
     stochastic = {p.label: bool(_registry()[p.name].stochastic) for p in plans}
     total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
     bar = _Progress(total, kind, progress, callback)
     try:
-        model_info["fingerprint"] = model_fingerprint(module)
         bar.message("logits of the calibration split")
         cal = split_logits(module, calibration, cache_dir, batch_size, dev, model_info["fingerprint"])
         bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
@@ -921,14 +929,6 @@ def welch_tests(methods: dict[str, MethodResult], bins: Iterable[int], compared:
 # --------------------------------------------------------------------------- γ sweep and init study
 
 
-def _prepare_model_run(model: Any, device: Any) -> tuple[torch.nn.Module, dict[str, Any], torch.device]:
-    module, info = _unwrap_model(model)
-    dev = resolve_device(device) if device is not None else model_device(module)
-    module.to(dev)
-    info["fingerprint"] = model_fingerprint(module)
-    return module, info, dev
-
-
 def _passes_callback(total: float, what: str, bar: Any, callback: ProgressCallback | None):
     """Turn Neural Clamping's per-step ``info`` into a fraction of about ``total`` passes.
 
@@ -951,6 +951,19 @@ def _passes_callback(total: float, what: str, bar: Any, callback: ProgressCallba
             callback(min(now / total, 0.99), f"{what}: about {now:.0f} of {total:.0f} passes{tail}")
 
     return report
+
+
+@contextmanager
+def _passes_bar(
+    total: float, desc: str, what: str, progress: bool, callback: ProgressCallback | None
+) -> Iterator[Callable[[dict], None]]:
+    """A tqdm bar of about ``total`` passes, closed on leaving; yields :func:`_passes_callback`'s
+    ``report`` for Neural Clamping's per-step ``info``."""
+    bar = tqdm(total=total, desc=desc, unit="pass", disable=not progress, leave=False)
+    try:
+        yield _passes_callback(total, what, bar, callback)
+    finally:
+        bar.close()
 
 
 @dataclass
@@ -1020,17 +1033,13 @@ def run_gamma_sweep(
         total = (epochs + 1.5) * len(gammas)
     else:
         total = settings.get("max_passes", 20) + passes_per_gamma * (len(gammas) - 1)
-    bar = tqdm(total=total, desc="gamma sweep", unit="pass", disable=not progress, leave=False)
-    try:
+    with _passes_bar(total, "gamma sweep", "γ sweep", progress, callback) as report:
         sweep = clamping.gamma_sweep(
             module, calibration.loader(batch_size=batch_size), None,
             None if test is None else test.loader(batch_size=batch_size), None,
             gammas=gammas, n_bins=n_bins, passes_per_gamma=passes_per_gamma, fitter=fitter, seed=seed, device=dev,
-            batch_size=batch_size, progress=False,
-            callback=_passes_callback(total, "γ sweep", bar, callback), **settings,
+            batch_size=batch_size, progress=False, callback=report, **settings,
         )
-    finally:
-        bar.close()
     if callback is not None:
         callback(1.0, f"γ sweep done; chosen γ = {sweep.chosen_gamma:g}")
     return GammaSweepResult(
@@ -1111,15 +1120,12 @@ def run_init_study(
     per_fit = epochs + 0.5 if fitter == "paper" else float(settings.get("max_passes", 20))
     fits = 2 * runs if fitter == "paper" else runs + 1
     total = per_fit * fits + 1
-    bar = tqdm(total=total, desc="init study", unit="pass", disable=not progress, leave=False)
-    try:
+    with _passes_bar(total, "init study", "initialisation study", progress, callback) as report:
         study = clamping.init_study(
             module, calibration.loader(batch_size=batch_size), test.loader(batch_size=batch_size), n_runs=runs,
             seed=seed, n_bins=n_bins, fitter=fitter, input_range=rng, device=dev, batch_size=batch_size,
-            progress=False, callback=_passes_callback(total, "initialisation study", bar, callback), **settings,
+            progress=False, callback=report, **settings,
         )
-    finally:
-        bar.close()
     if callback is not None:
         callback(1.0, "initialisation study done")
     n_classes = _n_classes(model, module, test, batch_size)

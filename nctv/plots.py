@@ -52,26 +52,32 @@ def _new_figure(width: float, height: float):
 # --------------------------------------------------------------------------- reliability
 
 
+def _from_bins(name: str) -> property:
+    """A read-only attribute of :class:`ReliabilityData` taken from its ``bins``."""
+    return property(lambda self: getattr(self.bins, name),
+                    doc=f"``bins.{name}`` (see :class:`nctv.metrics.ReliabilityBins`).")
+
+
 @dataclass(frozen=True)
 class ReliabilityData:
-    """A reliability diagram's numbers for one method (fractions; NaN for empty bins)."""
+    """A reliability diagram's numbers for one method (fractions; NaN for empty bins).
+
+    The per-bin numbers are a :class:`nctv.metrics.ReliabilityBins`; its ``edges``, ``counts``,
+    ``confidence``, ``accuracy``, ``n`` and ``n_bins`` read through as attributes of this object.
+    """
 
     method: str
-    edges: np.ndarray
-    counts: np.ndarray
-    confidence: np.ndarray
-    accuracy: np.ndarray
+    bins: metrics.ReliabilityBins
     ece: float
     overall_accuracy: float
     mean_confidence: float
 
-    @property
-    def n(self) -> int:
-        return int(self.counts.sum())
-
-    @property
-    def n_bins(self) -> int:
-        return len(self.counts)
+    edges = _from_bins("edges")
+    counts = _from_bins("counts")
+    confidence = _from_bins("confidence")
+    accuracy = _from_bins("accuracy")
+    n = _from_bins("n")
+    n_bins = _from_bins("n_bins")
 
 
 def reliability_data(logits: Any, labels: Any, n_bins: int = 15, method: str = "") -> ReliabilityData:
@@ -79,8 +85,7 @@ def reliability_data(logits: Any, labels: Any, n_bins: int = 15, method: str = "
     bins = metrics.reliability_bins(logits, labels, n_bins)
     conf, _ = metrics.confidences_and_predictions(logits)
     return ReliabilityData(
-        method, bins.edges, bins.counts, bins.confidence, bins.accuracy,
-        metrics.ece(logits, labels, n_bins), metrics.accuracy(logits, labels), float(conf.mean()),
+        method, bins, metrics.ece(logits, labels, n_bins), metrics.accuracy(logits, labels), float(conf.mean()),
     )
 
 

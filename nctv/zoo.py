@@ -37,7 +37,7 @@ import torch
 from PIL import Image
 from timm.models import register_model
 
-from nctv.data import assets_dir, image_mode, make_preprocess, preprocess_arrays
+from nctv.data import assets_dir, hub_reachable, image_mode, make_preprocess, preprocess_arrays
 from nctv.inference import freeze, resolve_device
 
 __all__ = [
@@ -261,6 +261,9 @@ def _hub_folder(source: ModelSource, token: str | None = None) -> Path:
     cached = {f: try_to_load_from_cache(source.location, f, revision=source.revision) for f in (CONFIG_NAME, WEIGHTS_NAME)}
     if all(isinstance(p, str) for p in cached.values()):
         return Path(cached[CONFIG_NAME]).parent
+    if not hub_reachable():
+        missing = next(f for f in (CONFIG_NAME, WEIGHTS_NAME) if not isinstance(cached[f], str))
+        raise ValueError(_offline_message(source, missing))
     paths = {}
     # Fetch both files together so that they come from the same snapshot.
     for filename in (CONFIG_NAME, WEIGHTS_NAME):
@@ -293,7 +296,7 @@ def _hub_card(source: ModelSource, token: str | None) -> Path | None:
     cached = try_to_load_from_cache(source.location, CARD_NAME, revision=source.revision)
     if isinstance(cached, str):
         return Path(cached)
-    if constants.HF_HUB_OFFLINE:
+    if constants.HF_HUB_OFFLINE or not hub_reachable():
         return None
     try:
         return Path(hf_hub_download(source.location, CARD_NAME, revision=source.revision, token=token,

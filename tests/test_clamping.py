@@ -399,3 +399,17 @@ def test_bad_data_are_clear_errors(problem):
         NeuralClamping(model, **quiet()).fit(x, y + 5)
     with pytest.raises(ValueError, match="labels are needed"):
         NeuralClamping(model, **quiet()).fit(x)
+
+
+def test_fast_fitter_warns_on_a_split_too_small_for_delta(recwarn):
+    import warnings
+
+    model = make_model()
+    x, y = make_data(model, 24)  # 24 images for a δ of 16 values: fewer than 2 per value
+    with pytest.warns(UserWarning, match=r"24 calibration images for a δ of 16 values"):
+        NeuralClamping(model, progress=False, max_passes=2).fit(x, y)
+    x, y = make_data(model, 40)  # 40 >= 2 × 16: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NeuralClamping(model, progress=False, max_passes=2).fit(x, y)
+        NeuralClamping(model, progress=False, fitter="paper", epochs=1).fit(*make_data(model, 24))  # the paper recipe barely moves δ

@@ -134,6 +134,8 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     assert len(outs) >= 2 and all(len(o) == 9 for o in outs)
     status, panel, live, table, diagrams, params, delta, files, calibration = outs[-1]
     assert status.startswith("**Done**") and "| Neural Clamping (FL) |" in table and "| Uncalibrated |" in table
+    # 300 images for a δ of 784 values: the library's small-split warning reaches the page.
+    assert "⚠ Neural Clamping: 300 calibration images for a δ of 784 values" in status
     assert panel["visible"] is True and len(live.data) == 2  # loss and T of one NC fit
     assert diagrams.layout.title.text == "Reliability diagrams" and delta is not None
     assert "T = " in params and isinstance(calibration, state.Calibration) and calibration.split == SMALL

@@ -294,3 +294,47 @@ def test_train_classifier_with_a_single_step(tmp_path):
         progress=False)
     assert len(result.history) == 1 and np.isfinite(result.history[0]["train_loss"])
     assert (tmp_path / "one-step" / "model.safetensors").exists()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bind, read the port, close: nothing listens there afterwards
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hub_reachable_probes_the_endpoint(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert d.hub_reachable()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    assert not d.hub_reachable()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert d.hub_reachable()  # behind a proxy the download itself decides
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert not d.hub_reachable()
+
+
+def test_unreachable_hub_answers_at_once_without_retries(tmp_path):
+    # No HF_HUB_OFFLINE: the Hub is just not answering (here: a closed local port as its endpoint).
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE" and not k.lower().endswith("_proxy")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", PYTHONPATH=str(REPO_ROOT))
+    script = ("import nctv.zoo as z\n"
+              "try:\n    z.load_model('hf-hub:someone/some-model')\n"
+              "except ValueError as e:\n    print('MESSAGE', e)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "MESSAGE Model 'hf-hub:someone/some-model' needs the network" in proc.stdout
+    assert "cannot be reached" in proc.stdout and "fmnist-resnet" in proc.stdout
+    assert "Retry" not in proc.stderr  # the client's retry loop was never entered

@@ -44,6 +44,7 @@ Decisions where the paper leaves room (they hold for every class and function he
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -269,6 +270,23 @@ class _GammaFit:
     result: FitResult
 
 
+#: The fast fitter warns below this many calibration images per value of δ (see small_split_message).
+SMALL_SPLIT_FACTOR = 2
+
+
+def small_split_message(n: int, size: int) -> str:
+    """The warning for a calibration split too small for the fast fitter's δ.
+
+    Measured on the embedded fmnist-resnet (δ of 784 values, 2.05 % uncalibrated test ECE): NC (CE)
+    reached 1.06 % test ECE from 5,000 images and 1.81 % from 2,000, but 2.71 % from 1,000 and
+    9.8 % from 300, where δ fits the split's noise (calibration ECE 0.4 %, T 0.08).
+    """
+    return (f"Neural Clamping: {n} calibration images for a δ of {size} values (fewer than "
+            f"{SMALL_SPLIT_FACTOR} per value). The fast fitter reaches the objective's optimum, and on so few "
+            "images δ can fit their noise: the calibration ECE falls while the test ECE rises. Use more "
+            "calibration images, a larger weight_decay, or fitter='paper'.")
+
+
 class NeuralClamping(_InputCalibrator):
     """Neural Clamping: learns δ (``delta_``) and T (``temperature_``) on a calibration split.
 
@@ -378,6 +396,9 @@ class NeuralClamping(_InputCalibrator):
         split = Split(inputs, labels, dev, int(self.batch_size))
         problem = Problem(self.model, split, 0.0, 0.0, self._clamp_range(split.input_shape, dev))
         problem.check_labels()
+        size = math.prod(split.input_shape)
+        if self.fitter == "fast" and split.n < SMALL_SPLIT_FACTOR * size:
+            warnings.warn(small_split_message(split.n, size), stacklevel=3)
         return problem
 
     def _start(self, problem: Problem) -> _Start:

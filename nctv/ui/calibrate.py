@@ -17,7 +17,7 @@ import gradio as gr
 import torch
 
 from nctv.metrics import evaluate
-from nctv.ui.common import Worker, export_dir, parse_number_or_auto, parse_whole, user_errors
+from nctv.ui.common import Worker, export_dir, parse_number_or_auto, parse_whole, user_errors, with_warnings
 from nctv.ui.state import (
     NC_METHODS,
     PRECOMPUTED_LABEL,
@@ -425,7 +425,8 @@ def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins,
     table, diagrams, params, delta = show(result, calibration, n_bins)
     done = f"**Done** in {result.seconds:.1f} s ({len(result.methods)} methods, fitter {nc.fitter})."
     shown = gr.update(visible=bool(live.series))
-    yield (done, shown, live.figure() if live.series else None, table, diagrams, params, delta, files, calibration)
+    yield (with_warnings(done, worker), shown, live.figure() if live.series else None, table, diagrams, params, delta,
+           files, calibration)
 
 
 def precomputed_view() -> tuple:

@@ -16,6 +16,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -103,6 +104,7 @@ class Worker:
         self._done = object()
         self.result: Any = None
         self.error: BaseException | None = None
+        self.warnings: list[str] = []
         self._thread = threading.Thread(target=self._run, name="nctv-worker", daemon=True)
 
     def report(self, item: Any) -> None:
@@ -112,7 +114,16 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            self.result = self._work(self.report)
+            # Warnings of the work (a split too small for δ, a capped ODIR fit, …) are kept for the
+            # final status: a server log is not where a visitor looks.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    self.result = self._work(self.report)
+                finally:
+                    for w in caught:
+                        if issubclass(w.category, UserWarning) and str(w.message) not in self.warnings:
+                            self.warnings.append(str(w.message))
         except Cancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the streaming side
@@ -142,6 +153,26 @@ class Worker:
             self._stop.set()
         if self.error is not None:
             raise self.error
+
+
+def with_warnings(status: str, worker: Worker) -> str:
+    """A final status with the work's warnings (if any) below it, one per line."""
+    return status + "".join(f"\n\n⚠ {w}" for w in worker.warnings)
+
+
+def stream_progress(worker: Worker, progress: Any, outputs: int) -> Iterator[tuple]:
+    """Stream a worker whose items are ``("progress", fraction, message)`` into a handler with
+    ``outputs`` outputs, the first a status text: each yield shows the latest message as
+    "**Running** — …" (or skips when none came) and skips every other output. Returns the work's
+    result, so a handler writes ``result = yield from stream_progress(worker, progress, n)``."""
+    skip = gr.skip()
+    for items in worker.stream():
+        msgs = [i for i in items if i[0] == "progress"]
+        if msgs:
+            progress(msgs[-1][1], desc=msgs[-1][2])
+        # Yield even when idle: a Stop can only close the handler between two yields.
+        yield ((f"**Running** — {msgs[-1][2]}" if msgs else skip),) + (skip,) * (outputs - 1)
+    return worker.result
 
 
 _EXPORT_ROOT = Path(tempfile.gettempdir()) / "nctv-app-exports"

@@ -10,7 +10,7 @@ import gradio as gr
 import numpy as np
 
 from nctv.ui.calibrate import parse_nc_settings, parse_split
-from nctv.ui.common import Worker, export_dir, parse_whole, user_errors
+from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
 
 #: At most this many γ values per sweep (the paper's grid has 21).
@@ -78,17 +78,10 @@ def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bin
     nc = parse_nc_settings(1.0, weight_decay, init, fitter, epochs)
     settings = {"weight_decay": nc.weight_decay, "init": nc.init, "fitter": nc.fitter, "epochs": nc.epochs}
     worker = Worker(lambda report: run_sweep(spec, gammas, n_bins, settings, report))
-    skip = gr.skip()
-    for items in worker.stream():
-        msgs = [i for i in items if i[0] == "progress"]
-        if msgs:
-            progress(msgs[-1][1], desc=msgs[-1][2])
-        # Yield even when idle: a Stop can only close the handler between two yields.
-        yield (f"**Running** — {msgs[-1][2]}" if msgs else skip), skip, skip, skip
-    result = worker.result
+    result = yield from stream_progress(worker, progress, 4)
     fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")
     out = export_dir("gamma-sweep")
     (out / "gamma_sweep.json").write_text(json.dumps(result.to_dict(), indent=2), encoding="utf-8")
     plots.save_figure(plots.gamma_figure(plots.gamma_curve_data_from_sweep(result)), out / "gamma_sweep.png", dpi=120)
     status = f"**Done**: {len(gammas)} γ values in {result.seconds:.1f} s; chosen γ = {result.sweep.chosen_gamma:g}."
-    yield status, fig, sweep_table(result), [str(out / "gamma_sweep.json"), str(out / "gamma_sweep.png")]
+    yield with_warnings(status, worker), fig, sweep_table(result), [str(out / "gamma_sweep.json"), str(out / "gamma_sweep.png")]

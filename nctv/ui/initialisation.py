@@ -8,7 +8,7 @@ from typing import Any
 import gradio as gr
 
 from nctv.ui.calibrate import parse_nc_settings, parse_split
-from nctv.ui.common import Worker, export_dir, parse_whole, user_errors
+from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
 
 METRICS_SHOWN = ("entropy", "ece", "aece", "sce")
@@ -60,18 +60,11 @@ def init_study(model, hub_id, dataset, calibration_size, test_size, seed, n_bins
     nc = parse_nc_settings(gamma, weight_decay, "random", fitter, epochs)
     settings = {"gamma": nc.gamma, "weight_decay": nc.weight_decay, "epochs": nc.epochs, "fitter": nc.fitter}
     worker = Worker(lambda report: run_study(spec, runs, n_bins, settings, report))
-    skip = gr.skip()
-    for items in worker.stream():
-        msgs = [i for i in items if i[0] == "progress"]
-        if msgs:
-            progress(msgs[-1][1], desc=msgs[-1][2])
-        # Yield even when idle: a Stop can only close the handler between two yields.
-        yield (f"**Running** — {msgs[-1][2]}" if msgs else skip), skip, skip, skip
-    result = worker.result
+    result = yield from stream_progress(worker, progress, 4)
     data = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)
     out = export_dir("init-study")
     (out / "init_study.json").write_text(json.dumps(result.to_dict(), indent=2), encoding="utf-8")
     png = plots.save_figure(plots.init_study_figure(data), out / "init_study.png", dpi=120)
     status = f"**Done**: {runs} runs per initialisation in {result.seconds:.1f} s."
     files = [str(out / "init_study.json"), str(png)]
-    yield status, plots.init_study_figure(data, backend="plotly"), study_table(result), files
+    yield with_warnings(status, worker), plots.init_study_figure(data, backend="plotly"), study_table(result), files

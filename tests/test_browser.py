@@ -70,7 +70,7 @@ def test_stop_ends_a_run(page):
     page.get_by_role("button", name="Stop").first.click()
     page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Stopped')")
     assert "pre-computed, shipped with the app" in page.locator("#results-table").inner_text()
-    page.get_by_label("fast (L-BFGS, about 20 passes)").check()
+    page.get_by_label("fast (L-BFGS, about 10 passes)").check()
 
 
 def test_a_live_calibration_run(page):

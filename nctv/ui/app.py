@@ -162,9 +162,13 @@ def _run_buttons(label: str):
 
 
 def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
-    """Stop cancels the running event; the work ends at its next progress report."""
-    button.click(lambda: "**Stopped.** Press the button again for a new run.", None, status, cancels=[event],
-                 queue=False, api_visibility="private")
+    """Stop cancels the running event (the work ends at its next progress report), then says so.
+
+    The status is written after the cancellation, so that no update the run had already sent
+    can overwrite it."""
+    button.click(None, None, None, cancels=[event], queue=False, api_visibility="private").then(
+        lambda: "**Stopped.** Press the button again for a new run.", None, status, queue=False,
+        api_visibility="private")
 
 
 def _calibrate_tab(shared: Shared, state: gr.State):

@@ -41,7 +41,7 @@ DEFAULT_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "
 SLOW_METHODS = ("Matrix Scaling", "MS-ODIR", "Dir-ODIR")
 #: Rows of the paper's ablation, evaluated from another method's fit; not offered on their own here.
 _ABLATION_ONLY = ("NC input only", "NC output only")
-FITTER_CHOICES = [("fast (L-BFGS, about 20 passes)", "fast"), ("paper recipe (SGD, lr 0.001, batch 512)", "paper")]
+FITTER_CHOICES = [("fast (L-BFGS, about 10 passes)", "fast"), ("paper recipe (SGD, lr 0.001, batch 512)", "paper")]
 INIT_CHOICES = [("random (Gaussian, std 0.1)", "random"), ("data-driven (Theorem 1)", "data")]
 GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
 WEIGHT_DECAY_CHOICES = ["auto", "0", "0.001", "0.01", "0.1"]

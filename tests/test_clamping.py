@@ -21,13 +21,7 @@ from nctv.metrics import ece
 SHAPE = (1, 4, 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: one thread avoids the cost of thread hand-offs on a busy CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 RANGE = (-3.0, 3.0)

@@ -18,13 +18,7 @@ from nctv.calibration.linear import (
 from nctv.calibration.temperature import TemperatureScaling
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These problems are small: a second intra-op thread only adds synchronisation overhead.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def distorted_sample(n, k, seed=0, mixing=0.3):

@@ -19,13 +19,7 @@ from nctv.calibration.temperature import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These problems are small: a second intra-op thread only adds synchronisation overhead.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def calibrated_sample(n, k, scale=2.0, seed=0):

@@ -291,12 +291,12 @@ def _hub_folder(source: ModelSource, token: str | None = None) -> Path:
 
 def _hub_card(source: ModelSource, token: str | None) -> Path | None:
     """The Hub model card if cached, else fetched when online; a card is never required."""
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     cached = try_to_load_from_cache(source.location, CARD_NAME, revision=source.revision)
     if isinstance(cached, str):
         return Path(cached)
-    if constants.HF_HUB_OFFLINE or not hub_reachable():
+    if not hub_reachable():  # also False with HF_HUB_OFFLINE=1
         return None
     try:
         return Path(hf_hub_download(source.location, CARD_NAME, revision=source.revision, token=token,

@@ -1,5 +1,6 @@
 """Neural Clamping against independent answers: closed forms, hand-rolled loops, brute force."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -395,9 +396,7 @@ def test_bad_data_are_clear_errors(problem):
         NeuralClamping(model, **quiet()).fit(x)
 
 
-def test_fast_fitter_warns_on_a_split_too_small_for_delta(recwarn):
-    import warnings
-
+def test_fast_fitter_warns_on_a_split_too_small_for_delta():
     model = make_model()
     x, y = make_data(model, 24)  # 24 images for a δ of 16 values: fewer than 2 per value
     with pytest.warns(UserWarning, match=r"24 calibration images for a δ of 16 values"):

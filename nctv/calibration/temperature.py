@@ -225,13 +225,25 @@ class _GridProblem:
         return (distance - slack) / self.n
 
 
-def _all_eces(problem: _GridProblem, temps: np.ndarray, progress: bool) -> np.ndarray:
-    t_all = torch.as_tensor(temps, device=problem.device)
-    eces = np.empty(len(temps))
+def _evaluate(problem: _GridProblem, t_all: torch.Tensor, points: list[int], eces: np.ndarray,
+              keep: dict[int, torch.Tensor] | None = None, bar=None) -> None:
+    """ECE at the grid ``points`` into ``eces``, a chunk of temperatures at a time; the confidences
+    go into ``keep`` (by grid index) when given."""
     step = problem.chunk_size
-    for c0 in tqdm(range(0, len(temps), step), desc="TS grid search", disable=not progress):
-        conf = problem.confidences(t_all[c0 : c0 + step])
-        eces[c0 : c0 + len(conf)] = problem.eces(conf).cpu().numpy()
+    for c0 in range(0, len(points), step):
+        chunk = points[c0 : c0 + step]
+        conf = problem.confidences(t_all[chunk])
+        eces[chunk] = problem.eces(conf).cpu().numpy()
+        if keep is not None:
+            keep.update(zip(chunk, conf))
+        if bar is not None:
+            bar.update(len(chunk))
+
+
+def _all_eces(problem: _GridProblem, temps: np.ndarray, progress: bool) -> np.ndarray:
+    eces = np.empty(len(temps))
+    with tqdm(total=len(temps), desc="TS grid search", disable=not progress) as bar:
+        _evaluate(problem, torch.as_tensor(temps, device=problem.device), list(range(len(temps))), eces, bar=bar)
     return eces
 
 
@@ -249,18 +261,9 @@ def _bounded_eces(problem: _GridProblem, temps: np.ndarray, progress: bool, firs
     eces = np.full(n_grid, np.nan)
     conf: dict[int, torch.Tensor] = {}
 
-    def evaluate(points: list[int]) -> None:
-        step = problem.chunk_size
-        for c0 in range(0, len(points), step):
-            chunk = points[c0 : c0 + step]
-            c = problem.confidences(t_all[chunk])
-            eces[chunk] = problem.eces(c).cpu().numpy()
-            conf.update(zip(chunk, c))
-
     points = sorted(set(range(0, n_grid, first_step)) | {n_grid - 1})
     bar = tqdm(total=n_grid, desc="TS grid search", disable=not progress)
-    evaluate(points)
-    bar.update(len(points))
+    _evaluate(problem, t_all, points, eces, conf, bar)
     intervals = [(a, c) for a, c in zip(points[:-1], points[1:]) if c - a > 1]
     while intervals:
         best = float(np.nanmin(eces))
@@ -273,8 +276,7 @@ def _bounded_eces(problem: _GridProblem, temps: np.ndarray, progress: bool, firs
         keep = [iv for iv, lb in zip(intervals, np.concatenate(bounds)) if lb <= best + _RECHECK_TOL]
         bar.update(sum(c - a - 1 for a, c in intervals) - sum(c - a - 1 for a, c in keep))
         mids = [(a + c) // 2 for a, c in keep]
-        evaluate(mids)
-        bar.update(len(mids))
+        _evaluate(problem, t_all, mids, eces, conf, bar)
         intervals = [iv for (a, c), m in zip(keep, mids) for iv in ((a, m), (m, c)) if iv[1] - iv[0] > 1]
         live = {i for iv in intervals for i in iv}
         for i in [i for i in conf if i not in live]:

@@ -300,17 +300,22 @@ def _softmax_top(z: torch.Tensor, names, k=5):
     return {names[int(i)]: float(v) for v, i in zip(top.values, top.indices)}
 
 
+def _assert_three_calibrations(model, picture, cal, raw, ts, nc):
+    """The top-5 of the uncalibrated, TS and NC outputs equal those computed here from the model."""
+    x = model.preprocess(picture)
+    z = model_logits(model.model, x[None])
+    names = model.class_names
+    assert raw == pytest.approx(_softmax_top(z, names))
+    assert ts == pytest.approx(_softmax_top(z / cal.ts_temperature, names))
+    z_nc = model_logits(model.model, x[None], delta=cal.delta) / cal.nc_temperature
+    assert nc == pytest.approx(_softmax_top(z_nc, names))
+
+
 def test_classify_shows_three_calibrations_of_the_same_picture(run, default_model, tmp_path):
     _, calibration, _ = run
     example = try_image.example_images()[0]
     note, fig, raw, ts, nc = try_image.classify(example, calibration)
-    x = default_model.preprocess(Image.open(example))
-    z = model_logits(default_model.model, x[None])
-    names = default_model.class_names
-    assert raw == pytest.approx(_softmax_top(z, names))
-    assert ts == pytest.approx(_softmax_top(z / calibration.ts_temperature, names))
-    z_nc = model_logits(default_model.model, x[None], delta=calibration.delta) / calibration.nc_temperature
-    assert nc == pytest.approx(_softmax_top(z_nc, names))
+    _assert_three_calibrations(default_model, Image.open(example), calibration, raw, ts, nc)
     assert list(raw.values()) == sorted(raw.values(), reverse=True) and len(raw) == 5
     assert "your run" in note and [t.name for t in fig.data][:2] == ["Input", "Input + δ"]
 
@@ -321,13 +326,7 @@ def test_classify_without_a_run_uses_the_shipped_calibration_and_converts_colour
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(rgb)
     note, _, raw, ts, nc = try_image.classify(str(rgb), None)
     assert state.PRECOMPUTED_LABEL in note and "converted to grey" in note and "40 × 30" not in note
-    x = default_model.preprocess(Image.open(rgb).convert("L"))
-    z = model_logits(default_model.model, x[None])
-    names = default_model.class_names
-    assert raw == pytest.approx(_softmax_top(z, names))
-    assert ts == pytest.approx(_softmax_top(z / cal.ts_temperature, names))
-    z_nc = model_logits(default_model.model, x[None], delta=cal.delta) / cal.nc_temperature
-    assert nc == pytest.approx(_softmax_top(z_nc, names))
+    _assert_three_calibrations(default_model, Image.open(rgb).convert("L"), cal, raw, ts, nc)
 
 
 def test_grey_picture_for_a_colour_model(tmp_path):

@@ -171,6 +171,19 @@ def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
         api_visibility="private")
 
 
+def _study_run(button: str, plot_label: str, plot_id: str, handler, inputs: list, api_name: str) -> None:
+    """Run/Stop buttons, then status, figure, table and downloads of a study tab (γ sweep,
+    initialisation), with ``handler`` streaming into those four on the heavy queue."""
+    run, stop = _run_buttons(button)
+    status = gr.Markdown()
+    fig = gr.Plot(label=plot_label, elem_id=plot_id)
+    table = gr.Markdown()
+    files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
+    event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
+                      api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY)
+    _stop(stop, event, status)
+
+
 def _calibrate_tab(shared: Shared, state: gr.State):
     status0, table0, diagrams0, params0, delta0, files0 = cal_tab.precomputed_view()
     with gr.Row():
@@ -210,15 +223,9 @@ def _gamma_tab(shared: Shared):
         g_to = gr.Number(1.0, label="γ to")
         g_step = gr.Number(0.1, label="γ step")
     nc = _nc_controls(gamma=False)
-    run, stop = _run_buttons("Run γ sweep")
-    status = gr.Markdown()
-    fig = gr.Plot(label="ECE, entropy and loss against γ", elem_id="gamma-plot")
-    table = gr.Markdown()
-    files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
-    event = run.click(_plots_fit(on_gpu()(gamma_tab.gamma_sweep)), inputs, [status, fig, table, files],
-                      api_name="gamma_sweep", concurrency_limit=1, concurrency_id=HEAVY)
-    _stop(stop, event, status)
+    _study_run("Run γ sweep", "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
+               "gamma_sweep")
 
 
 def _init_tab(shared: Shared):
@@ -226,15 +233,9 @@ def _init_tab(shared: Shared):
                 "each, scored on the test split.")
     runs = gr.Slider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
     nc = _nc_controls(init=False)
-    run, stop = _run_buttons("Run initialisation study")
-    status = gr.Markdown()
-    fig = gr.Plot(label="Random vs data-driven δ", elem_id="init-plot")
-    table = gr.Markdown()
-    files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"]]
-    event = run.click(_plots_fit(on_gpu()(init_tab.init_study)), inputs, [status, fig, table, files],
-                      api_name="init_study", concurrency_limit=1, concurrency_id=HEAVY)
-    _stop(stop, event, status)
+    _study_run("Run initialisation study", "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
+               "init_study")
 
 
 def _try_tab(state: gr.State):

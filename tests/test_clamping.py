@@ -100,7 +100,7 @@ def test_zero_delta_is_temperature_scaling(problem, gamma):
     t_solve = math.exp(clamping_fit.best_log_temperature(z, y, gamma))
     assert t_solve == pytest.approx(t_ref, rel=1e-5)
     # A huge λ pins δ at ~0: the whole fit then reduces to temperature scaling with the same loss.
-    nc = NeuralClamping(model, gamma=gamma, weight_decay=1e5, **quiet()).fit(x, y)
+    nc = NeuralClamping(model, gamma=gamma, weight_decay=1e5, temperature="fitted", **quiet()).fit(x, y)
     assert float(nc.delta_.abs().max()) < 1e-5
     assert nc.temperature_ == pytest.approx(t_ref, rel=1e-4)
     from nctv.calibration.temperature import FocalTemperatureScaling, TemperatureScaling
@@ -160,7 +160,7 @@ def test_data_driven_delta_needs_a_range(problem):
 # ---- the model is never touched ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fitter", ["fast", "paper"])
+@pytest.mark.parametrize("fitter", ["fast", "paper", "toolkit"])
 def test_model_weights_untouched(fitter):
     model = make_model()
     for p in model.parameters():
@@ -191,11 +191,12 @@ def test_seeded_runs_repeat_and_seeds_differ(problem, fitter):
 # ---- the paper recipe ---------------------------------------------------------------------------
 
 
-def reference_sgd(model, x, y, gamma, lam, seed, epochs, lr=0.001, bs=512):
+def reference_sgd(model, x, y, gamma, lam, seed, epochs, lr=0.001, bs=512, momentum=0.9):
+    """The paper recipe written with torch.optim.SGD, the optimiser the authors' code uses."""
     gen = torch.Generator().manual_seed(seed)
     delta = (0.1 * torch.randn(x.shape[1:], generator=gen)).requires_grad_()
     temp = torch.ones((), requires_grad=True)
-    opt = torch.optim.SGD([delta, temp], lr=lr)
+    opt = torch.optim.SGD([delta, temp], lr=lr, momentum=momentum)
     for _ in range(epochs):
         perm = torch.randperm(len(x), generator=gen)
         for i in range(0, len(x), bs):
@@ -208,7 +209,7 @@ def reference_sgd(model, x, y, gamma, lam, seed, epochs, lr=0.001, bs=512):
 
 
 @pytest.mark.parametrize("gamma", [0.0, 1.0])
-def test_paper_fitter_matches_hand_rolled_sgd(problem, gamma):
+def test_paper_fitter_matches_sgd_with_momentum(problem, gamma):
     model, x, y, *_ = problem
     model = make_model()
     for p in model.parameters():
@@ -216,18 +217,68 @@ def test_paper_fitter_matches_hand_rolled_sgd(problem, gamma):
     with torch.no_grad():
         lam = 0.1 * float(focal_by_hand(model(x), y, gamma))
     calls = []
-    nc = NeuralClamping(model, gamma=gamma, fitter="paper", epochs=2, seed=7, callback=calls.append, **quiet()).fit(x, y)
-    delta, temp = reference_sgd(model, x, y, gamma, lam, seed=7, epochs=2)
-    steps = 2 * math.ceil(len(x) / 512)
+    nc = NeuralClamping(model, gamma=gamma, fitter="paper", epochs=3, seed=7, callback=calls.append, **quiet()).fit(x, y)
+    delta, temp = reference_sgd(model, x, y, gamma, lam, seed=7, epochs=3)
+    steps = 3 * math.ceil(len(x) / 512)
     assert len(calls) == steps and calls[-1]["step"] == steps
-    assert [h["epoch"] for h in nc.history_] == [1, 2]
+    assert [h["epoch"] for h in nc.history_] == [1, 2, 3]
     assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
     torch.testing.assert_close(nc.delta_, delta, atol=1e-6, rtol=0)
     assert nc.temperature_ == pytest.approx(temp, abs=1e-6)
-    assert nc.n_passes_ == pytest.approx(2 + 0.5 + 0.5)
+    assert nc.n_passes_ == pytest.approx(3 + 0.5 + 0.5)
     with torch.no_grad():
         objective = focal_by_hand(model(x + delta) / temp, y, gamma) + lam * (delta**2).sum()
     assert nc.objective_ == pytest.approx(float(objective), rel=1e-5)
+    # Momentum changes the path: plain SGD from the same start ends elsewhere.
+    plain_delta, plain_temp = reference_sgd(model, x, y, gamma, lam, seed=7, epochs=3, momentum=0.0)
+    assert abs(plain_temp - nc.temperature_) > 1e-4
+    plain = NeuralClamping(model, gamma=gamma, fitter="paper", epochs=3, seed=7, momentum=0.0, **quiet()).fit(x, y)
+    torch.testing.assert_close(plain.delta_, plain_delta, atol=1e-6, rtol=0)
+    assert plain.temperature_ == pytest.approx(plain_temp, abs=1e-6)
+
+
+def toolkit_by_hand(model, x, y, seed, epochs, gamma=1.0, lam1=0.01, lr=0.01, bs=1000):
+    """The released NCWrapper.train_NC loop with demo.py's settings, restated independently:
+    a perturbation and a (1,)-shaped temperature as parameters, FocalLoss on p_y clamped to
+    [1e-7, 1 − 1e-7], loss = focal + λ₁·‖δ‖₂ per batch, torch.optim.SGD(lr, momentum=0.9)."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = nn.Parameter(0.001 * torch.randn(x.shape[1:], generator=gen))
+    temp = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([delta, temp], lr=lr, momentum=0.9)
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), bs):
+            idx = perm[i : i + bs]
+            p = torch.softmax(model(x[idx] + delta) / temp, dim=1)
+            py = (p * nn.functional.one_hot(y[idx], p.shape[1])).sum(1).clamp(1e-7, 1 - 1e-7)
+            loss = (-((1 - py) ** gamma) * py.log()).mean() + lam1 * torch.norm(delta)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return delta.detach(), float(temp.detach())
+
+
+def test_toolkit_fitter_matches_the_released_training_loop():
+    model = make_model(k=4)
+    with torch.no_grad():
+        model[3].weight.mul_(6.0)  # so confident that the 1e-7 clamp is active for some samples
+    x, y = make_data(model, 2300, t_true=4.0)
+    with torch.no_grad():
+        p_y = torch.softmax(model(x), 1)[torch.arange(len(y)), y]
+    assert int((p_y > 1 - 1e-7).sum()) > 20  # the clamp matters in this problem
+    nc = NeuralClamping(model, fitter="toolkit", epochs=4, seed=3, **quiet()).fit(x, y)
+    delta, temp = toolkit_by_hand(model, x, y, seed=3, epochs=4)
+    assert nc.weight_decay_ == 0.01
+    assert nc.n_passes_ == pytest.approx(4 + 0.5)  # 3 batches an epoch (1000, 1000, 300), then the final logits
+    torch.testing.assert_close(nc.delta_, delta, atol=2e-6, rtol=0)
+    assert nc.temperature_ == pytest.approx(temp, abs=2e-6)
+    with torch.no_grad():
+        pf = torch.softmax(model(x + delta) / temp, 1)[torch.arange(len(y)), y].clamp(1e-7, 1 - 1e-7)
+        objective = (-(1 - pf) * pf.log()).mean() + 0.01 * torch.norm(delta)
+    assert nc.objective_ == pytest.approx(float(objective), rel=1e-5)
+    # Without the clamp (or with the squared penalty) the path differs measurably.
+    unclamped = toolkit_by_hand(model, x, y, seed=3, epochs=4, lam1=0.0)
+    assert abs(unclamped[1] - nc.temperature_) > 1e-5
 
 
 def test_fast_fitter_beats_paper_recipe_with_a_fifth_of_the_passes():
@@ -236,8 +287,8 @@ def test_fast_fitter_beats_paper_recipe_with_a_fifth_of_the_passes():
     with torch.no_grad():
         model[3].weight.mul_(8.0)
     x, y = make_data(model, 1024, shape=(1, 6, 6), t_true=2.5)
-    paper = NeuralClamping(model, fitter="paper", **quiet()).fit(x, y)
-    fast = NeuralClamping(model, fitter="fast", **quiet()).fit(x, y)
+    paper = NeuralClamping(model, fitter="paper", momentum=0.0, **quiet()).fit(x, y)
+    fast = NeuralClamping(model, fitter="fast", weight_decay="auto", temperature="fitted", **quiet()).fit(x, y)
     assert paper.n_passes_ == pytest.approx(101)
     assert fast.n_passes_ <= 20
     assert fast.objective_ <= paper.objective_ * 1.01
@@ -279,13 +330,49 @@ def test_clamp_keeps_perturbed_inputs_in_range(problem):
 
 def test_gamma_auto_picks_lowest_calibration_ece(problem):
     model, x, y, *_ = problem
-    nc = NeuralClamping(model, gamma="auto", gamma_candidates=(0.0, 1.0, 3.0), **quiet()).fit(x, y)
+    nc = NeuralClamping(model, gamma="auto", gamma_candidates=(0.0, 1.0, 3.0), weight_decay="auto",
+                        temperature="fitted", **quiet()).fit(x, y)
     eces = [c["ece"] for c in nc.candidates_]
     assert [c["gamma"] for c in nc.candidates_] == [0.0, 1.0, 3.0]
     assert nc.gamma_ == nc.candidates_[int(np.argmin(eces))]["gamma"]
     assert ece(nc.predict_logits(x), y) == pytest.approx(min(eces), abs=1e-6)
     with torch.no_grad():
         lam = 0.1 * float(focal_by_hand(model(x), y, nc.gamma_))
+    assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
+
+
+def multibin_ece_by_hand(z, y, temps, bins=(10, 15, 20)):
+    """Mean over bin counts of the 15-bin-style ECE, in numpy, one temperature at a time (independent code)."""
+    z = z.double().numpy()
+    y = y.numpy()
+    out = []
+    for t in temps:
+        p = np.exp((z - z.max(1, keepdims=True)) / t)
+        p /= p.sum(1, keepdims=True)
+        conf, correct = p.max(1), (p.argmax(1) == y)
+        values = []
+        for m in bins:
+            idx = np.clip(np.ceil(conf * m).astype(int) - 1, 0, m - 1)
+            values.append(sum(abs((conf[idx == b] - correct[idx == b]).sum()) for b in range(m)) / len(y))
+        out.append(np.mean(values))
+    return np.array(out)
+
+
+def test_default_selects_the_temperature_with_the_lowest_multibin_ece(problem):
+    model, x, y, *_ = problem
+    nc = NeuralClamping(model, seed=2, **quiet()).fit(x, y)
+    z = nc.predict_logits(x, use_temperature=False)
+    assert nc.fitted_temperature_ != nc.temperature_
+    grid = np.round(np.arange(1, 10001) * 0.001, 3)
+    near = grid[np.abs(grid - nc.temperature_) <= 0.05]
+    coarse = grid[9::10]
+    by_hand_near, by_hand_coarse = multibin_ece_by_hand(z, y, near), multibin_ece_by_hand(z, y, coarse)
+    chosen = multibin_ece_by_hand(z, y, [nc.temperature_])[0]
+    # No temperature nearby or anywhere on a 0.01 grid does better; ties go to the smaller T.
+    assert chosen <= by_hand_near.min() + 1e-12 and chosen <= by_hand_coarse.min() + 1e-12
+    assert nc.temperature_ == near[np.flatnonzero(by_hand_near <= chosen + 1e-12)[0]]
+    with torch.no_grad():
+        lam = 1.0 * float(focal_by_hand(model(x), y, 1.0))  # "strong": the unperturbed mean loss
     assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
 
 
@@ -299,8 +386,8 @@ def test_gamma_sweep_shapes_and_consistency(problem):
     assert sw.chosen_gamma == gammas[int(np.argmin(sw.cal["ece"]))]
     assert all(p <= 4 for p in sw.passes[1:])
     assert sw.n_passes == pytest.approx(0.5 + sw.passes.sum())
-    # The first point is an ordinary fit at that γ.
-    first = NeuralClamping(model, gamma=0.0, **quiet()).fit(x, y)
+    # The first point is an ordinary fit at that γ, with the objective's T (the paper's figure).
+    first = NeuralClamping(model, gamma=0.0, temperature="fitted", **quiet()).fit(x, y)
     assert sw.temperature[0] == pytest.approx(first.temperature_, rel=1e-6)
     zt = first.predict_logits(xt)
     assert sw.test["ece"][0] == pytest.approx(ece(zt, yt), abs=1e-6)
@@ -373,6 +460,8 @@ def test_callback_can_stop_the_fit(problem):
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"lr": 0}, "lr"),
         ({"epochs": 0}, "epochs"),
+        ({"fitter": "paper", "momentum": 1.0}, "momentum"),
+        ({"fitter": "toolkit", "init_std": -1}, "init_std"),
         ({"fitter": "adam"}, "fitter"),
         ({"init": "zeros"}, "init"),
         ({"batch_size": 0}, "batch_size"),

@@ -58,18 +58,20 @@ from nctv.calibration.clamping_fit import (
     LBFGSMemory,
     Problem,
     Reporter,
+    SGDSettings,
     Split,
     StopFitting,
     best_log_temperature,
     check_label_range,
     entropy_gradient,
     fit_fast,
-    fit_paper,
+    fit_sgd,
     frozen,
     mean_focal,
     theorem1_delta,
 )
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
+from nctv.settings import FITTERS
 
 __all__ = [
     "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
@@ -82,10 +84,39 @@ GAMMA_CANDIDATES = (0.0, 0.5, 1.0, 2.0, 3.0)
 SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
 #: Standard deviation of the random initial δ (the paper's variance 0.01).
 INIT_STD = 0.1
-#: λ = "auto" is this fraction of the unperturbed model's mean focal loss.
-AUTO_WEIGHT_DECAY_FACTOR = 0.1
+#: Named weight-decay rules: λ is this fraction of the unperturbed model's mean focal loss.
+#: "auto" is the paper's rule; "strong" the fast fitter's default (docs/method.md: at the paper's
+#: λ a δ of 784 values fits a 5,000-image calibration split, whose ECE then no longer predicts the test's).
+WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
+#: Temperature rules: "fitted" keeps the objective's T; "selected" re-chooses T on the calibration
+#: logits f(x + δ) by the mean ECE over SELECTION_BINS, on the grid SELECTION_STEP … SELECTION_T_MAX.
+TEMPERATURE_RULES = ("fitted", "selected")
+SELECTION_BINS = (10, 15, 20)
+SELECTION_STEP = 0.001
+SELECTION_T_MAX = 10.0
 
-_FITTERS = ("fast", "paper")
+
+@dataclass(frozen=True)
+class Recipe:
+    """An SGD recipe for (δ, T) with every setting it fixes (the constructor's None means these)."""
+
+    sgd: SGDSettings
+    init_std: float
+    weight_decay: float | str
+    penalty: str  # "squared": λ‖δ‖²₂; "norm": λ‖δ‖₂
+    prob_floor: float  # focal loss on p_y clamped to [floor, 1 − floor]; 0 = no clamp
+
+
+#: The two published recipes, exactly (docs/method.md gives their sources).
+RECIPES = {
+    # The paper's text (section 4, appendix A) with the optimiser of the authors' code (momentum 0.9).
+    "paper": Recipe(SGDSettings(epochs=100, lr=1e-3, momentum=0.9, batch_size=512), init_std=INIT_STD,
+                    weight_decay="auto", penalty="squared", prob_floor=0.0),
+    # The authors' demo.py with NCWrapper.train_NC: λ₁‖δ‖₂ not squared, FocalLoss's 1e-7 clamp.
+    "toolkit": Recipe(SGDSettings(epochs=100, lr=1e-2, momentum=0.9, batch_size=1000), init_std=1e-3,
+                      weight_decay=0.01, penalty="norm", prob_floor=1e-7),
+}
+assert FITTERS == ("fast", *RECIPES), "nctv.settings.FITTERS must list the fast fitter and every recipe"
 _INITS = ("random", "data")
 
 
@@ -131,8 +162,18 @@ def _check_whole(value: Any, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
-def _auto_weight_decay(z0: torch.Tensor, labels: torch.Tensor, gamma: float) -> float:
-    return AUTO_WEIGHT_DECAY_FACTOR * mean_focal(z0, labels, gamma, 0.0)
+def _rule_weight_decay(rule: str, z0: torch.Tensor, labels: torch.Tensor, gamma: float) -> float:
+    return WEIGHT_DECAY_RULES[rule] * mean_focal(z0, labels, gamma, 0.0)
+
+
+def select_temperature(logits: torch.Tensor, labels: torch.Tensor, n_bins: Sequence[int] = SELECTION_BINS,
+                       step: float = SELECTION_STEP, t_max: float = SELECTION_T_MAX) -> tuple[float, float]:
+    """The T on step, 2·step, …, t_max minimising the mean ECE over ``n_bins`` of logits / T, and that mean."""
+    from nctv.calibration.temperature import grid_search_temperature, temperature_grid
+
+    grid = temperature_grid(step, t_max)
+    t, values = grid_search_temperature(logits.detach().cpu(), labels.cpu(), grid=grid, n_bins=tuple(n_bins))
+    return t, float(np.nanmin(values))
 
 
 def _ece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> float:
@@ -294,11 +335,19 @@ class NeuralClamping(_InputCalibrator):
     ----------
     model: a frozen classifier taking a batch tensor (N, ...) and returning logits (N, K), K >= 2.
     gamma: focal-loss γ >= 0 (0 = cross entropy, "NC (CE)"), or "auto" (see the module docstring).
-    weight_decay: λ >= 0, or "auto" = 0.1 × the unperturbed model's mean FL_γ on the split.
-    init: "random" (δ₀ ~ N(0, 0.1²), seeded) or "data" (Theorem 1's δ̃; needs ``input_range``).
-    fitter: "fast" (L-BFGS, the default) or "paper" (the paper's SGD recipe, exactly).
-    epochs, lr, batch_size: the paper recipe's settings; for the fast fitter ``batch_size`` is only
-        the chunk size of the gradient accumulation.
+    weight_decay: λ >= 0, or a rule: "auto" = 0.1 × the unperturbed model's mean FL_γ on the split (the
+        paper's), "strong" = 1.0 × it; None = the fitter's own ("strong" for "fast", "auto" for "paper",
+        0.01 on the unsquared ‖δ‖₂ for "toolkit").
+    init: "random" (δ₀ ~ N(0, σ²), seeded; σ = ``init_std``) or "data" (Theorem 1's δ̃; needs ``input_range``).
+    fitter: "fast" (L-BFGS, the default), "paper" (the paper's SGD recipe with momentum 0.9) or
+        "toolkit" (the authors' released demo); ``RECIPES`` holds the recipes' settings.
+    epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings; None = the recipe's own.
+        For the fast fitter ``batch_size`` is only the chunk size of each pass.
+    temperature: "fitted" (T from the objective, as the paper) or "selected" (after fitting, T is
+        re-chosen on the calibration logits f(x + δ) to minimise the mean ECE over 10, 15 and 20 bins);
+        None = "selected" for the fast fitter, "fitted" for the recipes.
+    learn_delta: False keeps δ at 0 and fits T alone with the same fitter (the "δ frozen at 0" ablation:
+        which part of the gain is the temperature's path rather than δ's).
     clamp: clamp x + δ to ``input_range``. input_range: (α, β), numbers or tensors of one input's shape.
     seed: makes a run repeat exactly on the same device (a local generator; global RNG untouched).
     device: None = the model's device. The model is never moved.
@@ -308,17 +357,19 @@ class NeuralClamping(_InputCalibrator):
         objective (fast) or the batch loss (paper). Raising ``StopFitting`` in it ends the fit early.
     max_passes, tol: the fast fitter's budget in passes and its relative-change stopping rule.
 
-    Learned state: ``delta_`` (CPU float32, one input's shape), ``temperature_``, ``gamma_``,
-    ``weight_decay_``, ``objective_`` (F at the result, exactly over the split), ``history_``,
+    Learned state: ``delta_`` (CPU float32, one input's shape), ``temperature_`` (the T used),
+    ``fitted_temperature_`` (the objective's T), ``gamma_``, ``weight_decay_``, ``objective_`` (F at
+    (δ, fitted T), exactly over the split), ``history_``,
     ``n_passes_``, ``fitter_``, ``candidates_`` (per tried γ: gamma, weight_decay, temperature,
     objective, ece), ``stopped_early_``.
     """
 
     stochastic = True
 
-    def __init__(self, model: torch.nn.Module, gamma: float | str = 1.0, weight_decay: float | str = "auto",
-                 init: str = "random", fitter: str = "fast", epochs: int = 100, lr: float = 0.001,
-                 batch_size: int = DEFAULT_BATCH_SIZE, clamp: bool = False, input_range: Any = None, seed: int = 0,
+    def __init__(self, model: torch.nn.Module, gamma: float | str = 1.0, weight_decay: float | str | None = None,
+                 init: str = "random", fitter: str = "fast", epochs: int | None = None, lr: float | None = None,
+                 momentum: float | None = None, batch_size: int | None = None, init_std: float | None = None,
+                 learn_delta: bool = True, temperature: str | None = None, clamp: bool = False, input_range: Any = None, seed: int = 0,
                  device: Any = None, gamma_candidates: Sequence[float] | None = None, progress: bool = True,
                  callback: Callable[[dict], Any] | None = None, max_passes: float = 20, tol: float = 1e-3):
         self.model = model
@@ -328,7 +379,11 @@ class NeuralClamping(_InputCalibrator):
         self.fitter = fitter
         self.epochs = epochs
         self.lr = lr
+        self.momentum = momentum
         self.batch_size = batch_size
+        self.init_std = init_std
+        self.learn_delta = learn_delta
+        self.temperature = temperature
         self.clamp = clamp
         self.input_range = input_range
         self.seed = seed
@@ -352,19 +407,57 @@ class NeuralClamping(_InputCalibrator):
             return cands
         return [check_nonnegative(self.gamma, "gamma")]
 
+    def _recipe(self) -> Recipe | None:
+        return RECIPES.get(self.fitter)
+
+    def _setting(self, name: str) -> Any:
+        """A setting as the fit uses it: the constructor's value, or the fitter's own where it is None."""
+        value = getattr(self, name)
+        if value is not None:
+            return value
+        recipe = self._recipe()
+        if name in ("epochs", "lr", "momentum", "batch_size"):
+            if recipe is None:
+                return DEFAULT_BATCH_SIZE if name == "batch_size" else None
+            return getattr(recipe.sgd, name)
+        if name == "init_std":
+            return INIT_STD if recipe is None else recipe.init_std
+        if name == "weight_decay":
+            return "strong" if recipe is None else recipe.weight_decay
+        if name == "temperature":
+            return "selected" if recipe is None else "fitted"
+        raise AttributeError(name)
+
+    def _sgd(self) -> SGDSettings:
+        return SGDSettings(int(self._setting("epochs")), float(self._setting("lr")), float(self._setting("momentum")),
+                           int(self._setting("batch_size")), bool(self.learn_delta))
+
     def _validate(self) -> list[float]:
         gammas = self._gammas()
-        if not (isinstance(self.weight_decay, str) and self.weight_decay == "auto"):
-            if isinstance(self.weight_decay, str):
-                raise ValueError(f"weight_decay must be a number >= 0 or 'auto'; got {self.weight_decay!r}.")
-            check_nonnegative(self.weight_decay, "weight_decay")
+        if self.fitter not in FITTERS:
+            raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
+        weight_decay = self._setting("weight_decay")
+        if isinstance(weight_decay, str):
+            if weight_decay not in WEIGHT_DECAY_RULES:
+                raise ValueError(f"weight_decay must be a number >= 0 or one of {tuple(WEIGHT_DECAY_RULES)}; "
+                                 f"got {weight_decay!r}.")
+        else:
+            check_nonnegative(weight_decay, "weight_decay")
+        if self._setting("temperature") not in TEMPERATURE_RULES:
+            raise ValueError(f"temperature must be one of {TEMPERATURE_RULES}; got {self.temperature!r}.")
         if self.init not in _INITS:
             raise ValueError(f"init must be one of {_INITS}; got {self.init!r}.")
-        if self.fitter not in _FITTERS:
-            raise ValueError(f"fitter must be one of {_FITTERS}; got {self.fitter!r}.")
-        _check_whole(self.epochs, "epochs")
-        check_positive(self.lr, "lr")
-        _check_whole(self.batch_size, "batch_size")
+        # SGD settings are checked whenever they are given, even to a fitter that does not use them.
+        if self._setting("epochs") is not None:
+            _check_whole(self._setting("epochs"), "epochs")
+        if self._setting("lr") is not None:
+            check_positive(self._setting("lr"), "lr")
+        if self._setting("momentum") is not None:
+            momentum = check_nonnegative(self._setting("momentum"), "momentum")
+            if momentum >= 1:
+                raise ValueError(f"momentum must be in [0, 1); got {momentum!r}.")
+        _check_whole(self._setting("batch_size"), "batch_size")
+        check_nonnegative(self._setting("init_std"), "init_std")
         check_positive(self.max_passes, "max_passes")
         check_nonnegative(self.tol, "tol")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
@@ -375,9 +468,10 @@ class NeuralClamping(_InputCalibrator):
         return gammas
 
     def _lambda(self, start: _Start, labels: torch.Tensor, gamma: float) -> float:
-        if isinstance(self.weight_decay, str):
-            return _auto_weight_decay(start.z0, labels, gamma)
-        return float(self.weight_decay)
+        weight_decay = self._setting("weight_decay")
+        if isinstance(weight_decay, str):
+            return _rule_weight_decay(weight_decay, start.z0, labels, gamma)
+        return float(weight_decay)
 
     # ---- fitting -------------------------------------------------------------------------
 
@@ -393,8 +487,11 @@ class NeuralClamping(_InputCalibrator):
         return self
 
     def _problem(self, inputs: Any, labels: Any, dev: torch.device) -> Problem:
-        split = Split(inputs, labels, dev, int(self.batch_size))
+        split = Split(inputs, labels, dev, int(self._setting("batch_size")))
         problem = Problem(self.model, split, 0.0, 0.0, self._clamp_range(split.input_shape, dev))
+        recipe = self._recipe()
+        if recipe is not None:
+            problem.penalty, problem.prob_floor = recipe.penalty, recipe.prob_floor
         problem.check_labels()
         size = math.prod(split.input_shape)
         if self.fitter == "fast" and split.n < SMALL_SPLIT_FACTOR * size:
@@ -409,7 +506,7 @@ class NeuralClamping(_InputCalibrator):
             alpha, beta = _range_tensors(self.input_range, problem.split.input_shape, problem.split.device)
             g, lo, hi, z0 = entropy_gradient(problem)
             start = _Start(z0, theorem1_delta(g, lo, hi, alpha, beta))
-        elif isinstance(self.weight_decay, str) or self.fitter == "fast":
+        elif isinstance(self._setting("weight_decay"), str) or self.fitter == "fast":
             start = _Start(problem.logits(None), None)
         else:
             start = _Start(None, None)
@@ -420,8 +517,11 @@ class NeuralClamping(_InputCalibrator):
 
     def _initial_delta(self, start: _Start, shape: tuple[int, ...], generator: torch.Generator, device) -> torch.Tensor:
         if self.init == "data":
-            return start.delta_tilde.clone()
-        return (INIT_STD * torch.randn(shape, generator=generator)).to(device)
+            delta = start.delta_tilde.clone()
+        else:
+            delta = (float(self._setting("init_std")) * torch.randn(shape, generator=generator)).to(device)
+        # Drawn even when frozen, so that the frozen run sees the same batch order as the learned one.
+        return delta if self.learn_delta else torch.zeros_like(delta)
 
     def _bar(self, total: float):
         if not self.progress:
@@ -434,7 +534,7 @@ class NeuralClamping(_InputCalibrator):
         the given order (``later_passes`` caps every γ after the first; default ``max_passes``)."""
         shape, dev = problem.split.input_shape, problem.split.device
         fits: list[_GammaFit] = []
-        per = self.epochs + 0.5 if self.fitter == "paper" else float(self.max_passes)
+        per = self._setting("epochs") + 0.5 if self._recipe() is not None else float(self.max_passes)
         bar = self._bar(per * len(gammas))
         memory: LBFGSMemory | None = None
         try:
@@ -444,11 +544,10 @@ class NeuralClamping(_InputCalibrator):
                 report = Reporter(self.callback, bar)
                 generator = torch.Generator().manual_seed(int(seed))
                 problem.gamma = gamma
-                if self.fitter == "paper":
+                if self._recipe() is not None:
                     delta0 = self._initial_delta(start, shape, generator, dev)
                     problem.weight_decay = self._lambda(start, problem.split.labels, gamma)
-                    result = fit_paper(problem, delta0, generator, int(self.epochs), float(self.lr),
-                                       int(self.batch_size), report)
+                    result = fit_sgd(problem, delta0, generator, self._sgd(), report)
                 else:
                     problem.weight_decay = self._lambda(start, problem.split.labels, gamma)
                     if i == 0:
@@ -458,7 +557,12 @@ class NeuralClamping(_InputCalibrator):
                         delta0, z_known = fits[-1].result.delta, fits[-1].result.logits
                         budget = float(self.max_passes if later_passes is None else later_passes)
                     log_t0 = best_log_temperature(z_known, problem.split.labels, gamma)
-                    result, memory = fit_fast(problem, delta0, log_t0, max(budget, 1.0), float(self.tol), report, memory)
+                    if self.learn_delta:
+                        result, memory = fit_fast(problem, delta0, log_t0, max(budget, 1.0), float(self.tol), report,
+                                                  memory)
+                    else:  # T alone: the exact 1-D optimum on the unperturbed logits, no further pass
+                        result = FitResult(delta0, log_t0, problem.objective_from_logits(z_known, delta0, log_t0),
+                                           z_known, report.history, 0.0)
                 fits.append(_GammaFit(gamma, problem.weight_decay, result))
         finally:
             if bar is not None:
@@ -467,9 +571,10 @@ class NeuralClamping(_InputCalibrator):
 
     def _store(self, problem: Problem, fits: list[_GammaFit]) -> None:
         check_label_range(problem.split.labels, fits[0].result.logits.shape[1])
-        chosen, candidates = _choose(fits, problem.split.labels)
+        chosen, candidates = _choose(fits, problem.split.labels, self._setting("temperature"))
         self.delta_ = chosen.result.delta.detach().cpu().clone()
-        self.temperature_ = math.exp(chosen.result.log_t)
+        self.temperature_ = candidates[fits.index(chosen)]["temperature"]
+        self.fitted_temperature_ = math.exp(chosen.result.log_t)
         self.gamma_ = chosen.gamma
         self.weight_decay_ = chosen.weight_decay
         self.objective_ = chosen.result.objective
@@ -480,14 +585,23 @@ class NeuralClamping(_InputCalibrator):
         self.stopped_early_ = any(f.result.stopped for f in fits)
 
 
-def _choose(fits: list[_GammaFit], labels: torch.Tensor) -> tuple[_GammaFit, list[dict]]:
-    """The fit with the lowest calibration ECE (ties: the earlier one), and a summary per fit."""
+def _choose(fits: list[_GammaFit], labels: torch.Tensor, rule: str = "fitted") -> tuple[_GammaFit, list[dict]]:
+    """The fit with the lowest calibration ECE (ties: the earlier one), and a summary per fit.
+
+    With ``rule`` "selected" every fit's T is first re-chosen on its calibration logits (see
+    ``select_temperature``) and fits are compared by that criterion; "fitted" keeps the objective's
+    T and compares 15-bin ECE."""
     candidates = []
     for f in fits:
-        t = math.exp(f.result.log_t)
+        if rule == "selected":
+            t, criterion = select_temperature(f.result.logits, labels)
+        else:
+            t = math.exp(f.result.log_t)
+            criterion = _ece(f.result.logits / t, labels)
         candidates.append({"gamma": f.gamma, "weight_decay": f.weight_decay, "temperature": t,
-                           "objective": f.result.objective, "ece": _ece(f.result.logits / t, labels)})
-    best = min(range(len(fits)), key=lambda i: (candidates[i]["ece"], i))
+                           "fitted_temperature": math.exp(f.result.log_t), "objective": f.result.objective,
+                           "ece": _ece(f.result.logits / t, labels), "criterion": criterion})
+    best = min(range(len(fits)), key=lambda i: (candidates[i]["criterion"], i))
     return fits[best], candidates
 
 
@@ -547,9 +661,11 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
 
     With the fast fitter the sweep is one continuation: the first γ gets a full fit, each later γ
     starts from the previous solution (T re-solved exactly on its cached logits, L-BFGS memory
-    kept) and gets at most ``passes_per_gamma`` passes. With fitter="paper" every γ is a separate
-    run of the recipe (``epochs`` + 1 passes each), as in the paper.
+    kept) and gets at most ``passes_per_gamma`` passes. With an SGD recipe every γ is a separate
+    run of it (``epochs`` + 1 passes each), as in the paper. The figure is the paper's: T is the
+    objective's own (``temperature="fitted"``) unless ``settings`` ask for "selected".
     """
+    settings.setdefault("temperature", "fitted")
     if "gamma" in settings:
         raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
     nc = NeuralClamping(model, gamma=1.0, **settings)
@@ -565,11 +681,12 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         fits = nc._fit_gammas(problem, start, gammas, nc.seed, later_passes=passes_per_gamma)
         test_problem = None
         if test_inputs is not None:
-            test_split = Split(test_inputs, test_labels, dev, int(nc.batch_size))
+            test_split = Split(test_inputs, test_labels, dev, int(nc._setting("batch_size")))
             test_problem = Problem(model, test_split, 0.0, 0.0, problem.clamp_range)
             test_z = _multi_logits(test_problem, [f.result.delta for f in fits])
     labels = problem.split.labels
-    temps = np.array([math.exp(f.result.log_t) for f in fits])
+    _, candidates = _choose(fits, labels, nc._setting("temperature"))
+    temps = np.array([c["temperature"] for c in candidates])
     cal_rows = [_split_metrics(f.result.logits / t, labels, f.gamma, n_bins) for f, t in zip(fits, temps)]
     test_rows = None
     if test_problem is not None:
@@ -655,10 +772,10 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
                     results[init].append(results[init][0])
                     continue
                 fits = nc._fit_gammas(problem, start, gammas, s)
-                best, _ = _choose(fits, problem.split.labels)
-                results[init].append((best.result.delta, math.exp(best.result.log_t)))
+                best, candidates = _choose(fits, problem.split.labels, nc._setting("temperature"))
+                results[init].append((best.result.delta, candidates[fits.index(best)]["temperature"]))
         x_test, y_test = _pair(test, "test")
-        test_problem = Problem(model, Split(x_test, y_test, dev, int(nc.batch_size)), 0.0, 0.0, problem.clamp_range)
+        test_problem = Problem(model, Split(x_test, y_test, dev, int(nc._setting("batch_size"))), 0.0, 0.0, problem.clamp_range)
         unique = {id(d): d for init in results for d, _ in results[init]}
         zs = dict(zip(unique, _multi_logits(test_problem, list(unique.values()))))
     labels = test_problem.split.labels

@@ -203,13 +203,20 @@ def checked_logits(z: Any) -> torch.Tensor:
 
 @dataclass
 class Problem:
-    """One calibration problem: model, split, loss settings and the optional input clamp."""
+    """One calibration problem: model, split, loss settings and the optional input clamp.
+
+    ``penalty`` is the regulariser's form: "squared" = λ‖δ‖²₂ (the paper's text), "norm" = λ‖δ‖₂
+    (the authors' released code). ``prob_floor`` > 0 clamps p_y to [floor, 1 − floor] inside the
+    focal loss (γ > 0 only), as the authors' ``FocalLoss`` does with 1e-7.
+    """
 
     model: torch.nn.Module
     split: Split
     gamma: float
     weight_decay: float
     clamp_range: tuple[torch.Tensor, torch.Tensor] | None = None
+    penalty: str = "squared"
+    prob_floor: float = 0.0
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         if delta is not None:
@@ -227,6 +234,18 @@ class Problem:
         self.split.passes += 0.5
         return torch.cat(out)
 
+    def loss(self, z: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """FL_γ of already tempered logits (with the optional probability clamp)."""
+        if self.prob_floor > 0 and self.gamma > 0:
+            return clamped_focal_loss(z, y, self.gamma, self.prob_floor, reduction)
+        return focal_loss(z, y, self.gamma, reduction=reduction)
+
+    def penalty_term(self, delta: torch.Tensor) -> torch.Tensor:
+        """λ‖δ‖²₂ or λ‖δ‖₂ as a differentiable tensor."""
+        if self.penalty == "norm":
+            return self.weight_decay * torch.linalg.vector_norm(delta)
+        return self.weight_decay * (delta**2).sum()
+
     def value_and_grad(self, delta: torch.Tensor, log_t: float) -> tuple[float, torch.Tensor, float, torch.Tensor]:
         """F, ∂F/∂δ, ∂F/∂s and the logits f(x + δ), exactly over the split (1 pass)."""
         d = delta.detach().requires_grad_(True)
@@ -238,19 +257,26 @@ class Problem:
         out = []
         for x, y in self.split.chunks():
             z = self.forward(x, d)
-            loss = focal_loss(z * torch.exp(-s), y, self.gamma, reduction="sum") / n
+            loss = self.loss(z * torch.exp(-s), y, reduction="sum") / n
             gd, gs = torch.autograd.grad(loss, (d, s))
             g_d += gd
             g_s += gs
             total += loss.detach()
             out.append(z.detach())
         self.split.passes += 1.0
-        reg = self.weight_decay * squared_norm(d.detach())
-        g_d += 2.0 * self.weight_decay * d.detach()
-        return float(total) + reg, g_d, float(g_s), torch.cat(out)
+        d64 = d.detach().to(accumulation_dtype(d.device)).requires_grad_(True)
+        reg = self.penalty_term(d64)
+        (g_reg,) = torch.autograd.grad(reg, d64)
+        g_d += g_reg.to(g_d.dtype)
+        return float(total) + float(reg.detach()), g_d, float(g_s), torch.cat(out)
 
     def objective_from_logits(self, z: torch.Tensor, delta: torch.Tensor, log_t: float) -> float:
-        return mean_focal(z, self.split.labels, self.gamma, log_t) + self.weight_decay * squared_norm(delta)
+        """F at (δ, log T) from the logits f(x + δ) already computed over the split."""
+        zz = z.to(accumulation_dtype(z.device)) * math.exp(-log_t)
+        with torch.no_grad():
+            data = self.loss(zz, self.split.labels.to(z.device), reduction="mean")
+            reg = self.penalty_term(delta.to(accumulation_dtype(delta.device)))
+        return float(data) + float(reg)
 
     def check_labels(self) -> None:
         """Labels within the model's classes, checked on one sample's logits before any fitting."""
@@ -266,13 +292,25 @@ def accumulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def squared_norm(t: torch.Tensor) -> float:
-    return float((t.to(accumulation_dtype(t.device)) ** 2).sum())
-
-
 def mean_focal(z: torch.Tensor, y: torch.Tensor, gamma: float, log_t: float) -> float:
     zz = z.to(accumulation_dtype(z.device))
     return float(focal_loss(zz * math.exp(-log_t), y.to(z.device), gamma, reduction="mean"))
+
+
+def clamped_focal_loss(z: torch.Tensor, y: torch.Tensor, gamma: float, floor: float,
+                       reduction: str = "mean") -> torch.Tensor:
+    """−(1 − p)^γ log p with p = softmax(z)_y clamped to [floor, 1 − floor].
+
+    The authors' released ``FocalLoss`` computes it this way (floor 1e-7). The clamp matters: a sample
+    with p_y above 1 − floor (every very confident correct one) contributes a constant, so no gradient.
+    """
+    p = torch.softmax(z, dim=-1).gather(-1, y.view(-1, 1)).squeeze(-1).clamp(floor, 1.0 - floor)
+    loss = -((1.0 - p) ** gamma) * torch.log(p)
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
 
 
 def best_log_temperature(z: torch.Tensor, y: torch.Tensor, gamma: float) -> float:
@@ -372,38 +410,60 @@ class Reporter:
             self.callback(dict(info))
 
 
-def fit_paper(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, epochs: int, lr: float,
-              batch_size: int, report: Reporter) -> FitResult:
-    """The paper's recipe, step for step.
+@dataclass(frozen=True)
+class SGDSettings:
+    """One SGD recipe for (δ, T): what ``fit_sgd`` runs."""
+
+    epochs: int
+    lr: float
+    momentum: float
+    batch_size: int
+    learn_delta: bool = True  # False: δ stays where it starts and only T moves (the ablation)
+
+
+def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, sgd: SGDSettings,
+            report: Reporter) -> FitResult:
+    """Mini-batch SGD on δ and T together, step for step as ``torch.optim.SGD`` takes it.
 
     T starts at 1. Every epoch draws ``torch.randperm(N, generator=generator)`` and walks it in
-    batches of ``batch_size`` (the last one may be smaller); each batch takes one plain SGD step
-    (no momentum, no weight decay inside the optimiser) on δ and T together, on the loss
-    mean_batch FL_γ(f(x + δ)/T, y) + λ‖δ‖²₂, both updated from the gradients at the same point.
+    batches of ``sgd.batch_size`` (the last one may be smaller). Each batch's loss is
+    mean_batch FL_γ(f(x + δ)/T, y) + the problem's penalty on δ; both parameters are updated from
+    the gradients at the same point, with heavy-ball momentum as PyTorch defines it (no dampening,
+    no Nesterov): b ← g on the first step, b ← μ·b + g after, p ← p − lr·b. ``momentum`` 0 is plain SGD.
+    With ``learn_delta`` False, δ keeps its start and T alone follows the same steps.
     ``history`` gets one entry per epoch (its loss: the sample-weighted mean of the batch losses).
     """
     split, n = problem.split, problem.split.n
     start = split.passes
     delta = delta0.detach().clone()
     temp = torch.ones((), device=delta.device)
+    buf_d = buf_t = None
+    per_sample = 1.0 if sgd.learn_delta else 0.5  # no backward through the model when δ is frozen
     step = seen = 0
     stopped = False
     try:
-        for epoch in range(1, epochs + 1):
+        for epoch in range(1, sgd.epochs + 1):
             order = torch.randperm(n, generator=generator)
             epoch_loss = 0.0
-            for x, y in split.chunks(order, batch_size):
-                d = delta.requires_grad_(True)
+            for x, y in split.chunks(order, sgd.batch_size):
+                d = delta.requires_grad_(sgd.learn_delta)
                 t = temp.requires_grad_(True)
-                loss = focal_loss(problem.forward(x, d) / t, y, problem.gamma, reduction="mean")
-                loss = loss + problem.weight_decay * (d**2).sum()
-                gd, gt = torch.autograd.grad(loss, (d, t))
+                loss = problem.loss(problem.forward(x, d) / t, y) + problem.penalty_term(d)
+                if sgd.learn_delta:
+                    gd, gt = torch.autograd.grad(loss, (d, t))
+                else:
+                    (gt,) = torch.autograd.grad(loss, (t,))
+                    gd = torch.zeros_like(d)
                 with torch.no_grad():
-                    delta = d.detach() - lr * gd
-                    temp = t.detach() - lr * gt
+                    if sgd.momentum and buf_d is not None:
+                        buf_d, buf_t = sgd.momentum * buf_d + gd, sgd.momentum * buf_t + gt
+                    else:
+                        buf_d, buf_t = gd, gt
+                    delta = d.detach() - sgd.lr * buf_d
+                    temp = t.detach() - sgd.lr * buf_t
                 step += 1
                 seen += x.shape[0]
-                split.passes = start + seen / n
+                split.passes = start + per_sample * seen / n
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     raise ValueError(f"The loss became {value} at SGD step {step}; try a smaller learning rate.")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -155,6 +155,14 @@ def temperature_grid(step: float = 0.001, t_max: float = 5.0) -> np.ndarray:
     return np.arange(1, count + 1, dtype=np.float64) * step
 
 
+def _bin_counts(n_bins: Any, n: int) -> tuple[int, ...]:
+    """One bin count or several, each checked; duplicates are kept out."""
+    counts = list(n_bins) if isinstance(n_bins, (list, tuple, np.ndarray)) else [n_bins]
+    if not counts:
+        raise ValueError("n_bins is empty; give a bin count such as 15, or several such as (10, 15, 20).")
+    return tuple(dict.fromkeys(check_bins(m, n) for m in counts))
+
+
 def _check_grid(grid: Any) -> np.ndarray:
     g = np.asarray(grid.cpu() if isinstance(grid, torch.Tensor) else grid, dtype=np.float64)
     if g.ndim != 1 or g.size == 0:
@@ -165,11 +173,15 @@ def _check_grid(grid: Any) -> np.ndarray:
 
 
 class _GridProblem:
-    """ECE of softmax(z / T) at chosen temperatures, for the grid search (float64 throughout)."""
+    """Calibration error of softmax(z / T) at chosen temperatures, for the grid search (float64).
 
-    def __init__(self, z: torch.Tensor, y: torch.Tensor, n_bins: int, chunk_size: int | None):
+    The criterion is the ECE with ``n_bins`` equal-width bins, or, for several bin counts, the mean of
+    their ECEs (a multi-resolution ECE, less sensitive to where one set of bin edges happens to fall).
+    """
+
+    def __init__(self, z: torch.Tensor, y: torch.Tensor, n_bins: tuple[int, ...], chunk_size: int | None):
         n, k = z.shape
-        self.n, self.n_bins, self.device = n, n_bins, z.device
+        self.n, self.device = n, z.device
         budget = _CHUNK_ELEMENTS.get(z.device.type, _CHUNK_ELEMENTS_ACCELERATOR)
         if chunk_size is None:
             chunk_size = max(1, budget // (n * k))
@@ -180,7 +192,7 @@ class _GridProblem:
         self.z64 = z.to(torch.float64)
         self.d = self.z64 - self.z64.max(1, keepdim=True)[0]
         self.correct = (torch.argmax(self.z64, dim=1) == y).to(torch.float64)
-        self.edges = metrics.bin_edges(n_bins).to(z.device)
+        self.binnings = [(m, metrics.bin_edges(m).to(z.device)) for m in n_bins]
 
     def confidences(self, t: torch.Tensor) -> torch.Tensor:
         """(len(t), N) confidences 1 / Σ_k exp((z_k − max z)/T); one chunk of temperatures."""
@@ -190,39 +202,45 @@ class _GridProblem:
             conf[:, r0 : r0 + self.rows] = e.sum(2).reciprocal_()
         return conf
 
-    def bins(self, conf: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def bins(conf: torch.Tensor, n_bins: int, edges: torch.Tensor) -> torch.Tensor:
         # Same bin rule as nctv.metrics: edges[m] < c <= edges[m+1], c = 0 in the first bin.
-        return (torch.searchsorted(self.edges, conf) - 1).clamp_(0, self.n_bins - 1)
+        return (torch.searchsorted(edges, conf) - 1).clamp_(0, n_bins - 1)
 
-    def _bin_sums(self, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def _bin_sums(self, idx: torch.Tensor, values: torch.Tensor, n_bins: int) -> torch.Tensor:
         rows = idx.shape[0]
-        key = (idx + self.n_bins * torch.arange(rows, device=self.device)[:, None]).flatten()
-        return torch.bincount(key, weights=values.flatten(), minlength=rows * self.n_bins).view(rows, self.n_bins)
+        key = (idx + n_bins * torch.arange(rows, device=self.device)[:, None]).flatten()
+        return torch.bincount(key, weights=values.flatten(), minlength=rows * n_bins).view(rows, n_bins)
 
     def eces(self, conf: torch.Tensor) -> torch.Tensor:
-        """ECE for every row of confidences: Σ_m |Σ_{i∈B_m} (c_i − acc_i)| / N."""
+        """The criterion for every row of confidences: mean over the binnings of Σ_m |Σ_{i∈B_m} (c_i − acc_i)| / N."""
         gap = conf - self.correct
-        return self._bin_sums(self.bins(conf), gap).abs_().sum(1) / self.n
+        total = sum(self._bin_sums(self.bins(conf, m, e), gap, m).abs_().sum(1) for m, e in self.binnings)
+        return total / (self.n * len(self.binnings))
 
     def lower_bounds(self, hot: torch.Tensor, cold: torch.Tensor) -> torch.Tensor:
-        """A lower bound on the ECE at every T between two temperatures T_lo < T_hi.
+        """A lower bound on the criterion at every T between two temperatures T_lo < T_hi.
 
         ``hot`` holds the confidences at T_lo and ``cold`` those at T_hi, one interval per row.
         A sample's confidence falls as T rises, so between the two it stays within [cold, hot] and
         its bin between their bins. Samples in the same bin at both ends stay in that bin: the bin's
         sum of (c − acc) over them lies between its values at the two ends, and is at least the
         distance of that range from 0. Each other sample sits in some bin and can move that bin's
-        |sum| by at most max |c − acc| over the range, which is subtracted.
+        |sum| by at most max |c − acc| over the range, which is subtracted. A mean over binnings is
+        bounded by the mean of their bounds.
         """
-        b_hot, b_cold = self.bins(hot), self.bins(cold)
-        fixed = b_hot == b_cold
         gap_hot, gap_cold = hot - self.correct, cold - self.correct
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        upper = self._bin_sums(b_hot, torch.where(fixed, gap_hot, zero))
-        lower = self._bin_sums(b_hot, torch.where(fixed, gap_cold, zero))
-        distance = torch.where(lower > 0, lower, torch.where(upper < 0, -upper, zero)).sum(1)
-        slack = torch.where(fixed, zero, torch.maximum(gap_hot.abs(), gap_cold.abs())).sum(1)
-        return (distance - slack) / self.n
+        total = 0
+        for m, edges in self.binnings:
+            b_hot, b_cold = self.bins(hot, m, edges), self.bins(cold, m, edges)
+            fixed = b_hot == b_cold
+            upper = self._bin_sums(b_hot, torch.where(fixed, gap_hot, zero), m)
+            lower = self._bin_sums(b_hot, torch.where(fixed, gap_cold, zero), m)
+            distance = torch.where(lower > 0, lower, torch.where(upper < 0, -upper, zero)).sum(1)
+            slack = torch.where(fixed, zero, torch.maximum(gap_hot.abs(), gap_cold.abs())).sum(1)
+            total = total + (distance - slack)
+        return total / (self.n * len(self.binnings))
 
 
 def _evaluate(problem: _GridProblem, t_all: torch.Tensor, points: list[int], eces: np.ndarray,
@@ -289,7 +307,7 @@ def grid_search_temperature(
     logits: Any,
     labels: Any,
     grid: Any = None,
-    n_bins: int = 15,
+    n_bins: int | Sequence[int] = 15,
     chunk_size: int | None = None,
     progress: bool = False,
     full_curve: bool = False,
@@ -297,8 +315,9 @@ def grid_search_temperature(
     """The T of ``grid`` with the lowest ECE of softmax(z / T), and the ECE per grid point.
 
     ``grid`` defaults to 0.001, 0.002, …, 5.000. ECE uses ``n_bins`` equal-width bins exactly as
-    :func:`nctv.metrics.ece`, with z in float64. Ties go to the lowest T. Returns
-    ``(best_T, eces)`` with ``eces`` a float64 numpy array aligned with ``grid``.
+    :func:`nctv.metrics.ece`, with z in float64; several bin counts (e.g. ``(10, 15, 20)``) make the
+    criterion the mean of their ECEs. Ties go to the lowest T. Returns ``(best_T, eces)`` with
+    ``eces`` a float64 numpy array (the criterion) aligned with ``grid``.
 
     The confidence of a sample is 1 / Σ_k exp((z_k − max z)/T) and its correctness does not depend
     on T, so a temperature costs one exp per logit and two bin counts; temperatures are evaluated
@@ -316,9 +335,9 @@ def grid_search_temperature(
     for every T.
     """
     z, y = check_logits_labels(logits, labels)
-    n_bins = check_bins(n_bins, z.shape[0])
+    bin_counts = _bin_counts(n_bins, z.shape[0])
     temps = temperature_grid() if grid is None else _check_grid(grid)
-    problem = _GridProblem(z, y, n_bins, chunk_size)
+    problem = _GridProblem(z, y, bin_counts, chunk_size)
     if full_curve or len(temps) < 3 or not np.all(np.diff(temps) > 0):
         eces = _all_eces(problem, temps, progress)
     else:
@@ -329,7 +348,7 @@ def grid_search_temperature(
     near = order[eces[order] <= eces[order[0]] + _RECHECK_TOL][:_MAX_RECHECK]
     z_cpu, y_cpu = problem.z64.cpu(), y.cpu()
     for i in near:
-        eces[i] = metrics.ece(z_cpu / temps[i], y_cpu, n_bins)
+        eces[i] = float(np.mean([metrics.ece(z_cpu / temps[i], y_cpu, m) for m in bin_counts]))
     best = min(near, key=lambda i: (eces[i], temps[i]))
     return float(temps[best]), eces
 

@@ -126,39 +126,6 @@ def synthetic_logits(n: int, k: int, seed: int, device: torch.device) -> tuple[t
 # --------------------------------------------------------------------------------------------
 
 
-def case_nc(p: dict, device: torch.device) -> dict:
-    """One Neural Clamping fit (fast fitter or paper recipe) on an embedded model, then test ECE."""
-    from nctv.calibration.clamping import NeuralClamping
-    from nctv.metrics import ece
-
-    loaded, (x, y), test = _model_and_splits(p["model"], p["cal_size"], p.get("test_size"), device)
-    warm = warm_up(loaded.model, x, device)
-    rss_before = _rss_mb()
-    nc = NeuralClamping(loaded.model, gamma=p.get("gamma", 1.0), fitter=p["fitter"], seed=p.get("seed", 0),
-                        progress=False)
-    out: dict[str, Any] = {}
-    with timed(device, out):
-        nc.fit(x, y)
-    memory = _memory(device, rss_before)
-    xt, yt = test.tensors()
-    z_test = nc.predict_logits(xt.to(device))
-    out.update(
-        model=p["model"], fitter=p["fitter"], cal_size=int(x.shape[0]), test_size=int(xt.shape[0]),
-        passes=float(nc.n_passes_), objective=float(nc.objective_), temperature=float(nc.temperature_),
-        weight_decay=float(nc.weight_decay_), delta_norm=float(nc.delta_.norm()),
-        cal_ece=float(nc.candidates_[0]["ece"]), test_ece=ece(z_test, yt, n_bins=15),
-        stopped_early=bool(nc.stopped_early_), warmup_seconds=warm,
-    )
-    if p["fitter"] == "fast":
-        # The fast fitter's history has the exact objective after every evaluation.
-        out["history"] = [{"passes": float(h["passes"]), "objective": float(h["loss"])} for h in nc.history_]
-    if p.get("uncalibrated"):
-        z0 = nc.predict_logits(xt.to(device), use_delta=False, use_temperature=False)
-        out["uncalibrated_test_ece"] = ece(z0, yt, n_bins=15)
-    out.update(memory)
-    return out
-
-
 def case_sweep(p: dict, device: torch.device) -> dict:
     """The 21-point γ sweep (0, 0.05, …, 1) as one warm-started continuation (fast fitter)."""
     from nctv.calibration.clamping import SWEEP_GAMMAS, gamma_sweep
@@ -292,7 +259,6 @@ def case_baseline(p: dict, device: torch.device) -> dict:
 
 
 CASES: dict[str, Callable[[dict, torch.device], dict]] = {
-    "nc": case_nc,
     "sweep": case_sweep,
     "sequential": case_sequential,
     "grid": case_grid,
@@ -300,7 +266,14 @@ CASES: dict[str, Callable[[dict, torch.device], dict]] = {
 }
 
 
+def _panel_cases() -> dict:
+    from bench.panel import CASES as panel_cases
+
+    return panel_cases
+
+
 def main(argv: list[str]) -> int:
+    CASES.update(_panel_cases())
     if len(argv) != 3 or argv[0] not in CASES:
         print(f"usage: python -m bench.cases {{{','.join(CASES)}}} PARAMS_JSON RESULT_PATH", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
+from nctv.settings import FITTERS
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
@@ -43,7 +44,7 @@ examples:
   nctv run                                      all methods, 5 seeds, 10/15/20 bins, embedded model
   nctv run --seeds 2 --bins 15 --methods ts ts-grid nc-fl
   nctv run --model fmnist-vit --calibration-size 2000 --out out/vit
-  nctv run --fitter paper --epochs 100          the paper's exact SGD recipe for Neural Clamping
+  nctv run --fitter toolkit                     the authors' released recipe for Neural Clamping (SGD, 100 epochs)
   nctv ablation --seeds 3                       Table 4: NC (FL) vs input-only / output-only
   nctv timing                                   Table 7: TS grid vs NC (Eff.) vs NC (FL), seconds
   nctv sweep-gamma --gammas 0 0.25 0.5 0.75 1   Figure 2: ECE, entropy, loss against gamma
@@ -135,11 +136,12 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     if bins:
         g.add_argument("--bins", type=_positive_int, nargs="+", default=[10, 15, 20], metavar="M",
                        help="bin counts of ECE/AECE/SCE (default 10 15 20)")
-    g.add_argument("--fitter", choices=["fast", "paper"], default="fast",
-                   help="Neural Clamping fitter: fast (L-BFGS, default) or paper (SGD, 100 epochs, exactly as "
-                        "published)")
+    g.add_argument("--fitter", choices=list(FITTERS), default="fast",
+                   help="Neural Clamping fitter: fast (default: L-BFGS with a strong weight decay, then T chosen by "
+                        "the calibration ECE; about 6 passes), paper (the paper's SGD recipe with momentum 0.9) or "
+                        "toolkit (the authors' released demo recipe); both recipes run 100 epochs exactly as published")
     g.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
-                   help="epochs of the paper fitter (default 100; the fast fitter stops on convergence)")
+                   help="epochs of the paper and toolkit recipes (default 100; the fast fitter stops on convergence)")
     if gamma:
         g.add_argument("--gamma", type=_float, default=None, metavar="G",
                        help="focal-loss gamma of Neural Clamping (FL) and TS (FL) (default 1, as in the paper)")

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from nctv import __version__
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.metrics import METRIC_NAMES, evaluate
+from nctv.settings import FITTERS
 
 DEFAULT_METHODS = (
     "Uncalibrated",
@@ -59,11 +60,11 @@ ABLATION_METHODS = (
     "Temperature Scaling (FL)",
     "NC input only",
     "NC output only",
+    "NC δ frozen at 0",
     "Neural Clamping (FL)",
 )
 DEFAULT_BINS = (10, 15, 20)
 DEFAULT_SEEDS = 5
-FITTERS = ("fast", "paper")
 #: The method Welch's t-test compares with the best baseline (the paper's proposal).
 COMPARED_METHOD = "Neural Clamping (FL)"
 REFERENCE_METHOD = "Uncalibrated"
@@ -71,6 +72,8 @@ REFERENCE_METHOD = "Uncalibrated"
 HIGHER_IS_BETTER = frozenset({"accuracy", "entropy"})
 #: Ablation rows evaluated from the jointly fitted NC (FL) parameters of the same seed.
 NC_VARIANTS = {"NC input only": "input", "NC output only": "output"}
+#: Ablation rows fitted on their own: NC (FL)'s fitter and settings with these changes.
+NC_REFITS = {"NC δ frozen at 0": (("learn_delta", False),)}
 TIMING_RESOLUTIONS = (0.01, 0.001)
 RESULTS_SCHEMA_VERSION = 1
 
@@ -444,7 +447,7 @@ def check_methods(methods: Iterable[str]) -> list[str]:
     names = list(methods)
     if not names:
         raise ValueError("No methods given; name at least one, e.g. 'Temperature Scaling'.")
-    known = list(_registry()) + [n for n in NC_VARIANTS if n not in _registry()]
+    known = list(_registry()) + [n for n in (*NC_VARIANTS, *NC_REFITS) if n not in _registry()]
     lower = {k.lower(): k for k in known}
     out = []
     for n in names:
@@ -458,7 +461,8 @@ def check_methods(methods: Iterable[str]) -> list[str]:
 
 
 def _plans(methods: Sequence[str]) -> list[MethodPlan]:
-    return [MethodPlan(n, COMPARED_METHOD if n in NC_VARIANTS else n, variant=NC_VARIANTS.get(n)) for n in methods]
+    return [MethodPlan(n, COMPARED_METHOD, NC_REFITS[n]) if n in NC_REFITS else
+            MethodPlan(n, COMPARED_METHOD if n in NC_VARIANTS else n, variant=NC_VARIANTS.get(n)) for n in methods]
 
 
 def _check_bins_list(bins: Iterable[int]) -> list[int]:

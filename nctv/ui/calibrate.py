@@ -17,6 +17,7 @@ import gradio as gr
 import torch
 
 from nctv.metrics import evaluate
+from nctv.settings import FITTERS
 from nctv.ui.common import Worker, export_dir, parse_number_or_auto, parse_whole, user_errors, with_warnings
 from nctv.ui.state import (
     NC_METHODS,
@@ -41,7 +42,9 @@ DEFAULT_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "
 SLOW_METHODS = ("Matrix Scaling", "MS-ODIR", "Dir-ODIR")
 #: Rows of the paper's ablation, evaluated from another method's fit; not offered on their own here.
 _ABLATION_ONLY = ("NC input only", "NC output only")
-FITTER_CHOICES = [("fast (L-BFGS, about 10 passes)", "fast"), ("paper recipe (SGD, lr 0.001, batch 512)", "paper")]
+FITTER_CHOICES = [("fast (default: L-BFGS, then T by calibration ECE; about 6 passes)", "fast"),
+                  ("paper recipe (SGD + momentum, lr 0.001, batch 512, 100 epochs)", "paper"),
+                  ("authors' toolkit recipe (SGD + momentum, lr 0.01, batch 1000, 100 epochs)", "toolkit")]
 INIT_CHOICES = [("random (Gaussian, std 0.1)", "random"), ("data-driven (Theorem 1)", "data")]
 GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
 WEIGHT_DECAY_CHOICES = ["auto", "0", "0.001", "0.01", "0.1"]
@@ -83,7 +86,7 @@ def _ordered_methods(methods: Sequence[str]) -> list[str]:
 def _expected_passes(nc: NCSettings) -> float:
     from nctv.calibration.clamping import GAMMA_CANDIDATES
 
-    per = nc.epochs + 1.0 if nc.fitter == "paper" else 20.0
+    per = nc.epochs + 1.0 if nc.fitter != "fast" else 20.0
     return per * (len(GAMMA_CANDIDATES) if nc.gamma == "auto" else 1)
 
 
@@ -375,8 +378,8 @@ class LiveTrace:
 def parse_nc_settings(gamma: Any, weight_decay: Any, init: Any, fitter: Any, epochs: Any) -> NCSettings:
     if init not in ("random", "data"):
         raise ValueError(f"Initialisation must be 'random' or 'data'; got {init!r}.")
-    if fitter not in ("fast", "paper"):
-        raise ValueError(f"The fitter must be 'fast' or 'paper'; got {fitter!r}.")
+    if fitter not in FITTERS:
+        raise ValueError(f"The fitter must be one of {', '.join(FITTERS)}; got {fitter!r}.")
     return NCSettings(parse_number_or_auto(gamma, "Focal-loss gamma", "γ"),
                       parse_number_or_auto(weight_decay, "Weight decay", "λ"), init, fitter,
                       parse_whole(epochs, "Epochs", 1, 1000))

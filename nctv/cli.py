@@ -297,13 +297,14 @@ def _main_bins(bins: Sequence[int]) -> int:
 
 
 def _run_figures(result, loaded, test) -> dict[str, tuple[Any, Any]]:
-    from nctv import experiment, plots
+    from nctv import plots
+    from nctv.results import COMPARED_METHOD
 
     b = _main_bins(result.bins)
     rel = plots.reliability_data_from_result(result, n_bins=b)
     figs = {"reliability": _both(plots.reliability_figure, rel), "confidence": _both(plots.confidence_figure, rel)}
     with_delta = [m for m in result.methods.values() if m.delta is not None and m.delta.ndim == 3]
-    nc = next((m for m in with_delta if m.name == experiment.COMPARED_METHOD), with_delta[0] if with_delta else None)
+    nc = next((m for m in with_delta if m.name == COMPARED_METHOD), with_delta[0] if with_delta else None)
     if nc is not None:
         x, _ = next(iter(test.loader(batch_size=1)))
         cfg = loaded.data_config

@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from nctv.inference import DEFAULT_BATCH_SIZE
+
 FASHION_MNIST_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
@@ -333,6 +335,46 @@ class Split:
         positions = np.asarray(positions, dtype=np.int64)
         return Split(name or self.name, self.source, self.indices[positions], self.labels.numpy()[positions],
                      self.class_names, self.data_config)
+
+
+class TensorSplit:
+    """A split given as preprocessed inputs (N, ...) and labels (N,): the minimal split interface
+    (``name``, ``labels``, ``fingerprint`` of the content, ``loader(batch_size)`` in order)."""
+
+    def __init__(self, inputs: Any, labels: Any, name: str = "split"):
+        x = torch.as_tensor(inputs)
+        y = torch.as_tensor(np.asarray(labels)).long().reshape(-1)
+        if x.ndim < 2 or x.shape[0] != y.shape[0]:
+            raise ValueError(f"A split needs inputs (N, ...) and N labels; got inputs {tuple(x.shape)} and "
+                             f"{y.shape[0]} labels.")
+        self.name, self.inputs, self.labels = name, x, y
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{tuple(self.inputs.shape)}|{self.inputs.dtype}".encode())
+            h.update(self.inputs.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(self.labels.numpy().astype("<i8").tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def loader(self, batch_size: int = DEFAULT_BATCH_SIZE) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.inputs, self.labels),
+                                           batch_size=batch_size, shuffle=False)
+
+
+def as_split(split: Any, name: str) -> Any:
+    """A split object as given (anything with ``labels``, ``fingerprint``, ``loader``), or a
+    :class:`TensorSplit` from an ``(inputs, labels)`` pair."""
+    if all(hasattr(split, a) for a in ("labels", "fingerprint", "loader")):
+        return split
+    if isinstance(split, (tuple, list)) and len(split) == 2:
+        return TensorSplit(split[0], split[1], name)
+    raise ValueError(f"The {name} split must be a Split from nctv.data.get_splits or a pair (inputs, labels).")
 
 
 def subsample(split: Split, size: int | None, seed: int, name: str | None = None) -> Split:

@@ -21,10 +21,6 @@ of Figure 2 and the initialisation study of Figure 3.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,387 +30,36 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from scipy import stats
 from tqdm.auto import tqdm
 
-from nctv import __version__
+from nctv.cache import model_fingerprint, split_logits
+from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.metrics import METRIC_NAMES, evaluate
-from nctv.settings import FITTERS
+from nctv.results import (
+    COMPARED_METHOD,
+    GammaSweepResult,
+    InitStudyResult,
+    MethodResult,
+    MetricStats,
+    RunResult,
+    welch_tests,
+)
+from nctv.settings import (
+    ABLATION_METHODS,
+    DEFAULT_BINS,
+    DEFAULT_METHODS,
+    DEFAULT_SEEDS,
+    FITTERS,
+    TIMING_RESOLUTIONS,
+)
 
-DEFAULT_METHODS = (
-    "Uncalibrated",
-    "Temperature Scaling",
-    "TS by Grid Search",
-    "Vector Scaling",
-    "Matrix Scaling",
-    "MS-ODIR",
-    "Dir-ODIR",
-    "Neural Clamping (CE)",
-    "Neural Clamping (FL)",
-    "NC (Eff.)",
-)
-ABLATION_METHODS = (
-    "Uncalibrated",
-    "Temperature Scaling",
-    "Temperature Scaling (FL)",
-    "NC input only",
-    "NC output only",
-    "NC δ frozen at 0",
-    "Neural Clamping (FL)",
-)
-DEFAULT_BINS = (10, 15, 20)
-DEFAULT_SEEDS = 5
-#: The method Welch's t-test compares with the best baseline (the paper's proposal).
-COMPARED_METHOD = "Neural Clamping (FL)"
-REFERENCE_METHOD = "Uncalibrated"
-#: Metrics where a larger value is better; every other metric is an error (lower is better).
-HIGHER_IS_BETTER = frozenset({"accuracy", "entropy"})
 #: Ablation rows evaluated from the jointly fitted NC (FL) parameters of the same seed.
 NC_VARIANTS = {"NC input only": "input", "NC output only": "output"}
 #: Ablation rows fitted on their own: NC (FL)'s fitter and settings with these changes.
 NC_REFITS = {"NC δ frozen at 0": (("learn_delta", False),)}
-TIMING_RESOLUTIONS = (0.01, 0.001)
-RESULTS_SCHEMA_VERSION = 1
 
 ProgressCallback = Callable[[float, str], None]
-
-
-def default_cache_dir() -> Path:
-    """NCTV's cache folder (``$NCTV_CACHE_DIR``, else ``~/.cache/nctv``), shared with the datasets."""
-    from nctv.data import cache_dir
-
-    return cache_dir()
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass
-class MetricStats:
-    """One metric of one method at one bin count over the runs (fractions)."""
-
-    mean: float
-    std: float
-    runs: list[float]
-
-    @classmethod
-    def from_runs(cls, runs: Sequence[float]) -> "MetricStats":
-        values = [float(v) for v in runs]
-        arr = np.asarray(values, dtype=np.float64)
-        # Sample std (ddof=1), the spread Welch's test uses; a single run has no spread.
-        std = float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
-        return cls(float(arr.mean()), std, values)
-
-
-@dataclass
-class MethodResult:
-    """Everything measured for one method (one table row).
-
-    ``metrics[n_bins][metric]`` holds the statistics over ``seeds``; ``fit_seconds`` the wall time of
-    each fit (given the cached unperturbed logits; model passes a method needs itself are
-    included). ``params`` are the learned values of the first seed (``temperature``; for Neural
-    Clamping also ``delta_l2``, ``delta_linf``, ``gamma``, ``weight_decay``). ``test_logits`` (the
-    calibrated test logits of the first seed) and ``delta`` (NC's δ of the first seed, in the
-    model's normalised input space) are kept in memory and saved beside the JSON, not in it.
-    """
-
-    name: str
-    stochastic: bool
-    uses_model: bool
-    seeds: list[int]
-    metrics: dict[int, dict[str, MetricStats]]
-    fit_seconds: list[float]
-    params: dict[str, Any] = field(default_factory=dict)
-    test_logits: torch.Tensor | None = field(default=None, repr=False)
-    delta: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def is_reference(self) -> bool:
-        return self.name == REFERENCE_METHOD
-
-    @property
-    def is_baseline(self) -> bool:
-        """A logit-space calibrator (not the uncalibrated reference, not a Neural Clamping row)."""
-        return not self.uses_model and not self.is_reference
-
-
-@dataclass
-class WelchTest:
-    """Welch's t-test of ``method`` against ``baseline`` on one metric at one bin count.
-
-    ``t`` is positive when ``method`` has the larger mean. ``better`` says whether ``method`` is
-    better by the metric's direction (None on a tie). ``t``/``p``/``df`` are None when the test is
-    undefined (fewer than two runs of ``method``); ``note`` says why or how a degenerate case was
-    handled.
-    """
-
-    metric: str
-    n_bins: int
-    method: str
-    baseline: str
-    method_mean: float
-    baseline_mean: float
-    t: float | None
-    p: float | None
-    df: float | None
-    better: bool | None
-    note: str = ""
-
-
-@dataclass
-class RunResult:
-    """The outcome of a paper-style run; ``to_json()`` follows docs/results-schema.md."""
-
-    kind: str
-    model: dict[str, Any]
-    calibration: dict[str, Any]
-    test: dict[str, Any]
-    n_classes: int
-    class_names: list[str] | None
-    bins: list[int]
-    seeds: list[int]
-    fitter: str
-    methods: dict[str, MethodResult]
-    welch: list[WelchTest]
-    cache_hits: dict[str, bool]
-    settings: dict[str, Any]
-    seconds: float
-    created: str
-    test_labels: torch.Tensor | None = field(default=None, repr=False)
-
-    def stats(self, method: str, metric: str, n_bins: int = 15) -> MetricStats:
-        if method not in self.methods:
-            raise ValueError(f"No method {method!r} in this run; it has {', '.join(self.methods)}.")
-        if n_bins not in self.methods[method].metrics:
-            raise ValueError(f"This run has no {n_bins}-bin results; it used bins {self.bins}.")
-        per_bin = self.methods[method].metrics[n_bins]
-        if metric not in per_bin:
-            raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(per_bin)}.")
-        return per_bin[metric]
-
-    def welch_for(self, n_bins: int = 15) -> list[WelchTest]:
-        return [w for w in self.welch if w.n_bins == n_bins]
-
-    def to_dict(self) -> dict[str, Any]:
-        methods = {}
-        for name, m in self.methods.items():
-            methods[name] = {
-                "stochastic": m.stochastic,
-                "uses_model": m.uses_model,
-                "seeds": list(m.seeds),
-                "fit_seconds": list(m.fit_seconds),
-                "params": _jsonable(m.params),
-                "metrics": {
-                    str(b): {k: {"mean": s.mean, "std": s.std, "runs": list(s.runs)} for k, s in per.items()}
-                    for b, per in m.metrics.items()
-                },
-            }
-        return {
-            "schema_version": RESULTS_SCHEMA_VERSION,
-            "nctv_version": __version__,
-            "kind": self.kind,
-            "created": self.created,
-            "fitter": self.fitter,
-            "model": _jsonable(self.model),
-            "calibration": _jsonable(self.calibration),
-            "test": _jsonable(self.test),
-            "n_classes": self.n_classes,
-            "class_names": self.class_names,
-            "bins": list(self.bins),
-            "seeds": list(self.seeds),
-            "settings": _jsonable(self.settings),
-            "cache_hits": dict(self.cache_hits),
-            "seconds": self.seconds,
-            "methods": methods,
-            "welch": [_jsonable(vars(w)) for w in self.welch],
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        # allow_nan=False: a NaN in results is a bug worth failing loudly on.
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunResult":
-        """Rebuild a result from ``to_dict()`` output (logits and δ are not part of the JSON)."""
-        if data.get("schema_version") != RESULTS_SCHEMA_VERSION:
-            raise ValueError(
-                f"results schema version {data.get('schema_version')!r} is not {RESULTS_SCHEMA_VERSION}; "
-                "re-run the experiment with this version of nctv."
-            )
-        methods = {}
-        for name, m in data["methods"].items():
-            metrics = {
-                int(b): {k: MetricStats(s["mean"], s["std"], list(s["runs"])) for k, s in per.items()}
-                for b, per in m["metrics"].items()
-            }
-            methods[name] = MethodResult(
-                name, m["stochastic"], m["uses_model"], list(m["seeds"]), metrics, list(m["fit_seconds"]),
-                dict(m["params"]),
-            )
-        welch = [WelchTest(**w) for w in data["welch"]]
-        return cls(
-            kind=data["kind"], model=data["model"], calibration=data["calibration"], test=data["test"],
-            n_classes=data["n_classes"], class_names=data["class_names"], bins=list(data["bins"]),
-            seeds=list(data["seeds"]), fitter=data["fitter"], methods=methods, welch=welch,
-            cache_hits=dict(data["cache_hits"]), settings=dict(data["settings"]), seconds=data["seconds"],
-            created=data["created"],
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunResult":
-        return cls.from_dict(json.loads(text))
-
-    def save(self, directory: str | Path) -> list[Path]:
-        """Write ``results.json`` and, when present, ``test_logits.safetensors`` (calibrated test
-        logits of the first seed per method, plus ``labels``) and ``delta.safetensors`` (δ per NC
-        method, normalised input space). Returns the written paths."""
-        from safetensors.torch import save_file
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        written = [out / "results.json"]
-        written[0].write_text(self.to_json(), encoding="utf-8")
-        # Rows may share one tensor (ablation rows reuse NC's δ); safetensors stores each key's own copy.
-        logits = {n: m.test_logits.clone().contiguous() for n, m in self.methods.items() if m.test_logits is not None}
-        if logits and self.test_labels is not None:
-            logits["labels"] = self.test_labels.contiguous()
-            save_file(logits, str(out / "test_logits.safetensors"), metadata={"units": "logits"})
-            written.append(out / "test_logits.safetensors")
-        deltas = {n: m.delta.clone().contiguous() for n, m in self.methods.items() if m.delta is not None}
-        if deltas:
-            save_file(deltas, str(out / "delta.safetensors"), metadata={"space": "normalised model input"})
-            written.append(out / "delta.safetensors")
-        return written
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (np.ndarray, torch.Tensor)):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        return _jsonable(obj.item())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        # JSON has no inf/NaN; the schema spells them as strings.
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-# --------------------------------------------------------------------------- logit cache
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's class, parameter/buffer names, shapes, dtypes and values."""
-    h = hashlib.sha256(type(model).__qualname__.encode())
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        # Raw bytes of any dtype (bfloat16 has no numpy equivalent); 0-d tensors need a 1-d view.
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-@dataclass
-class CachedLogits:
-    logits: torch.Tensor
-    labels: torch.Tensor
-    hit: bool
-    path: Path | None
-
-
-def split_logits(
-    model: torch.nn.Module,
-    split: Any,
-    cache_dir: str | Path | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    device: Any = None,
-    model_hash: str | None = None,
-) -> CachedLogits:
-    """Unperturbed logits (N, K) float32 of ``model`` on ``split``, read from or written to a cache.
-
-    The cache file is ``<cache_dir>/logits/<key>.safetensors`` (default ``cache_dir``:
-    :func:`default_cache_dir`) with key = SHA-256 of the model's
-    :func:`model_fingerprint` and ``split.fingerprint``; a different split or changed weights give
-    a different key. ``cache_dir=False`` disables the cache. Files hold tensors only (no pickle).
-    """
-    from safetensors.torch import load_file, save_file
-
-    labels = torch.as_tensor(np.asarray(split.labels)).long()
-    path = None
-    if cache_dir is not False:
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        mh = model_hash or model_fingerprint(model)
-        key = hashlib.sha256(f"{mh}|{split.fingerprint}|logits-v1".encode()).hexdigest()[:32]
-        path = root / "logits" / f"{key}.safetensors"
-        if path.is_file():
-            try:
-                stored = load_file(str(path))
-                z, y = stored["logits"], stored["labels"]
-                if z.ndim == 2 and z.shape[0] == len(labels) and torch.equal(y, labels):
-                    return CachedLogits(z, y, True, path)
-            except Exception:  # noqa: BLE001 - a damaged cache entry is simply recomputed
-                pass
-    z, seen = model_logits(model, split.loader(batch_size=batch_size), device=device, return_labels=True)
-    if not torch.equal(seen, labels):
-        raise ValueError(
-            f"The loader of split {getattr(split, 'name', '?')!r} yields its samples in a different order than "
-            "split.labels; a split's loader must not shuffle."
-        )
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({"logits": z.contiguous(), "labels": labels.contiguous()}, str(tmp),
-                  metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint)})
-        os.replace(tmp, path)
-    return CachedLogits(z, labels, False, path)
-
-
-# --------------------------------------------------------------------------- splits
-
-
-class TensorSplit:
-    """A split given as preprocessed inputs (N, ...) and labels (N,): the minimal split interface
-    (``name``, ``labels``, ``fingerprint`` of the content, ``loader(batch_size)`` in order)."""
-
-    def __init__(self, inputs: Any, labels: Any, name: str = "split"):
-        x = torch.as_tensor(inputs)
-        y = torch.as_tensor(np.asarray(labels)).long().reshape(-1)
-        if x.ndim < 2 or x.shape[0] != y.shape[0]:
-            raise ValueError(f"A split needs inputs (N, ...) and N labels; got inputs {tuple(x.shape)} and "
-                             f"{y.shape[0]} labels.")
-        self.name, self.inputs, self.labels = name, x, y
-        self._fingerprint: str | None = None
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            h = hashlib.sha256(f"{tuple(self.inputs.shape)}|{self.inputs.dtype}".encode())
-            h.update(self.inputs.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            h.update(self.labels.numpy().astype("<i8").tobytes())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
-
-    def loader(self, batch_size: int = DEFAULT_BATCH_SIZE) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.inputs, self.labels),
-                                           batch_size=batch_size, shuffle=False)
-
-
-def as_split(split: Any, name: str) -> Any:
-    """A split object as given (anything with ``labels``, ``fingerprint``, ``loader``), or a
-    :class:`TensorSplit` from an ``(inputs, labels)`` pair."""
-    if all(hasattr(split, a) for a in ("labels", "fingerprint", "loader")):
-        return split
-    if isinstance(split, (tuple, list)) and len(split) == 2:
-        return TensorSplit(split[0], split[1], name)
-    raise ValueError(f"The {name} split must be a Split from nctv.data.get_splits or a pair (inputs, labels).")
 
 
 # --------------------------------------------------------------------------- plans
@@ -868,68 +513,6 @@ def run_timing(
 # --------------------------------------------------------------------------- Welch's t-test
 
 
-def better(metric: str, a: float, b: float) -> bool | None:
-    """Is value ``a`` better than ``b`` for ``metric``? None when equal."""
-    if a == b:
-        return None
-    return (a > b) if metric in HIGHER_IS_BETTER else (a < b)
-
-
-def best_method(methods: dict[str, MethodResult], metric: str, n_bins: int, among: Iterable[str]) -> str | None:
-    """The name with the best mean among ``among`` (first listed wins ties)."""
-    best = None
-    for name in among:
-        v = methods[name].metrics[n_bins][metric].mean
-        if best is None or better(metric, v, methods[best].metrics[n_bins][metric].mean):
-            best = name
-    return best
-
-
-def welch_test(metric: str, n_bins: int, method: MethodResult, baseline: MethodResult) -> WelchTest:
-    """Welch's t-test (unequal variances) of ``method``'s runs against ``baseline``'s runs.
-
-    Degenerate cases, decided here: a deterministic baseline (one run, or identical runs) is a
-    known constant, and Welch's statistic with zero baseline variance is the one-sample t-test of
-    ``method``'s runs against that constant (df = n − 1); if ``method`` has no spread either, the
-    difference is exact: t = ±inf, p = 0 (or t = 0, p = 1 when the means are equal). Fewer than
-    two runs of ``method`` give no test (t = p = None).
-    """
-    a = np.asarray(method.metrics[n_bins][metric].runs, dtype=np.float64)
-    b = np.asarray(baseline.metrics[n_bins][metric].runs, dtype=np.float64)
-    ma, mb = float(a.mean()), float(b.mean())
-    base = dict(metric=metric, n_bins=n_bins, method=method.name, baseline=baseline.name,
-                method_mean=ma, baseline_mean=mb, better=better(metric, ma, mb))
-    if len(a) < 2:
-        return WelchTest(**base, t=None, p=None, df=None, note=f"needs at least 2 runs of {method.name}")
-    a_flat = bool(np.all(a == a[0]))
-    b_flat = len(b) < 2 or bool(np.all(b == b[0]))
-    if a_flat and b_flat:
-        if ma == mb:
-            return WelchTest(**base, t=0.0, p=1.0, df=None, note="identical values, no spread")
-        return WelchTest(**base, t=math.copysign(math.inf, ma - mb), p=0.0, df=None,
-                         note="no spread in either; the difference is exact")
-    if b_flat:
-        r = stats.ttest_1samp(a, mb)
-        return WelchTest(**base, t=float(r.statistic), p=float(r.pvalue), df=float(len(a) - 1),
-                         note="deterministic baseline: one-sample t-test against its value")
-    r = stats.ttest_ind(a, b, equal_var=False)
-    return WelchTest(**base, t=float(r.statistic), p=float(r.pvalue), df=float(r.df))
-
-
-def welch_tests(methods: dict[str, MethodResult], bins: Iterable[int], compared: str = COMPARED_METHOD) -> list[WelchTest]:
-    """``compared`` against the best baseline (logit-space calibrator) per metric and bin count."""
-    if compared not in methods:
-        return []
-    baselines = [n for n, m in methods.items() if m.is_baseline]
-    out = []
-    for b in bins:
-        for metric in METRIC_NAMES:
-            best = best_method(methods, metric, b, baselines)
-            if best is not None:
-                out.append(welch_test(metric, b, methods[compared], methods[best]))
-    return out
-
-
 # --------------------------------------------------------------------------- γ sweep and init study
 
 
@@ -968,39 +551,6 @@ def _passes_bar(
         yield _passes_callback(total, what, bar, callback)
     finally:
         bar.close()
-
-
-@dataclass
-class GammaSweepResult:
-    """Figure 2's numbers (``sweep``: a ``nctv.calibration.clamping.GammaSweep``) and what was run."""
-
-    sweep: Any
-    model: dict[str, Any]
-    calibration: dict[str, Any]
-    test: dict[str, Any]
-    settings: dict[str, Any]
-    seconds: float
-    created: str
-
-    @property
-    def fitter(self) -> str:
-        return self.sweep.fitter
-
-    def to_dict(self) -> dict[str, Any]:
-        s = self.sweep
-        return {
-            "schema_version": RESULTS_SCHEMA_VERSION, "nctv_version": __version__, "kind": "gamma-sweep",
-            "created": self.created, "fitter": s.fitter, "model": _jsonable(self.model),
-            "calibration": _jsonable(self.calibration), "test": _jsonable(self.test),
-            "settings": _jsonable(self.settings), "seconds": self.seconds, "n_bins": s.n_bins,
-            "gammas": _jsonable(s.gammas), "chosen_gamma": s.chosen_gamma, "temperature": _jsonable(s.temperature),
-            "weight_decay": _jsonable(s.weight_decay), "objective": _jsonable(s.objective),
-            "passes": _jsonable(s.passes), "n_passes": s.n_passes,
-            "splits": {"calibration": _jsonable(s.cal), **({"test": _jsonable(s.test)} if s.test is not None else {})},
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
 def run_gamma_sweep(
@@ -1054,42 +604,6 @@ def run_gamma_sweep(
     )
 
 
-@dataclass
-class InitStudyResult:
-    """Figure 3's numbers (``study``: a ``nctv.calibration.clamping.InitStudy``) and what was run."""
-
-    study: Any
-    model: dict[str, Any]
-    calibration: dict[str, Any]
-    test: dict[str, Any]
-    n_classes: int
-    settings: dict[str, Any]
-    seconds: float
-    created: str
-
-    @property
-    def fitter(self) -> str:
-        return self.study.fitter
-
-    def summary(self, metric: str = "ece") -> dict[str, MetricStats]:
-        """Mean ± std of ``metric`` per initialisation ("random", "data")."""
-        return {init: MetricStats.from_runs(self.study.values(init, metric)) for init in self.study.runs}
-
-    def to_dict(self) -> dict[str, Any]:
-        s = self.study
-        return {
-            "schema_version": RESULTS_SCHEMA_VERSION, "nctv_version": __version__, "kind": "init-study",
-            "created": self.created, "fitter": s.fitter, "model": _jsonable(self.model),
-            "calibration": _jsonable(self.calibration), "test": _jsonable(self.test), "n_classes": self.n_classes,
-            "settings": _jsonable(self.settings), "seconds": self.seconds, "n_bins": s.n_bins,
-            "seeds": list(s.seeds), "shared_data_fit": s.shared_data_fit, "n_passes": s.n_passes,
-            "runs": _jsonable(s.runs),
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
-
-
 def run_init_study(
     model: Any,
     calibration: Any,
@@ -1134,9 +648,9 @@ def run_init_study(
         callback(1.0, "initialisation study done")
     n_classes = _n_classes(model, module, test, batch_size)
     return InitStudyResult(
-        study, info, _split_info(calibration), _split_info(test), n_classes,
+        study, info, _split_info(calibration), _split_info(test),
         {"runs": runs, "seed": seed, "batch_size": batch_size, "device": str(dev), **settings},
-        time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"), n_classes=n_classes,
     )
 
 

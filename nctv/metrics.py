@@ -23,9 +23,87 @@ from typing import Any
 import numpy as np
 import torch
 
-from nctv.calibration.base import check_bins, check_labels, check_logits
+from nctv.checks import check_bins, check_labels, check_logits
 
 METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier")
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """How a metric is named, compared and shown (the paper's table units)."""
+
+    title: str
+    higher_is_better: bool  # accuracy and entropy (a calibrated model should not be over-confident)
+    percent: bool  # shown × 100 with "%"
+    decimals: int
+
+
+METRICS: dict[str, MetricInfo] = {
+    "accuracy": MetricInfo("Accuracy", True, True, 2),
+    "entropy": MetricInfo("Entropy", True, False, 4),
+    "ece": MetricInfo("ECE", False, True, 2),
+    "aece": MetricInfo("AECE", False, True, 2),
+    "sce": MetricInfo("SCE", False, False, 4),  # scaled by 10^sce_exponent(K)
+    "mce": MetricInfo("MCE", False, True, 2),
+    "nll": MetricInfo("NLL", False, False, 4),
+    "brier": MetricInfo("Brier", False, False, 4),
+}
+
+
+def sce_exponent(n_classes: int) -> int:
+    """The power of ten SCE is shown in: 2 (×10⁻²) below 1000 classes, else 3 (×10⁻³), as in the paper."""
+    return 3 if n_classes >= 1000 else 2
+
+
+@dataclass(frozen=True)
+class Column:
+    """``key`` is a metric name or "resolution"/"seconds"; shown value = fraction × ``scale``."""
+
+    key: str
+    title: str
+    unit: str = ""
+    scale: float = 1.0
+    decimals: int = 4
+    higher_is_better: bool | None = None
+
+    def label(self, style: str = "markdown") -> str:
+        arrow = "" if self.higher_is_better is None else (" ↑" if self.higher_is_better else " ↓")
+        unit = self.unit
+        if style == "latex":
+            arrow = "" if self.higher_is_better is None else (r" $\uparrow$" if self.higher_is_better else r" $\downarrow$")
+            if unit == "%":
+                unit = r"\%"
+            elif unit.startswith("×10⁻"):
+                unit = rf"$\times10^{{-{_from_superscript(unit[4:])}}}$"
+        return f"{self.title} ({unit}){arrow}" if unit else f"{self.title}{arrow}"
+
+
+_SUPERSCRIPTS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
+
+
+def _from_superscript(s: str) -> str:
+    return "".join(str(_SUPERSCRIPTS.index(ch)) for ch in s)
+
+
+def metric_column(metric: str, n_classes: int) -> Column:
+    info = METRICS.get(metric)
+    if info is None:
+        raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(METRIC_NAMES)}.")
+    if info.percent:
+        unit, scale = "%", 100.0
+    elif metric == "sce":
+        e = sce_exponent(n_classes)
+        unit, scale = "×10⁻" + _SUPERSCRIPTS[e], 10.0**e
+    else:
+        unit, scale = "", 1.0
+    return Column(metric, info.title, unit, scale, info.decimals, info.higher_is_better)
+
+
+def better(metric: str, a: float, b: float) -> bool | None:
+    """Is value ``a`` better than ``b`` for ``metric``? None when equal."""
+    if a == b:
+        return None
+    return (a > b) if METRICS[metric].higher_is_better else (a < b)
 
 
 def _prepare(logits: Any, labels: Any | None, from_probabilities: bool):

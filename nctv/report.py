@@ -23,64 +23,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from nctv.experiment import COMPARED_METHOD, HIGHER_IS_BETTER, REFERENCE_METHOD, RunResult
+from nctv.metrics import METRIC_NAMES, Column, metric_column, sce_exponent
+from nctv.results import COMPARED_METHOD, REFERENCE_METHOD, RunResult
 
 #: The columns of the paper's tables, in order.
 TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce")
 #: Every metric a table can show.
-ALL_METRICS = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier")
-_TITLES = {"accuracy": "Accuracy", "entropy": "Entropy", "ece": "ECE", "aece": "AECE", "sce": "SCE",
-           "mce": "MCE", "nll": "NLL", "brier": "Brier"}
-_DECIMALS = {"accuracy": 2, "entropy": 4, "ece": 2, "aece": 2, "sce": 4, "mce": 2, "nll": 4, "brier": 4}
-_PERCENT = frozenset({"accuracy", "ece", "aece", "mce"})
-
-
-def sce_exponent(n_classes: int) -> int:
-    """The power of ten SCE is shown in: 2 (×10⁻²) below 1000 classes, else 3 (×10⁻³), as in the paper."""
-    return 3 if n_classes >= 1000 else 2
-
-
-@dataclass(frozen=True)
-class Column:
-    """``key`` is a metric name or "resolution"/"seconds"; shown value = fraction × ``scale``."""
-
-    key: str
-    title: str
-    unit: str = ""
-    scale: float = 1.0
-    decimals: int = 4
-    higher_is_better: bool | None = None
-
-    def label(self, style: str = "markdown") -> str:
-        arrow = "" if self.higher_is_better is None else (" ↑" if self.higher_is_better else " ↓")
-        unit = self.unit
-        if style == "latex":
-            arrow = "" if self.higher_is_better is None else (r" $\uparrow$" if self.higher_is_better else r" $\downarrow$")
-            if unit == "%":
-                unit = r"\%"
-            elif unit.startswith("×10⁻"):
-                unit = rf"$\times10^{{-{_from_superscript(unit[4:])}}}$"
-        return f"{self.title} ({unit}){arrow}" if unit else f"{self.title}{arrow}"
-
-
-_SUPERSCRIPTS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
-
-
-def _from_superscript(s: str) -> str:
-    return "".join(str(_SUPERSCRIPTS.index(ch)) for ch in s)
-
-
-def metric_column(metric: str, n_classes: int) -> Column:
-    if metric not in _TITLES:
-        raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(ALL_METRICS)}.")
-    if metric in _PERCENT:
-        unit, scale = "%", 100.0
-    elif metric == "sce":
-        e = sce_exponent(n_classes)
-        unit, scale = "×10⁻" + _SUPERSCRIPTS[e], 10.0**e
-    else:
-        unit, scale = "", 1.0
-    return Column(metric, _TITLES[metric], unit, scale, _DECIMALS[metric], metric in HIGHER_IS_BETTER)
+ALL_METRICS = METRIC_NAMES
 
 
 @dataclass

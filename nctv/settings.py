@@ -10,3 +10,32 @@ from __future__ import annotations
 #: "toolkit" (the authors' released demo).
 FITTERS = ("fast", "paper", "toolkit")
 DEFAULT_FITTER = "fast"
+
+#: The rows of a paper-style table (Tables 1–3), in order.
+DEFAULT_METHODS = (
+    "Uncalibrated",
+    "Temperature Scaling",
+    "TS by Grid Search",
+    "Vector Scaling",
+    "Matrix Scaling",
+    "MS-ODIR",
+    "Dir-ODIR",
+    "Neural Clamping (CE)",
+    "Neural Clamping (FL)",
+    "NC (Eff.)",
+)
+#: The rows of the ablation (Table 4), with δ frozen at 0 beside the input-only and output-only parts.
+ABLATION_METHODS = (
+    "Uncalibrated",
+    "Temperature Scaling",
+    "Temperature Scaling (FL)",
+    "NC input only",
+    "NC output only",
+    "NC δ frozen at 0",
+    "Neural Clamping (FL)",
+)
+#: Bin counts every table reports, and the runs (seeds) of every stochastic method.
+DEFAULT_BINS = (10, 15, 20)
+DEFAULT_SEEDS = 5
+#: Grid resolutions of the timing table (Table 7).
+TIMING_RESOLUTIONS = (0.01, 0.001)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nctv import experiment, metrics
+from nctv import cache, data, experiment, metrics, results
 from nctv.data import ArrayImages, Split
 from nctv.inference import model_logits
 
@@ -51,21 +51,21 @@ def splits():
 def test_logit_cache_hits_and_invalidates(splits, tmp_path):
     cal, test = splits
     model = CountingMatchedFilter()
-    first = experiment.split_logits(model, test, tmp_path, batch_size=128)
+    first = cache.split_logits(model, test, tmp_path, batch_size=128)
     assert not first.hit and model.calls == 4  # 500 samples in batches of 128
-    second = experiment.split_logits(model, test, tmp_path, batch_size=128)
+    second = cache.split_logits(model, test, tmp_path, batch_size=128)
     assert second.hit and model.calls == 4 and torch.equal(second.logits, first.logits)
     torch.testing.assert_close(first.logits, model_logits(model, test.tensors()[0]))
     assert torch.equal(first.labels, test.labels)
     # Another split (different content) misses; so do changed weights.
-    other = experiment.split_logits(model, toy_split(500, 3, "toy test"), tmp_path)
+    other = cache.split_logits(model, toy_split(500, 3, "toy test"), tmp_path)
     assert not other.hit
     with torch.no_grad():
         model.fc.bias.add_(0.1)
-    changed = experiment.split_logits(model, test, tmp_path)
+    changed = cache.split_logits(model, test, tmp_path)
     assert not changed.hit and not torch.equal(changed.logits, first.logits)
     assert len(list((tmp_path / "logits").glob("*.safetensors"))) == 3
-    assert not experiment.split_logits(model, test, False).hit  # cache off
+    assert not cache.split_logits(model, test, False).hit  # cache off
 
 
 def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
@@ -121,15 +121,15 @@ def test_saved_results(splits, tmp_path):
     paths = r.save(tmp_path)
     assert sorted(p.name for p in paths) == ["delta.safetensors", "results.json", "test_logits.safetensors"]
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["schema_version"] == experiment.RESULTS_SCHEMA_VERSION and data["fitter"] == "fast"
+    assert data["schema_version"] == results.RESULTS_SCHEMA_VERSION and data["fitter"] == "fast"
     nc = r.methods["Neural Clamping (CE)"]
     assert data["methods"]["Neural Clamping (CE)"]["metrics"]["15"]["ece"]["runs"] == nc.metrics[15]["ece"].runs
-    assert data["model"]["fingerprint"] == experiment.model_fingerprint(model)
+    assert data["model"]["fingerprint"] == cache.model_fingerprint(model)
     logits = load_file(str(tmp_path / "test_logits.safetensors"))
     assert torch.equal(logits["labels"], test.labels)
     assert torch.equal(logits["Neural Clamping (CE)"], r.methods["Neural Clamping (CE)"].test_logits)
     assert load_file(str(tmp_path / "delta.safetensors"))["Neural Clamping (CE)"].shape == (1, 8, 8)
-    back = experiment.RunResult.from_json((tmp_path / "results.json").read_text())
+    back = results.RunResult.from_json((tmp_path / "results.json").read_text())
     assert back.methods["Neural Clamping (CE)"].metrics[15]["ece"] == r.methods["Neural Clamping (CE)"].metrics[15]["ece"]
 
 
@@ -212,7 +212,7 @@ def test_tensor_pairs_work_as_splits(splits, tmp_path):
     x, y = test.tensors()
     changed = x.clone()
     changed[0, 0, 0, 0] += 1.0
-    assert experiment.TensorSplit(x, y).fingerprint == experiment.TensorSplit(x.clone(), y).fingerprint
-    assert experiment.TensorSplit(x, y).fingerprint != experiment.TensorSplit(changed, y).fingerprint
+    assert data.TensorSplit(x, y).fingerprint == data.TensorSplit(x.clone(), y).fingerprint
+    assert data.TensorSplit(x, y).fingerprint != data.TensorSplit(changed, y).fingerprint
     with pytest.raises(ValueError, match="pair"):
         experiment.run_experiment(model, "cal.npz", test, **kw)

@@ -11,7 +11,7 @@ import torch
 from scipy import stats as sps
 
 from nctv import metrics
-from nctv.experiment import MethodResult, MetricStats, RunResult, welch_test, welch_tests
+from nctv.results import MethodResult, MetricStats, RunResult, welch_test, welch_tests
 from nctv.report import (
     metric_column,
     results_table,

@@ -19,7 +19,7 @@ from PIL import Image
 from nctv import metrics
 from nctv.calibration import METHODS
 from nctv.data import get_splits as data_splits
-from nctv.experiment import model_fingerprint
+from nctv.cache import model_fingerprint
 from nctv.inference import model_logits
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab

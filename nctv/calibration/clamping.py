@@ -52,7 +52,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nctv.calibration.base import NotFittedError, check_nonnegative, check_positive
+from nctv.calibration.base import NotFittedError
+from nctv.checks import check_nonnegative, check_positive, check_whole
 from nctv.calibration.clamping_fit import (
     FitResult,
     LBFGSMemory,
@@ -156,12 +157,6 @@ def _range_tensors(input_range: Any, shape: tuple[int, ...], device: torch.devic
     return out[0], out[1]
 
 
-def _check_whole(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be a whole number >= {minimum}; got {value!r}.")
-    return int(value)
-
-
 def _rule_weight_decay(rule: str, z0: torch.Tensor, labels: torch.Tensor, gamma: float) -> float:
     return WEIGHT_DECAY_RULES[rule] * mean_focal(z0, labels, gamma, 0.0)
 
@@ -204,7 +199,7 @@ class _InputCalibrator:
         against the number of inputs (a loader's labels are ignored).
         """
         self._check_fitted()
-        batch_size = _check_whole(batch_size, "batch_size")
+        batch_size = check_whole(batch_size, "batch_size")
         device = _compute_device(self.model, getattr(self, "device", None))
         with frozen(self.model):
             split = Split(inputs_or_loader, labels, device, batch_size, need_labels=False)
@@ -239,7 +234,7 @@ def data_driven_delta(model: torch.nn.Module, inputs_or_loader: Any, input_range
     η_j = ℓ_j − α_j where g_j < 0, β_j − μ_j where g_j > 0, else 0; δ̃ = sign(g) ⊙ η. An element
     whose data already lie beyond [α, β] gets η = 0. Labels, if the loader yields them, are unused.
     """
-    batch_size = _check_whole(batch_size, "batch_size")
+    batch_size = check_whole(batch_size, "batch_size")
     dev = _compute_device(model, device)
     with frozen(model):
         split = Split(inputs_or_loader, None, dev, batch_size, need_labels=False)
@@ -271,7 +266,7 @@ class EfficientNeuralClamping(_InputCalibrator):
         from nctv.calibration.temperature import grid_search_temperature, temperature_grid
 
         grid = temperature_grid(self.grid_step, self.t_max)
-        batch_size = _check_whole(self.batch_size, "batch_size")
+        batch_size = check_whole(self.batch_size, "batch_size")
         if self.input_range is None:
             raise ValueError("NC (Eff.) needs input_range=(alpha, beta), the preprocessed images of pixel values 0 and 1.")
         dev = _compute_device(self.model, self.device)
@@ -449,14 +444,14 @@ class NeuralClamping(_InputCalibrator):
             raise ValueError(f"init must be one of {_INITS}; got {self.init!r}.")
         # SGD settings are checked whenever they are given, even to a fitter that does not use them.
         if self._setting("epochs") is not None:
-            _check_whole(self._setting("epochs"), "epochs")
+            check_whole(self._setting("epochs"), "epochs")
         if self._setting("lr") is not None:
             check_positive(self._setting("lr"), "lr")
         if self._setting("momentum") is not None:
             momentum = check_nonnegative(self._setting("momentum"), "momentum")
             if momentum >= 1:
                 raise ValueError(f"momentum must be in [0, 1); got {momentum!r}.")
-        _check_whole(self._setting("batch_size"), "batch_size")
+        check_whole(self._setting("batch_size"), "batch_size")
         check_nonnegative(self._setting("init_std"), "init_std")
         check_positive(self.max_passes, "max_passes")
         check_nonnegative(self.tol, "tol")
@@ -755,7 +750,7 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
     for key in ("init", "seed"):
         if key in settings:
             raise ValueError(f"init_study sets {key} itself; leave it out.")
-    n_runs = _check_whole(n_runs, "n_runs")
+    n_runs = check_whole(n_runs, "n_runs")
     nc = NeuralClamping(model, init="data", seed=seed, **settings)
     gammas = nc._validate()
     dev = _compute_device(model, nc.device)

@@ -34,15 +34,8 @@ from scipy.optimize import brentq, minimize_scalar
 from tqdm.auto import tqdm
 
 import nctv.metrics as metrics
-from nctv.calibration.base import (
-    Calibrator,
-    check_bins,
-    check_logits,
-    check_logits_labels,
-    check_nonnegative,
-    check_positive,
-    focal_loss,
-)
+from nctv.calibration.base import Calibrator, focal_loss
+from nctv.checks import check_bins, check_logits, check_logits_labels, check_nonnegative, check_positive
 
 #: Temperatures are searched within these bounds (a model worse than chance, or separable data,
 #: would otherwise send T to infinity or zero).

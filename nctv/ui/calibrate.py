@@ -146,7 +146,7 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
     and the visitor's :class:`Calibration`.
     """
     from nctv.calibration import METHODS
-    from nctv.experiment import MethodResult, MetricStats, RunResult, welch_tests
+    from nctv.results import MethodResult, MetricStats, RunResult, welch_tests
 
     say: Report = report or (lambda item: None)
     names = _ordered_methods(methods)

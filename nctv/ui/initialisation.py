@@ -29,7 +29,7 @@ def run_study(spec: SplitSpec, runs: int, n_bins: int, settings: dict, report=No
 
 def study_table(result: Any) -> str:
     """Mean ± std per initialisation and metric, in the paper's table units."""
-    from nctv.report import metric_column
+    from nctv.metrics import metric_column
 
     names = {"random": "random", "data": "data-driven (Theorem 1)"}
     cols = [metric_column(m, result.n_classes) for m in METRICS_SHOWN]

@@ -35,7 +35,7 @@ def _scores(z: torch.Tensor, y: torch.Tensor, n_bins: int) -> dict[str, float]:
 
 
 def _metrics_table(rows: list[tuple[str, dict[str, float]]], n_classes: int, n_bins: int) -> str:
-    from nctv.report import metric_column
+    from nctv.metrics import metric_column
 
     cols = [metric_column(m, n_classes) for m in ("accuracy", "entropy", "ece", "aece", "sce")]
     lines = ["| | " + " | ".join(c.label() for c in cols) + " |", "|:--|" + "--:|" * len(cols)]
@@ -48,7 +48,7 @@ def _metrics_table(rows: list[tuple[str, dict[str, float]]], n_classes: int, n_b
 def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], ts_t: float | None,
                  cal: Calibration | None) -> str:
     """Short explanations of ECE, AECE, SCE, temperature scaling and Neural Clamping with numbers."""
-    from nctv.report import metric_column
+    from nctv.metrics import metric_column
 
     per_bin = n / n_bins
     sce = metric_column("sce", k)

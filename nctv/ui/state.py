@@ -94,7 +94,7 @@ def get_model(name: str):
 
 def model_hash(name: str) -> str:
     """The model's weight fingerprint (keys the on-disk logit cache), computed once per model."""
-    from nctv.experiment import model_fingerprint
+    from nctv.cache import model_fingerprint
 
     return _hashes.get(name, lambda: model_fingerprint(get_model(name).model))
 
@@ -112,8 +112,8 @@ def get_splits(spec: SplitSpec):
 
 def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Unperturbed logits (N, K) and labels (N,) of the model on its ``which`` ("calibration"/"test")
-    split, from memory, else from the on-disk logit cache of :func:`nctv.experiment.split_logits`."""
-    from nctv.experiment import split_logits
+    split, from memory, else from the on-disk logit cache of :func:`nctv.cache.split_logits`."""
+    from nctv.cache import split_logits
 
     cal, test = get_splits(spec)
     split = cal if which == "calibration" else test
@@ -200,7 +200,7 @@ def load_precomputed() -> Precomputed | None:
     """Read ``assets/precomputed`` (None when it is absent: the app then starts without it)."""
     from safetensors.torch import load_file
 
-    from nctv.experiment import RunResult
+    from nctv.results import RunResult
 
     folder = precomputed_dir()
     files = [folder / n for n in ("results.json", "test_logits.safetensors", "delta.safetensors")]

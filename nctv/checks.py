@@ -1,0 +1,93 @@
+"""Argument checks shared by every layer of NCTV (the bottom of the import graph: numpy and torch only).
+
+Each check returns the cleaned value or raises ``ValueError`` with a message that says what was wrong
+and what to do, in the user's words.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def as_tensor(x: Any, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Turn a numpy array, list or tensor into a tensor without copying when it can."""
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        t = torch.as_tensor(np.asarray(x))
+    if dtype is not None or device is not None:
+        t = t.to(dtype=dtype or t.dtype, device=device or t.device)
+    return t
+
+
+def check_logits(logits: Any, name: str = "logits") -> torch.Tensor:
+    """Validate a (N, K) logit matrix: 2-D, K >= 2, N >= 1, all finite."""
+    t = as_tensor(logits)
+    if t.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array of shape (samples, classes); got shape {tuple(t.shape)}.")
+    if t.shape[0] == 0:
+        raise ValueError(f"{name} is empty: the split has no samples.")
+    if t.shape[1] < 2:
+        raise ValueError(f"{name} has {t.shape[1]} class(es); calibration needs at least 2 classes.")
+    if not t.is_floating_point():
+        t = t.double()
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite values; check the model's outputs.")
+    return t
+
+
+def check_labels(labels: Any, n: int, k: int, device: torch.device | None = None) -> torch.Tensor:
+    """Validate integer labels of length ``n`` with values in [0, k)."""
+    y = as_tensor(labels)
+    if y.ndim != 1:
+        raise ValueError(f"labels must be a 1-D array; got shape {tuple(y.shape)}.")
+    if y.shape[0] != n:
+        raise ValueError(f"logits have {n} samples but labels have {y.shape[0]}; they must match.")
+    if y.is_floating_point():
+        if not bool((y == y.round()).all()):
+            raise ValueError("labels must be whole numbers (class indices).")
+    y = y.long()
+    if n and (int(y.min()) < 0 or int(y.max()) >= k):
+        raise ValueError(f"labels must lie in [0, {k}) for {k} classes; found values from {int(y.min())} to {int(y.max())}.")
+    return y.to(device) if device is not None else y
+
+
+def check_logits_labels(logits: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    z = check_logits(logits)
+    y = check_labels(labels, z.shape[0], z.shape[1], device=z.device)
+    return z, y
+
+
+def check_bins(n_bins: int, n: int | None = None) -> int:
+    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
+        raise ValueError(f"n_bins must be a positive whole number; got {n_bins!r}.")
+    if n is not None and n < n_bins:
+        raise ValueError(f"{n} samples are fewer than the {n_bins} bins; use fewer bins or more samples.")
+    return int(n_bins)
+
+
+def check_nonnegative(value: float, name: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number; got {value!r}.") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0; got {value!r}.")
+    return v
+
+
+def check_positive(value: float, name: str) -> float:
+    v = check_nonnegative(value, name)
+    if v == 0:
+        raise ValueError(f"{name} must be greater than 0; got {value!r}.")
+    return v
+
+
+def check_whole(value: Any, name: str, minimum: int = 1) -> int:
+    """A whole number (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}; got {value!r}.")
+    return int(value)

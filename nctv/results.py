@@ -1,0 +1,373 @@
+"""What a run produces: per-method statistics, Welch's tests, and the result objects of every run kind.
+
+``RunResult`` (tables 1–4 and 7), ``GammaSweepResult`` (Figure 2) and ``InitStudyResult`` (Figure 3)
+share one JSON header (schema in docs/results-schema.md) and are written by ``save``. Metrics are
+fractions here; tables convert units (``nctv.report``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from scipy import stats
+
+from nctv import __version__
+from nctv.metrics import METRIC_NAMES, better
+
+RESULTS_SCHEMA_VERSION = 1
+#: The method Welch's t-test compares with the best baseline (the paper's proposal).
+COMPARED_METHOD = "Neural Clamping (FL)"
+REFERENCE_METHOD = "Uncalibrated"
+
+
+def _header(kind: str, created: str, fitter: str, model: dict, calibration: dict, test: dict, settings: dict,
+            seconds: float) -> dict[str, Any]:
+    """The fields every saved result starts with."""
+    return {"schema_version": RESULTS_SCHEMA_VERSION, "nctv_version": __version__, "kind": kind, "created": created,
+            "fitter": fitter, "model": _jsonable(model), "calibration": _jsonable(calibration),
+            "test": _jsonable(test), "settings": _jsonable(settings), "seconds": seconds}
+
+
+class _JSON:
+    """Results that save as JSON: ``to_dict`` gives the fields, ``to_json`` the text."""
+
+    def to_dict(self) -> dict[str, Any]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def to_json(self, indent: int | None = 2) -> str:
+        # allow_nan=False: a NaN in results is a bug worth failing loudly on.
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+
+@dataclass
+class MetricStats:
+    """One metric of one method at one bin count over the runs (fractions)."""
+
+    mean: float
+    std: float
+    runs: list[float]
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[float]) -> "MetricStats":
+        values = [float(v) for v in runs]
+        arr = np.asarray(values, dtype=np.float64)
+        # Sample std (ddof=1), the spread Welch's test uses; a single run has no spread.
+        std = float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+        return cls(float(arr.mean()), std, values)
+
+
+@dataclass
+class MethodResult:
+    """Everything measured for one method (one table row).
+
+    ``metrics[n_bins][metric]`` holds the statistics over ``seeds``; ``fit_seconds`` the wall time of
+    each fit (given the cached unperturbed logits; model passes a method needs itself are
+    included). ``params`` are the learned values of the first seed (``temperature``; for Neural
+    Clamping also ``delta_l2``, ``delta_linf``, ``gamma``, ``weight_decay``). ``test_logits`` (the
+    calibrated test logits of the first seed) and ``delta`` (NC's δ of the first seed, in the
+    model's normalised input space) are kept in memory and saved beside the JSON, not in it.
+    """
+
+    name: str
+    stochastic: bool
+    uses_model: bool
+    seeds: list[int]
+    metrics: dict[int, dict[str, MetricStats]]
+    fit_seconds: list[float]
+    params: dict[str, Any] = field(default_factory=dict)
+    test_logits: torch.Tensor | None = field(default=None, repr=False)
+    delta: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.name == REFERENCE_METHOD
+
+    @property
+    def is_baseline(self) -> bool:
+        """A logit-space calibrator (not the uncalibrated reference, not a Neural Clamping row)."""
+        return not self.uses_model and not self.is_reference
+
+
+@dataclass
+class WelchTest:
+    """Welch's t-test of ``method`` against ``baseline`` on one metric at one bin count.
+
+    ``t`` is positive when ``method`` has the larger mean. ``better`` says whether ``method`` is
+    better by the metric's direction (None on a tie). ``t``/``p``/``df`` are None when the test is
+    undefined (fewer than two runs of ``method``); ``note`` says why or how a degenerate case was
+    handled.
+    """
+
+    metric: str
+    n_bins: int
+    method: str
+    baseline: str
+    method_mean: float
+    baseline_mean: float
+    t: float | None
+    p: float | None
+    df: float | None
+    better: bool | None
+    note: str = ""
+
+
+@dataclass
+class RunResult(_JSON):
+    """The outcome of a paper-style run; ``to_json()`` follows docs/results-schema.md."""
+
+    kind: str
+    model: dict[str, Any]
+    calibration: dict[str, Any]
+    test: dict[str, Any]
+    n_classes: int
+    class_names: list[str] | None
+    bins: list[int]
+    seeds: list[int]
+    fitter: str
+    methods: dict[str, MethodResult]
+    welch: list[WelchTest]
+    cache_hits: dict[str, bool]
+    settings: dict[str, Any]
+    seconds: float
+    created: str
+    test_labels: torch.Tensor | None = field(default=None, repr=False)
+
+    def stats(self, method: str, metric: str, n_bins: int = 15) -> MetricStats:
+        if method not in self.methods:
+            raise ValueError(f"No method {method!r} in this run; it has {', '.join(self.methods)}.")
+        if n_bins not in self.methods[method].metrics:
+            raise ValueError(f"This run has no {n_bins}-bin results; it used bins {self.bins}.")
+        per_bin = self.methods[method].metrics[n_bins]
+        if metric not in per_bin:
+            raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(per_bin)}.")
+        return per_bin[metric]
+
+    def welch_for(self, n_bins: int = 15) -> list[WelchTest]:
+        return [w for w in self.welch if w.n_bins == n_bins]
+
+    def to_dict(self) -> dict[str, Any]:
+        methods = {}
+        for name, m in self.methods.items():
+            methods[name] = {
+                "stochastic": m.stochastic,
+                "uses_model": m.uses_model,
+                "seeds": list(m.seeds),
+                "fit_seconds": list(m.fit_seconds),
+                "params": _jsonable(m.params),
+                "metrics": {
+                    str(b): {k: {"mean": s.mean, "std": s.std, "runs": list(s.runs)} for k, s in per.items()}
+                    for b, per in m.metrics.items()
+                },
+            }
+        return {
+            **_header(self.kind, self.created, self.fitter, self.model, self.calibration, self.test, self.settings,
+                      self.seconds),
+            "n_classes": self.n_classes,
+            "class_names": self.class_names,
+            "bins": list(self.bins),
+            "seeds": list(self.seeds),
+            "cache_hits": dict(self.cache_hits),
+            "methods": methods,
+            "welch": [_jsonable(vars(w)) for w in self.welch],
+        }
+
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunResult":
+        """Rebuild a result from ``to_dict()`` output (logits and δ are not part of the JSON)."""
+        if data.get("schema_version") != RESULTS_SCHEMA_VERSION:
+            raise ValueError(
+                f"results schema version {data.get('schema_version')!r} is not {RESULTS_SCHEMA_VERSION}; "
+                "re-run the experiment with this version of nctv."
+            )
+        methods = {}
+        for name, m in data["methods"].items():
+            metrics = {
+                int(b): {k: MetricStats(s["mean"], s["std"], list(s["runs"])) for k, s in per.items()}
+                for b, per in m["metrics"].items()
+            }
+            methods[name] = MethodResult(
+                name, m["stochastic"], m["uses_model"], list(m["seeds"]), metrics, list(m["fit_seconds"]),
+                dict(m["params"]),
+            )
+        welch = [WelchTest(**w) for w in data["welch"]]
+        return cls(
+            kind=data["kind"], model=data["model"], calibration=data["calibration"], test=data["test"],
+            n_classes=data["n_classes"], class_names=data["class_names"], bins=list(data["bins"]),
+            seeds=list(data["seeds"]), fitter=data["fitter"], methods=methods, welch=welch,
+            cache_hits=dict(data["cache_hits"]), settings=dict(data["settings"]), seconds=data["seconds"],
+            created=data["created"],
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunResult":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Write ``results.json`` and, when present, ``test_logits.safetensors`` (calibrated test
+        logits of the first seed per method, plus ``labels``) and ``delta.safetensors`` (δ per NC
+        method, normalised input space). Returns the written paths."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        written = [out / "results.json"]
+        written[0].write_text(self.to_json(), encoding="utf-8")
+        # Rows may share one tensor (ablation rows reuse NC's δ); safetensors stores each key's own copy.
+        logits = {n: m.test_logits.clone().contiguous() for n, m in self.methods.items() if m.test_logits is not None}
+        if logits and self.test_labels is not None:
+            logits["labels"] = self.test_labels.contiguous()
+            save_file(logits, str(out / "test_logits.safetensors"), metadata={"units": "logits"})
+            written.append(out / "test_logits.safetensors")
+        deltas = {n: m.delta.clone().contiguous() for n, m in self.methods.items() if m.delta is not None}
+        if deltas:
+            save_file(deltas, str(out / "delta.safetensors"), metadata={"space": "normalised model input"})
+            written.append(out / "delta.safetensors")
+        return written
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return _jsonable(obj.item())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        # JSON has no inf/NaN; the schema spells them as strings.
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+# --------------------------------------------------------------------------- Welch's t-test
+
+
+def best_method(methods: dict[str, MethodResult], metric: str, n_bins: int, among: Iterable[str]) -> str | None:
+    """The name with the best mean among ``among`` (first listed wins ties)."""
+    best = None
+    for name in among:
+        v = methods[name].metrics[n_bins][metric].mean
+        if best is None or better(metric, v, methods[best].metrics[n_bins][metric].mean):
+            best = name
+    return best
+
+
+def welch_test(metric: str, n_bins: int, method: MethodResult, baseline: MethodResult) -> WelchTest:
+    """Welch's t-test (unequal variances) of ``method``'s runs against ``baseline``'s runs.
+
+    Degenerate cases, decided here: a deterministic baseline (one run, or identical runs) is a
+    known constant, and Welch's statistic with zero baseline variance is the one-sample t-test of
+    ``method``'s runs against that constant (df = n − 1); if ``method`` has no spread either, the
+    difference is exact: t = ±inf, p = 0 (or t = 0, p = 1 when the means are equal). Fewer than
+    two runs of ``method`` give no test (t = p = None).
+    """
+    a = np.asarray(method.metrics[n_bins][metric].runs, dtype=np.float64)
+    b = np.asarray(baseline.metrics[n_bins][metric].runs, dtype=np.float64)
+    ma, mb = float(a.mean()), float(b.mean())
+    base = dict(metric=metric, n_bins=n_bins, method=method.name, baseline=baseline.name,
+                method_mean=ma, baseline_mean=mb, better=better(metric, ma, mb))
+    if len(a) < 2:
+        return WelchTest(**base, t=None, p=None, df=None, note=f"needs at least 2 runs of {method.name}")
+    a_flat = bool(np.all(a == a[0]))
+    b_flat = len(b) < 2 or bool(np.all(b == b[0]))
+    if a_flat and b_flat:
+        if ma == mb:
+            return WelchTest(**base, t=0.0, p=1.0, df=None, note="identical values, no spread")
+        return WelchTest(**base, t=math.copysign(math.inf, ma - mb), p=0.0, df=None,
+                         note="no spread in either; the difference is exact")
+    if b_flat:
+        r = stats.ttest_1samp(a, mb)
+        return WelchTest(**base, t=float(r.statistic), p=float(r.pvalue), df=float(len(a) - 1),
+                         note="deterministic baseline: one-sample t-test against its value")
+    r = stats.ttest_ind(a, b, equal_var=False)
+    return WelchTest(**base, t=float(r.statistic), p=float(r.pvalue), df=float(r.df))
+
+
+def welch_tests(methods: dict[str, MethodResult], bins: Iterable[int], compared: str = COMPARED_METHOD) -> list[WelchTest]:
+    """``compared`` against the best baseline (logit-space calibrator) per metric and bin count."""
+    if compared not in methods:
+        return []
+    baselines = [n for n, m in methods.items() if m.is_baseline]
+    out = []
+    for b in bins:
+        for metric in METRIC_NAMES:
+            best = best_method(methods, metric, b, baselines)
+            if best is not None:
+                out.append(welch_test(metric, b, methods[compared], methods[best]))
+    return out
+
+
+# --------------------------------------------------------------------------- figures 2 and 3
+
+
+@dataclass
+class _StudyResult(_JSON):
+    """What a figure study found (``outcome``) and what was run."""
+
+    outcome: Any
+    model: dict[str, Any]
+    calibration: dict[str, Any]
+    test: dict[str, Any]
+    settings: dict[str, Any]
+    seconds: float
+    created: str
+
+    @property
+    def fitter(self) -> str:
+        return self.outcome.fitter
+
+    def _header(self, kind: str) -> dict[str, Any]:
+        return _header(kind, self.created, self.fitter, self.model, self.calibration, self.test, self.settings,
+                       self.seconds)
+
+
+@dataclass
+class GammaSweepResult(_StudyResult):
+    """Figure 2's numbers (``sweep``: a ``nctv.calibration.clamping.GammaSweep``) and what was run."""
+
+    @property
+    def sweep(self) -> Any:
+        return self.outcome
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.sweep
+        return {
+            **self._header("gamma-sweep"), "n_bins": s.n_bins,
+            "gammas": _jsonable(s.gammas), "chosen_gamma": s.chosen_gamma, "temperature": _jsonable(s.temperature),
+            "weight_decay": _jsonable(s.weight_decay), "objective": _jsonable(s.objective),
+            "passes": _jsonable(s.passes), "n_passes": s.n_passes,
+            "splits": {"calibration": _jsonable(s.cal), **({"test": _jsonable(s.test)} if s.test is not None else {})},
+        }
+
+
+@dataclass
+class InitStudyResult(_StudyResult):
+    """Figure 3's numbers (``study``: a ``nctv.calibration.clamping.InitStudy``) and what was run."""
+
+    n_classes: int = 0
+
+    @property
+    def study(self) -> Any:
+        return self.outcome
+
+    def summary(self, metric: str = "ece") -> dict[str, MetricStats]:
+        """Mean ± std of ``metric`` per initialisation ("random", "data")."""
+        return {init: MetricStats.from_runs(self.study.values(init, metric)) for init in self.study.runs}
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.study
+        return {
+            **self._header("init-study"), "n_classes": self.n_classes, "n_bins": s.n_bins,
+            "seeds": list(s.seeds), "shared_data_fit": s.shared_data_fit, "n_passes": s.n_passes,
+            "runs": _jsonable(s.runs),
+        }
+

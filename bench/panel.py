@@ -305,17 +305,21 @@ def plan(args, common: dict) -> list[tuple[str, dict, str]]:
     base = dict(common, panel_dir=str(args.panel_dir), cal_size=args.cal_size)
     epochs = {"epochs": args.recipe_epochs}
     seeds = list(range(args.panel_seeds))
+    rows = getattr(args, "panel_rows", None) or [*NC_ROWS, "NCToolkit"]
+    tk_seeds = list(range(getattr(args, "nctoolkit_seeds", None) or args.panel_seeds))
     if "panel" in args.sections:
         for model in args.panel_models:
             out.append(("panel_baselines", dict(base, model=model), f"panel {model}: baselines"))
             for label, fitter in NC_ROWS.items():
+                if label not in rows:
+                    continue
                 for seed in seeds:
                     out.append(("panel_nc", dict(base, model=model, fitter=fitter, seed=seed, row=label,
                                                  settings=epochs if fitter else {},
                                                  keep_delta=fitter == "toolkit" and seed == 0),
                                 f"panel {model}: {label} seed {seed}"))
-            if args.nctoolkit:
-                for seed in seeds:
+            if args.nctoolkit and "NCToolkit" in rows:
+                for seed in tk_seeds:
                     out.append(("nctoolkit", dict(base, model=model, settings="toolkit", order="own", seed=seed,
                                                   nctoolkit=str(args.nctoolkit), **epochs),
                                 f"panel {model}: NCToolkit seed {seed}"))

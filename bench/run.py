@@ -538,6 +538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="folder of the over-confident panel (scripts/make_assets.py panel; default ~/.cache/nctv/panel)")
     ap.add_argument("--panel-models", nargs="+", default=[*panel.OVERCONFIDENT, *panel.MILD], help="models of the panel")
     ap.add_argument("--panel-seeds", type=int, help="seeds per stochastic panel row (full 3)")
+    ap.add_argument("--panel-rows", nargs="+", choices=[*panel.NC_ROWS, "NCToolkit"],
+                    help="Neural Clamping rows of the panel (default: all)")
+    ap.add_argument("--nctoolkit-seeds", type=int, help="seeds of the panel's NCToolkit row (default: --panel-seeds)")
     ap.add_argument("--recipe-epochs", type=int, help="epochs of the SGD recipes and of NCToolkit (full 100, as published)")
     ap.add_argument("--nctoolkit", type=Path, default=None,
                     help="a checkout of the authors' NCToolkit (the folder holding neural_clamping/); without it, "

@@ -300,13 +300,34 @@ NC_ROWS = {"NC default": None, "NC paper": "paper", "NC toolkit": "toolkit"}
 
 
 def plan(args, common: dict) -> list[tuple[str, dict, str]]:
-    """(case, params, label) for the panel and fidelity sections."""
+    """(case, params, label) for the fidelity section (first: it is short), then the panel."""
+    first: list[tuple[str, dict, str]] = []
     out: list[tuple[str, dict, str]] = []
     base = dict(common, panel_dir=str(args.panel_dir), cal_size=args.cal_size)
     epochs = {"epochs": args.recipe_epochs}
     seeds = list(range(args.panel_seeds))
     rows = getattr(args, "panel_rows", None) or [*NC_ROWS, "NCToolkit"]
     tk_seeds = list(range(getattr(args, "nctoolkit_seeds", None) or args.panel_seeds))
+    if "fidelity" in args.sections and args.nctoolkit:
+        for model in args.fidelity_models:
+            kw = dict(base, model=model, seed=0, keep_delta=True, nctoolkit=str(args.nctoolkit), **epochs)
+            if "panel" not in args.sections or model not in args.panel_models:
+                first.append(("panel_nc", dict(base, model=model, fitter="toolkit", seed=0, keep_delta=True,
+                                               row="NC toolkit", settings=epochs),
+                              f"fidelity {model}: toolkit recipe, seed 0"))
+            first.append(("nctoolkit", dict(kw, settings="toolkit", order="same"),
+                          f"fidelity {model}: NCToolkit toolkit, same batches"))
+            if not ("panel" in args.sections and model in args.panel_models and "NCToolkit" in rows):
+                for seed in tk_seeds:  # the own-order runs, when the panel does not run them
+                    first.append(("nctoolkit", dict(base, model=model, settings="toolkit", order="own", seed=seed,
+                                                    nctoolkit=str(args.nctoolkit), **epochs),
+                                  f"fidelity {model}: NCToolkit own order, seed {seed}"))
+            first.append(("panel_nc", dict(base, model=model, fitter="paper", seed=0, keep_delta=True,
+                                           row="NC paper (CE, no penalty)", settings={"weight_decay": 0.0, **epochs},
+                                           gamma=0.0),
+                          f"fidelity {model}: paper recipe, cross entropy, no penalty"))
+            first.append(("nctoolkit", dict(kw, settings="paper-ce-no-penalty", order="same"),
+                          f"fidelity {model}: NCToolkit, paper settings with cross entropy, no penalty, same batches"))
     if "panel" in args.sections:
         for model in args.panel_models:
             out.append(("panel_baselines", dict(base, model=model), f"panel {model}: baselines"))
@@ -323,22 +344,7 @@ def plan(args, common: dict) -> list[tuple[str, dict, str]]:
                     out.append(("nctoolkit", dict(base, model=model, settings="toolkit", order="own", seed=seed,
                                                   nctoolkit=str(args.nctoolkit), **epochs),
                                 f"panel {model}: NCToolkit seed {seed}"))
-    if "fidelity" in args.sections and args.nctoolkit:
-        for model in args.fidelity_models:
-            kw = dict(base, model=model, seed=0, keep_delta=True, nctoolkit=str(args.nctoolkit), **epochs)
-            if "panel" not in args.sections or model not in args.panel_models:
-                out.append(("panel_nc", dict(base, model=model, fitter="toolkit", seed=0, keep_delta=True,
-                                             row="NC toolkit", settings=epochs),
-                            f"fidelity {model}: toolkit recipe, seed 0"))
-            out.append(("nctoolkit", dict(kw, settings="toolkit", order="same"),
-                        f"fidelity {model}: NCToolkit toolkit, same batches"))
-            out.append(("panel_nc", dict(base, model=model, fitter="paper", seed=0, keep_delta=True,
-                                         row="NC paper (CE, no penalty)", settings={"weight_decay": 0.0, **epochs},
-                                         gamma=0.0),
-                        f"fidelity {model}: paper recipe, cross entropy, no penalty"))
-            out.append(("nctoolkit", dict(kw, settings="paper-ce-no-penalty", order="same"),
-                        f"fidelity {model}: NCToolkit, paper settings with cross entropy, no penalty, same batches"))
-    return out
+    return first + out
 
 
 def _pick(results: list[dict], **match) -> list[dict]:

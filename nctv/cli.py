@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
-from nctv.settings import FITTERS
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
@@ -122,9 +122,9 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--dataset", default=None, metavar="NAME",
                    help="fashion-mnist, bloodmnist, cifar100, folder:<path>, hf-dataset:<id> "
                         "(default: the model's own)")
-    g.add_argument("--calibration-size", type=_size, default=5000, metavar="N",
+    g.add_argument("--calibration-size", type=_size, default=DEFAULT_CALIBRATION_SIZE, metavar="N",
                    help="calibration images drawn from the calibration pool ('all' for the whole pool; "
-                        "default 5000)")
+                        f"default {DEFAULT_CALIBRATION_SIZE})")
     g.add_argument("--test-size", type=_size, default=None, metavar="N",
                    help="test images (default: the whole test split)")
     g.add_argument("--device", default="auto",

@@ -45,6 +45,7 @@ import torch
 from PIL import Image
 
 from nctv.inference import DEFAULT_BATCH_SIZE
+from nctv.settings import DEFAULT_CALIBRATION_SIZE
 
 FASHION_MNIST_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -711,7 +712,7 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
 
 # ----------------------------------------------------------------------------- get_splits
 
-def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: int | None = 5000,
+def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: int | None = DEFAULT_CALIBRATION_SIZE,
                calibration_seed: int = 0, test_size: int | None = None, split_seed: int = 0,
                cache: str | os.PathLike | None = None, token: str | None = None) -> tuple[Split, Split]:
     """Calibration and test splits of ``dataset`` for ``loaded_model`` (an ``nctv.zoo.LoadedModel``).

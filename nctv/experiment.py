@@ -60,6 +60,8 @@ NC_VARIANTS = {"NC input only": "input", "NC output only": "output"}
 NC_REFITS = {"NC δ frozen at 0": (("learn_delta", False),)}
 
 ProgressCallback = Callable[[float, str], None]
+#: Called with (row label, info) at every step of a Neural Clamping fit: step, loss, temperature, passes.
+FitStepCallback = Callable[[str, dict], None]
 
 
 # --------------------------------------------------------------------------- plans
@@ -135,6 +137,20 @@ def _check_seeds(seeds: int | Sequence[int]) -> list[int]:
     return out
 
 
+#: Settings a run may pass to every Neural Clamping row; the run itself sets fitter, seed and epochs.
+NC_RUN_SETTINGS = ("weight_decay", "init", "temperature", "lr", "momentum", "init_std", "max_passes", "tol",
+                   "gamma_candidates")
+
+
+def _check_nc_settings(settings: dict[str, Any] | None) -> dict[str, Any]:
+    out = dict(settings or {})
+    unknown = [k for k in out if k not in NC_RUN_SETTINGS]
+    if unknown:
+        raise ValueError(f"Unknown Neural Clamping setting(s) {', '.join(map(repr, unknown))}; "
+                         f"use {', '.join(NC_RUN_SETTINGS)}.")
+    return out
+
+
 def _check_fitter(fitter: str) -> str:
     if fitter not in FITTERS:
         raise ValueError(f"Unknown Neural Clamping fitter {fitter!r}; use one of {', '.join(FITTERS)}.")
@@ -158,6 +174,12 @@ class _Progress:
         if self.callback is not None:
             self.callback(self.done / self.total, msg)
 
+    def within(self, fraction: float, msg: str) -> None:
+        """Progress inside the current unit of work (``fraction`` of it done)."""
+        self.bar.set_postfix_str(msg, refresh=True)
+        if self.callback is not None:
+            self.callback(min((self.done + min(max(fraction, 0.0), 1.0)) / self.total, 1.0), msg)
+
     def step(self, msg: str) -> None:
         self.done += 1
         self.bar.update(1)
@@ -175,6 +197,8 @@ def _unwrap_model(model: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
         raise ValueError("model must be a torch.nn.Module or a model loaded with nctv.zoo.load_model.")
     name = getattr(model, "name", None) or type(module).__name__
     info = {"name": name, "class": type(module).__name__, "n_parameters": int(sum(p.numel() for p in module.parameters()))}
+    if getattr(model, "source", None):
+        info["source"] = str(model.source)
     return module, info
 
 
@@ -211,9 +235,11 @@ class _Context:
     device: torch.device
     batch_size: int
     epochs: int | None
-    gamma: float | None
+    gamma: float | str | None
     input_range: Any
     progress: _Progress
+    nc_settings: dict = field(default_factory=dict)
+    on_fit_step: FitStepCallback | None = None
     nc_fits: dict = field(default_factory=dict)
 
 
@@ -225,22 +251,30 @@ def _seed_everything(seed: int) -> None:
 def _make(ctx: _Context, plan: MethodPlan, seed: int):
     spec = _registry()[plan.name]
     kw: dict[str, Any] = dict(plan.overrides)
-    if plan.name in ("Temperature Scaling (FL)", COMPARED_METHOD) and ctx.gamma is not None:
-        kw.setdefault("gamma", ctx.gamma)
+    if ctx.gamma is not None and (plan.name == COMPARED_METHOD or
+                                  (plan.name == "Temperature Scaling (FL)" and not isinstance(ctx.gamma, str))):
+        kw.setdefault("gamma", ctx.gamma)  # "auto" is Neural Clamping's own choice of γ
     if not spec.needs_model:
         return _quiet(spec.factory(**kw))
     kw.setdefault("device", ctx.device)
-    kw.setdefault("batch_size", ctx.batch_size)
     if ctx.input_range is not None:
         kw.setdefault("input_range", ctx.input_range)
-    if spec.stochastic:
-        # Trained input calibrators (Neural Clamping): seeded, fitter chosen by the run.
-        kw.setdefault("fitter", ctx.fitter)
-        kw.setdefault("seed", seed)
-        if ctx.epochs is not None:
-            kw.setdefault("epochs", ctx.epochs)
-        kw.setdefault("callback", _nc_callback(ctx, plan.label, seed))
-    return _quiet(spec.factory(ctx.model, **kw))
+    if not spec.stochastic:
+        kw.setdefault("batch_size", ctx.batch_size)
+        return _quiet(spec.factory(ctx.model, **kw))
+    # Trained input calibrators (Neural Clamping): seeded, fitter and settings chosen by the run.
+    for key, value in ctx.nc_settings.items():
+        kw.setdefault(key, value)
+    kw.setdefault("fitter", ctx.fitter)
+    kw.setdefault("seed", seed)
+    if kw["fitter"] == "fast":
+        kw.setdefault("batch_size", ctx.batch_size)  # only the chunk size; a recipe keeps its own batch
+    if ctx.epochs is not None:
+        kw.setdefault("epochs", ctx.epochs)
+    holder: dict[str, Any] = {}
+    kw.setdefault("callback", _nc_callback(ctx, plan.label, seed, holder))
+    holder["method"] = _quiet(spec.factory(ctx.model, **kw))
+    return holder["method"]
 
 
 def _quiet(method: Any) -> Any:
@@ -250,11 +284,22 @@ def _quiet(method: Any) -> Any:
     return method
 
 
-def _nc_callback(ctx: _Context, label: str, seed: int):
+def _nc_callback(ctx: _Context, label: str, seed: int, holder: dict):
+    """Progress inside a fit (passes so far over the method's ``expected_passes``) and the live step."""
     def report(info: dict) -> None:
-        loss = info.get("loss")
+        loss, temp = info.get("loss"), info.get("temperature")
         tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
-        ctx.progress.message(f"{label} (seed {seed}): step {info.get('step', '?')}{tail}")
+        tail += f", T {temp:.4f}" if isinstance(temp, (int, float)) else ""
+        passes = float(info.get("passes", 0.0))
+        msg = f"{label} (seed {seed}): pass {passes:.1f}{tail}"
+        method = holder.get("method")
+        expected = method.expected_passes() if hasattr(method, "expected_passes") else 0.0
+        if expected > 0:
+            ctx.progress.within(passes / expected, msg)
+        else:
+            ctx.progress.message(msg)
+        if ctx.on_fit_step is not None:
+            ctx.on_fit_step(label, dict(info))
 
     return report
 
@@ -351,7 +396,7 @@ def _run_plans(
     seeds: int | Sequence[int],
     bins: Iterable[int],
     fitter: str,
-    gamma: float | None,
+    gamma: float | str | None,
     epochs: int | None,
     device: Any,
     batch_size: int,
@@ -360,6 +405,8 @@ def _run_plans(
     callback: ProgressCallback | None,
     settings: dict[str, Any],
     input_range: Any = None,
+    nc_settings: dict[str, Any] | None = None,
+    on_fit_step: FitStepCallback | None = None,
 ) -> RunResult:
     t_start = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
@@ -383,7 +430,8 @@ def _run_plans(
         if tst.logits.shape[1] != n_classes:
             raise ValueError("The calibration and test splits give different numbers of classes.")
         ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, fitter, dev,
-                       batch_size, epochs, gamma, _input_range(model, input_range), bar)
+                       batch_size, epochs, gamma, _input_range(model, input_range), bar,
+                       _check_nc_settings(nc_settings), on_fit_step)
         results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
                    for p in plans}
     finally:
@@ -402,7 +450,8 @@ def _run_plans(
         methods=results,
         welch=welch_tests(results, bins),
         cache_hits={"calibration": cal.hit, "test": tst.hit},
-        settings={"gamma": gamma, "epochs": epochs, "batch_size": batch_size, "device": str(dev), **settings},
+        settings={"gamma": gamma, "epochs": epochs, "batch_size": batch_size, "device": str(dev),
+                  **({"nc": dict(nc_settings)} if nc_settings else {}), **settings},
         seconds=time.perf_counter() - t_start,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         test_labels=tst.labels,
@@ -417,7 +466,7 @@ def run_experiment(
     seeds: int | Sequence[int] = DEFAULT_SEEDS,
     bins: Iterable[int] = DEFAULT_BINS,
     fitter: str = "fast",
-    gamma: float | None = None,
+    gamma: float | str | None = None,
     epochs: int | None = None,
     device: Any = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -425,6 +474,8 @@ def run_experiment(
     input_range: Any = None,
     progress: bool = True,
     callback: ProgressCallback | None = None,
+    nc_settings: dict[str, Any] | None = None,
+    on_fit_step: FitStepCallback | None = None,
 ) -> RunResult:
     """The comparison of Tables 1–3: fit ``methods`` on ``calibration``, score on ``test``.
 
@@ -436,11 +487,15 @@ def run_experiment(
     override the registry defaults of the Neural Clamping rows (and TS (FL)); ``fitter`` picks the
     NC fitter. ``input_range`` = (α, β), the preprocessed images of pixel values 0 and 1, is needed
     by NC (Eff.); a zoo model brings its own. ``cache_dir=False`` turns the logit cache off.
-    ``callback(fraction, message)`` is called as the run advances.
+    ``callback(fraction, message)`` is called as the run advances (it may raise to cancel the run);
+    ``on_fit_step(label, info)`` at every step of a Neural Clamping fit (step, loss, temperature,
+    passes; a last step "selected" carries the T the fit keeps). ``nc_settings``: further
+    ``NeuralClamping`` settings for every Neural Clamping row (weight_decay, init, lr, …).
     """
     names = check_methods(methods)
     return _run_plans("run", model, calibration, test, _plans(names), seeds, bins, fitter, gamma, epochs, device,
-                      batch_size, cache_dir, progress, callback, {"methods": names}, input_range)
+                      batch_size, cache_dir, progress, callback, {"methods": names}, input_range, nc_settings,
+                      on_fit_step)
 
 
 def run_ablation(
@@ -450,7 +505,7 @@ def run_ablation(
     seeds: int | Sequence[int] = DEFAULT_SEEDS,
     bins: Iterable[int] = DEFAULT_BINS,
     fitter: str = "fast",
-    gamma: float | None = None,
+    gamma: float | str | None = None,
     epochs: int | None = None,
     device: Any = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -458,13 +513,15 @@ def run_ablation(
     input_range: Any = None,
     progress: bool = True,
     callback: ProgressCallback | None = None,
+    nc_settings: dict[str, Any] | None = None,
+    on_fit_step: FitStepCallback | None = None,
 ) -> RunResult:
     """Table 4: NC (FL) against its parts. "NC input only" is f(x + δ*) and "NC output only"
     f(x)/T*, both from the δ*, T* that NC (FL) learned jointly for the same seed (no separate fit);
     "Temperature Scaling (FL)" fits T alone with NC's focal loss γ."""
     return _run_plans("ablation", model, calibration, test, _plans(ABLATION_METHODS), seeds, bins, fitter, gamma,
                       epochs, device, batch_size, cache_dir, progress, callback, {"methods": list(ABLATION_METHODS)},
-                      input_range)
+                      input_range, nc_settings, on_fit_step)
 
 
 def run_timing(
@@ -474,7 +531,7 @@ def run_timing(
     resolutions: Sequence[float] = TIMING_RESOLUTIONS,
     bins: Iterable[int] = (15,),
     fitter: str = "fast",
-    gamma: float | None = None,
+    gamma: float | str | None = None,
     epochs: int | None = None,
     device: Any = None,
     batch_size: int = DEFAULT_BATCH_SIZE,

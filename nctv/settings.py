@@ -34,6 +34,9 @@ ABLATION_METHODS = (
     "NC δ frozen at 0",
     "Neural Clamping (FL)",
 )
+#: Calibration images drawn from the calibration pool (the paper's 5,000 for Fashion-MNIST/CIFAR),
+#: by the library, the command line and the web app alike.
+DEFAULT_CALIBRATION_SIZE = 5000
 #: Bin counts every table reports, and the runs (seeds) of every stochastic method.
 DEFAULT_BINS = (10, 15, 20)
 DEFAULT_SEEDS = 5

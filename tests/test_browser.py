@@ -64,13 +64,13 @@ def _status(page) -> str:
 def test_stop_ends_a_run(page):
     page.locator("#calibration-size input").fill("300")
     page.locator("#test-size input").fill("1000")
-    page.get_by_label("paper recipe (SGD, lr 0.001, batch 512)").check()
+    page.get_by_label("paper recipe (SGD + momentum").check()
     page.get_by_role("button", name="Run calibration").click()
     page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Running')")
     page.get_by_role("button", name="Stop").first.click()
     page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Stopped')")
     assert "pre-computed, shipped with the app" in page.locator("#results-table").inner_text()
-    page.get_by_label("fast (L-BFGS, about 10 passes)").check()
+    page.get_by_label("fast (default").check()
 
 
 def test_a_live_calibration_run(page):

@@ -88,7 +88,7 @@ def test_run_scores_every_method_on_independently_computed_logits(run, default_m
     z_nc = model_logits(default_model.model, x_test, delta=nc.delta) / calibration.nc_temperature
     assert torch.allclose(nc.test_logits, z_nc, atol=1e-4)
     assert nc.metrics[15]["ece"].mean == pytest.approx(metrics.ece(z_nc, y_test), abs=1e-4)
-    assert nc.params["gamma"] == 1.0 and nc.params["weight_decay"] > 0  # λ "auto": 0.1 × the initial loss
+    assert nc.params["gamma"] == 1.0 and nc.params["weight_decay"] > 0  # the fast fitter's "strong" λ
     assert calibration.metrics["Neural Clamping (FL)"]["ece"] == nc.metrics[15]["ece"].mean
     assert result.model["fingerprint"] == model_fingerprint(default_model.model)
 
@@ -102,6 +102,32 @@ def test_run_reports_progress_and_live_loss_and_temperature(run):
     assert all(np.isfinite(i[2]["loss"]) and i[2]["temperature"] > 0 for i in live)
     # The last live temperature is the learned one (the fast fitter reports every evaluation).
     assert any(i[2]["temperature"] == pytest.approx(calibration.nc_temperature, rel=1e-3) for i in live[-5:])
+
+
+def test_app_run_is_the_library_run(run, default_model):
+    """The Calibrate tab runs the library's engine: run_experiment with the same split, seed and
+    settings gives the same temperatures, δ and scores."""
+    from nctv.experiment import run_experiment
+
+    result, _, _ = run
+    cal, test = data_splits(default_model, calibration_size=300, calibration_seed=0, test_size=1000)
+    lib = run_experiment(default_model, cal, test, METHODS_RUN, seeds=[0], bins=[15], gamma=1.0, progress=False,
+                         nc_settings={"init": "random"})
+    for name in METHODS_RUN:
+        a, b = result.methods[name], lib.methods[name]
+        assert a.params.get("temperature", 1.0) == pytest.approx(b.params.get("temperature", 1.0), rel=1e-6)
+        assert a.metrics[15]["ece"].mean == pytest.approx(b.metrics[15]["ece"].mean, abs=1e-7)
+    assert torch.equal(result.methods["Neural Clamping (FL)"].delta, lib.methods["Neural Clamping (FL)"].delta)
+
+
+def test_app_offers_the_ablation_rows():
+    """Table 4's rows are methods of the Calibrate tab; "NC output only" is f(x)/T* of the same fit."""
+    assert {"NC input only", "NC output only", "NC δ frozen at 0"} <= set(cal_tab.method_choices())
+    result, _ = cal_tab.run_calibration(SMALL, ["Uncalibrated", "Neural Clamping (FL)", "NC output only"], 15,
+                                        cal_tab.NCSettings())
+    t = result.methods["Neural Clamping (FL)"].params["temperature"]
+    z = result.methods["Uncalibrated"].test_logits / t
+    assert torch.allclose(result.methods["NC output only"].test_logits, z, atol=1e-6)
 
 
 def _row(table: str, method: str) -> list[str]:

@@ -318,9 +318,9 @@ def small_split_message(n: int, size: int) -> str:
     9.8 % from 300, where δ fits the split's noise (calibration ECE 0.4 %, T 0.08).
     """
     return (f"Neural Clamping: {n} calibration images for a δ of {size} values (fewer than "
-            f"{SMALL_SPLIT_FACTOR} per value). The fast fitter reaches the objective's optimum, and on so few "
-            "images δ can fit their noise: the calibration ECE falls while the test ECE rises. Use more "
-            "calibration images, a larger weight_decay, or fitter='paper'.")
+            f"{SMALL_SPLIT_FACTOR} per value). On so few images δ can fit their noise: the calibration ECE "
+            "falls while the test ECE rises. Use more calibration images (5,000 is the paper's size) or a "
+            "larger weight decay λ.")
 
 
 class NeuralClamping(_InputCalibrator):
@@ -479,7 +479,18 @@ class NeuralClamping(_InputCalibrator):
             start = self._start(problem)
             fits = self._fit_gammas(problem, start, gammas, self.seed)
         self._store(problem, fits)
+        if self.callback is not None and self._setting("temperature") == "selected":
+            # The live view's last point: the T the fit keeps, chosen after the optimiser stopped.
+            self.callback({"step": "selected", "loss": self.objective_, "temperature": self.temperature_,
+                           "passes": self.n_passes_, "selected": True})
         return self
+
+    def expected_passes(self, n_gammas: int | None = None) -> float:
+        """Passes over the calibration split a fit is planned to take: the recipe's epochs (+ the
+        unperturbed pass) per γ, or the fast fitter's budget per γ; the fast fitter may stop sooner.
+        ``n_gammas``: the γ values fitted (default: those of ``gamma``)."""
+        per = self._setting("epochs") + 0.5 if self._recipe() is not None else float(self.max_passes)
+        return per * (len(self._gammas()) if n_gammas is None else n_gammas)
 
     def _problem(self, inputs: Any, labels: Any, dev: torch.device) -> Problem:
         split = Split(inputs, labels, dev, int(self._setting("batch_size")))
@@ -529,8 +540,7 @@ class NeuralClamping(_InputCalibrator):
         the given order (``later_passes`` caps every γ after the first; default ``max_passes``)."""
         shape, dev = problem.split.input_shape, problem.split.device
         fits: list[_GammaFit] = []
-        per = self._setting("epochs") + 0.5 if self._recipe() is not None else float(self.max_passes)
-        bar = self._bar(per * len(gammas))
+        bar = self._bar(self.expected_passes(len(gammas)))
         memory: LBFGSMemory | None = None
         try:
             for i, gamma in enumerate(gammas):

@@ -144,13 +144,15 @@ def _nc_controls(gamma: bool = True, init: bool = True):
         if gamma:
             out["gamma"] = gr.Dropdown(cal_tab.GAMMA_CHOICES, value="1", allow_custom_value=True, label="Focal-loss γ",
                                        info="0 = cross entropy; auto tries 0, 0.5, 1, 2, 3 (lowest calibration ECE)")
-        out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="auto", allow_custom_value=True,
-                                          label="Weight decay λ", info="auto = 0.1 × the unperturbed model's loss")
+        out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="default", allow_custom_value=True,
+                                          label="Weight decay λ",
+                                          info="default = the fitter's own (fast: strong = 1 × the unperturbed "
+                                               "model's loss; recipes: theirs); auto = 0.1 × that loss (the paper)")
     with gr.Row():
         if init:
             out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
         out["fitter"] = gr.Radio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
-        out["epochs"] = gr.Number(100, precision=0, label="Epochs (paper recipe only)")
+        out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)")
     return out
 
 

@@ -8,17 +8,16 @@ reports its loss and T after every step for the live view.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Callable, Sequence
 
 import gradio as gr
 import torch
 
-from nctv.metrics import evaluate
 from nctv.settings import FITTERS
-from nctv.ui.common import Worker, export_dir, parse_number_or_auto, parse_whole, user_errors, with_warnings
+from nctv.ui.common import (Worker, export_dir, parse_number_or_auto, parse_weight_decay, parse_whole, user_errors,
+                             with_warnings)
 from nctv.ui.state import (
     NC_METHODS,
     PRECOMPUTED_LABEL,
@@ -28,7 +27,6 @@ from nctv.ui.state import (
     get_logits,
     get_model,
     get_splits,
-    model_hash,
     resolve_dataset,
     resolve_model_name,
     test_metrics,
@@ -40,16 +38,12 @@ REFERENCE = "Uncalibrated"
 DEFAULT_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
 #: Methods that take the minutes they need without a progress report.
 SLOW_METHODS = ("Matrix Scaling", "MS-ODIR", "Dir-ODIR")
-#: Rows of the paper's ablation, evaluated from another method's fit; not offered on their own here.
-_ABLATION_ONLY = ("NC input only", "NC output only")
 FITTER_CHOICES = [("fast (default: L-BFGS, then T by calibration ECE; about 6 passes)", "fast"),
                   ("paper recipe (SGD + momentum, lr 0.001, batch 512, 100 epochs)", "paper"),
                   ("authors' toolkit recipe (SGD + momentum, lr 0.01, batch 1000, 100 epochs)", "toolkit")]
 INIT_CHOICES = [("random (Gaussian, std 0.1)", "random"), ("data-driven (Theorem 1)", "data")]
 GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
-WEIGHT_DECAY_CHOICES = ["auto", "0", "0.001", "0.01", "0.1"]
-#: Unit of work of a logit-space method; a Neural Clamping fit counts as this many.
-_NC_WEIGHT = 6
+WEIGHT_DECAY_CHOICES = ["default", "strong", "auto", "0", "0.001", "0.01", "0.1", "1"]
 
 Report = Callable[[tuple], None]
 
@@ -59,16 +53,19 @@ class NCSettings:
     """Neural Clamping's settings as the visitor chose them (γ and λ may be "auto")."""
 
     gamma: float | str = 1.0
-    weight_decay: float | str = "auto"
+    #: None: the fitter's own (fast: "strong"; the recipes: theirs).
+    weight_decay: float | str | None = None
     init: str = "random"
     fitter: str = "fast"
     epochs: int = 100
 
 
 def method_choices() -> list[str]:
+    """Every method of the registry, then the ablation rows of Neural Clamping (FL) (Table 4)."""
     from nctv.calibration import METHODS
+    from nctv.experiment import NC_REFITS, NC_VARIANTS
 
-    return [n for n in METHODS if n not in _ABLATION_ONLY]
+    return [*METHODS, *NC_VARIANTS, *NC_REFITS]
 
 
 def _ordered_methods(methods: Sequence[str]) -> list[str]:
@@ -83,159 +80,43 @@ def _ordered_methods(methods: Sequence[str]) -> list[str]:
     return [REFERENCE] + [m for m in known if m in chosen and m != REFERENCE]
 
 
-def _expected_passes(nc: NCSettings) -> float:
-    from nctv.calibration.clamping import GAMMA_CANDIDATES
-
-    per = nc.epochs + 1.0 if nc.fitter != "fast" else 20.0
-    return per * (len(GAMMA_CANDIDATES) if nc.gamma == "auto" else 1)
-
-
-def _takes(spec: Any, parameter: str) -> bool:
-    import inspect
-
-    import nctv.calibration as calibration
-
-    cls = calibration.Uncalibrated if spec.cls == "Uncalibrated" else getattr(calibration, spec.cls)
-    return parameter in inspect.signature(cls).parameters
-
-
-def _make(name: str, loaded: Any, nc: NCSettings, seed: int, report: Report):
-    from nctv.calibration import METHODS
-
-    spec = METHODS[name]
-    kw: dict[str, Any] = {}
-    if name == "Temperature Scaling (FL)" and nc.gamma != "auto":
-        kw["gamma"] = nc.gamma
-    if _takes(spec, "progress"):
-        kw["progress"] = False  # the page has its own progress bar; keep the server log clean
-    if not spec.needs_model:
-        return spec.factory(**kw)
-    kw["input_range"] = loaded.input_range
-    if spec.stochastic:
-        kw.update(weight_decay=nc.weight_decay, init=nc.init, fitter=nc.fitter, epochs=nc.epochs, seed=seed,
-                  callback=lambda info: report(("nc", name, info)))
-        if name == "Neural Clamping (FL)":
-            kw["gamma"] = nc.gamma
-    return spec.factory(loaded.model, **kw)
-
-
-def _learned(m: Any) -> tuple[dict[str, float], torch.Tensor | None]:
-    params = {}
-    for attr in ("temperature_", "gamma_", "weight_decay_", "n_passes_"):
-        v = getattr(m, attr, None)
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            params[attr[:-1]] = float(v)
-    delta = getattr(m, "delta_", None)
-    if isinstance(delta, torch.Tensor):
-        delta = delta.detach().float().cpu()
-        params["delta_l2"] = float(delta.norm())
-        params["delta_linf"] = float(delta.abs().max())
-    return params, delta if isinstance(delta, torch.Tensor) else None
-
-
 def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NCSettings,
                     report: Report | None = None) -> tuple[Any, Calibration]:
-    """Fit ``methods`` on the calibration split of ``spec``, score them on its test split.
+    """Fit ``methods`` on the calibration split of ``spec``, score them on its test split, through
+    the library's :func:`nctv.experiment.run_experiment` (one run, seed = the split's seed).
 
     ``report`` receives ``("progress", fraction, message)`` and, during Neural Clamping fits,
-    ``("nc", method, info)`` with NC's step info (step, loss, temperature, passes) plus
-    ``total_passes``, the passes of this fit so far over all γ candidates. Returns the
-    ``RunResult`` (one run per method, seed = the split's seed, calibrated test logits attached)
-    and the visitor's :class:`Calibration`.
+    ``("nc", row, info)`` with the fit's step info (step, loss, temperature, passes; the last one,
+    step "selected", carries the T it keeps). It may raise to cancel the run. Returns the
+    ``RunResult`` (calibrated test logits attached) and the visitor's :class:`Calibration`.
     """
-    from nctv.calibration import METHODS
-    from nctv.results import MethodResult, MetricStats, RunResult, welch_tests
+    from nctv.experiment import run_experiment
 
     say: Report = report or (lambda item: None)
     names = _ordered_methods(methods)
-    t0 = time.perf_counter()
-    units = 3 + sum(_NC_WEIGHT if METHODS[n].stochastic else 1 for n in names)
-    done = 0.0
-
-    def step(message: str, amount: float = 1.0) -> None:
-        nonlocal done
-        done += amount
-        say(("progress", min(done / units, 0.99), message))
-
     say(("progress", 0.0, f"loading model {spec.model}"))
     loaded = get_model(spec.model)
-    step("loading the calibration and test splits")
+    say(("progress", 0.01, "loading the calibration and test splits"))
     cal, test = get_splits(spec)
     if n_bins > len(test):
         raise ValueError(f"{n_bins} bins are more than the {len(test)} test images; use fewer bins.")
-    step(f"model outputs on {len(cal)} calibration and {len(test)} test images")
-    cal_z, cal_y = get_logits(spec, "calibration")
-    test_z, test_y = get_logits(spec, "test")
-    step("fitting the methods")
-    results: dict[str, MethodResult] = {}
-    for name in names:
-        method_spec = METHODS[name]
-        weight = _NC_WEIGHT if method_spec.stochastic else 1
-        expected = _expected_passes(nc)
-        base = done
 
-        count = {"before": 0.0, "last": 0.0}
+    def progress(fraction: float, message: str) -> None:
+        slow = next((m for m in SLOW_METHODS if message.startswith(m)), None)
+        if slow:
+            message += " (cross-validates its regularisation: this takes minutes on a CPU)"
+        say(("progress", min(0.02 + 0.97 * fraction, 0.99), message))
 
-        def nc_report(item: tuple, name=name, base=base, weight=weight, count=count) -> None:
-            info = dict(item[2])
-            # The fast fitter restarts its pass count for every γ candidate; keep a running total.
-            passes = float(info.get("passes", count["last"]))
-            if passes < count["last"]:
-                count["before"] += count["last"]
-            count["last"] = passes
-            info["total_passes"] = total = count["before"] + passes
-            frac = min((base + weight * min(total / expected, 1.0)) / units, 0.99)
-            say(("progress", frac, f"{name}: pass {total:.1f}, loss {info['loss']:.4f}, T {info['temperature']:.4f}"))
-            say(("nc", name, info))
-
-        slow = " (cross-validates its regularisation: this takes minutes on a CPU)" if name in SLOW_METHODS else ""
-        say(("progress", done / units, f"fitting {name}{slow}"))
-        m = _make(name, loaded, nc, spec.calibration_seed, nc_report)
-        torch.manual_seed(spec.calibration_seed)
-        t_fit = time.perf_counter()
-        if method_spec.needs_model:
-            m.fit(cal.loader())
-            seconds = time.perf_counter() - t_fit
-            z = m.predict_logits(test.loader())
-        else:
-            m.fit(cal_z, cal_y)
-            seconds = time.perf_counter() - t_fit
-            z = m.transform(test_z)
-        z = z.detach().float().cpu()
-        params, delta = _learned(m)
-        scores = evaluate(z, test_y, n_bins=n_bins)
-        results[name] = MethodResult(
-            name, bool(method_spec.stochastic), bool(method_spec.needs_model), [spec.calibration_seed],
-            {n_bins: {k: MetricStats.from_runs([v]) for k, v in scores.items()}}, [seconds], params, z, delta)
-        done = base
-        step(f"{name} done: ECE {100 * scores['ece']:.2f}%", weight)
-
-    module = loaded.model
-    result = RunResult(
-        kind="run",
-        model={"name": loaded.name, "source": loaded.source, "class": type(module).__name__,
-               "n_parameters": int(sum(p.numel() for p in module.parameters())), "fingerprint": model_hash(spec.model)},
-        calibration={"name": cal.name, "size": len(cal), "fingerprint": cal.fingerprint, "seed": spec.calibration_seed},
-        test={"name": test.name, "size": len(test), "fingerprint": test.fingerprint},
-        n_classes=int(test_z.shape[1]),
-        class_names=list(loaded.class_names),
-        bins=[n_bins],
-        seeds=[spec.calibration_seed],
-        fitter=nc.fitter,
-        methods=results,
-        welch=welch_tests(results, [n_bins]),
-        cache_hits={},
-        settings={"methods": names, "gamma": nc.gamma, "weight_decay": nc.weight_decay, "init": nc.init,
-                  "epochs": nc.epochs, "dataset": spec.dataset, "device": str(next(module.parameters()).device),
-                  "mean": [float(v) for v in loaded.data_config["mean"]],
-                  "std": [float(v) for v in loaded.data_config["std"]]},
-        seconds=time.perf_counter() - t0,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        test_labels=test_y,
-    )
+    nc_settings = {"init": nc.init, **({} if nc.weight_decay is None else {"weight_decay": nc.weight_decay})}
+    result = run_experiment(
+        loaded, cal, test, names, seeds=[spec.calibration_seed], bins=[n_bins], fitter=nc.fitter, gamma=nc.gamma,
+        epochs=None if nc.fitter == "fast" else nc.epochs, progress=False, callback=progress,
+        nc_settings=nc_settings, on_fit_step=lambda row, info: say(("nc", row, info)))
+    result.settings.update(
+        init=nc.init, weight_decay=nc.weight_decay, dataset=spec.dataset,
+        mean=[float(v) for v in loaded.data_config["mean"]], std=[float(v) for v in loaded.data_config["std"]])
     say(("progress", 1.0, f"done in {result.seconds:.1f} s"))
+    cal_z, cal_y = get_logits(spec, "calibration")
     return result, _calibration_of(result, spec, cal_z, cal_y, n_bins)
 
 
@@ -381,7 +262,7 @@ def parse_nc_settings(gamma: Any, weight_decay: Any, init: Any, fitter: Any, epo
     if fitter not in FITTERS:
         raise ValueError(f"The fitter must be one of {', '.join(FITTERS)}; got {fitter!r}.")
     return NCSettings(parse_number_or_auto(gamma, "Focal-loss gamma", "γ"),
-                      parse_number_or_auto(weight_decay, "Weight decay", "λ"), init, fitter,
+                      parse_weight_decay(weight_decay), init, fitter,
                       parse_whole(epochs, "Epochs", 1, 1000))
 
 

@@ -219,3 +219,22 @@ def parse_number_or_auto(value: Any, name: str, symbol: str) -> float | str:
     if not math.isfinite(f) or f < 0:
         raise ValueError(f"{name} ({symbol}) must be a number ≥ 0 or 'auto'; got {value!r}.")
     return f
+
+
+def parse_weight_decay(value: Any) -> float | str | None:
+    """λ from the form: None for "default" (the fitter's own), a rule name ("auto", "strong"), or a number ≥ 0."""
+    from nctv.calibration.clamping import WEIGHT_DECAY_RULES
+
+    text = str(value).strip().lower() if value is not None else ""
+    if text in ("", "default"):
+        return None
+    if text in WEIGHT_DECAY_RULES:
+        return text
+    try:
+        f = float(text)
+    except ValueError:
+        f = math.nan
+    if not math.isfinite(f) or f < 0:
+        raise ValueError(f"Weight decay (λ) must be a number ≥ 0, 'default', or one of "
+                         f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {value!r}.")
+    return f

@@ -15,9 +15,7 @@ import torch
 
 from nctv.data import DATASETS, assets_dir
 
-#: Calibration images drawn for a live run unless the visitor asks otherwise: small enough that the
-#: default methods, Neural Clamping included, finish in under a minute on two CPU cores.
-DEFAULT_CALIBRATION_SIZE = 2000
+from nctv.settings import DEFAULT_CALIBRATION_SIZE  # noqa: E402 - the app's default is the library's
 DEFAULT_BINS = 15
 PRECOMPUTED_LABEL = "pre-computed, shipped with the app"
 #: Method names (paper names) of the two calibrations the Try tab compares with the raw model.

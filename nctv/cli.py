@@ -113,6 +113,26 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _float_or(*words: str):
+    """A number ≥ 0, or one of ``words`` (γ takes "auto"; λ takes its rules)."""
+    def parse(text: str) -> float | str:
+        if text.strip().lower() in words:
+            return text.strip().lower()
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number ≥ 0 or {' / '.join(words)}, got {text!r}")
+        return value
+    return parse
+
+
+def _nc_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The Neural Clamping settings given on the command line (the fitter's own for the others)."""
+    return {k: getattr(args, k) for k in ("weight_decay", "init", "lr") if getattr(args, k, None) is not None}
+
+
 def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bins: bool = True,
                 gamma: bool = True) -> None:
     g = p.add_argument_group("model and data")
@@ -122,6 +142,8 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--dataset", default=None, metavar="NAME",
                    help="fashion-mnist, bloodmnist, cifar100, folder:<path>, hf-dataset:<id> "
                         "(default: the model's own)")
+    g.add_argument("--calibration-seed", type=int, default=0, metavar="S",
+                   help="seed of the calibration subsample drawn from the pool (default 0)")
     g.add_argument("--calibration-size", type=_size, default=DEFAULT_CALIBRATION_SIZE, metavar="N",
                    help="calibration images drawn from the calibration pool ('all' for the whole pool; "
                         f"default {DEFAULT_CALIBRATION_SIZE})")
@@ -143,8 +165,16 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
                    help="epochs of the paper and toolkit recipes (default 100; the fast fitter stops on convergence)")
     if gamma:
-        g.add_argument("--gamma", type=_float, default=None, metavar="G",
-                       help="focal-loss gamma of Neural Clamping (FL) and TS (FL) (default 1, as in the paper)")
+        g.add_argument("--gamma", type=_float_or("auto"), default=None, metavar="G",
+                       help="focal-loss gamma of Neural Clamping (FL) and TS (FL) (default 1, as in the paper); "
+                            "auto: Neural Clamping tries 0, 0.5, 1, 2, 3 and keeps the lowest calibration ECE")
+    g.add_argument("--weight-decay", type=_float_or("auto", "strong"), default=None, metavar="L",
+                   help="Neural Clamping's weight decay λ: a number, auto (0.1 × the unperturbed loss, the paper's "
+                        "rule) or strong (1 × that loss) (default: the fitter's own; fast: strong)")
+    g.add_argument("--init", choices=["random", "data"], default=None,
+                   help="δ initialisation: random (Gaussian) or data (Theorem 1) (default random)")
+    g.add_argument("--lr", type=_float, default=None, metavar="LR",
+                   help="learning rate of the paper and toolkit recipes (default: the recipe's, 0.001 / 0.01)")
     g.add_argument("--batch-size", type=_positive_int, default=512, metavar="N",
                    help="batch size of model passes (default 512)")
     g = p.add_argument_group("output")
@@ -263,7 +293,7 @@ def _load(args: argparse.Namespace):
     name = args.model or zoo.DEFAULT_MODEL
     loaded = zoo.load_model(name, device=_device(args.device))
     cal, test = data.get_splits(loaded, dataset=args.dataset, calibration_size=args.calibration_size,
-                                test_size=args.test_size)
+                                calibration_seed=args.calibration_seed, test_size=args.test_size)
     return loaded, cal, test
 
 
@@ -338,7 +368,7 @@ def cmd_run(args: argparse.Namespace) -> str:
     result = experiment.run_experiment(
         loaded, cal, test, methods=methods, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
         epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet)
+        progress=not args.quiet, nc_settings=_nc_settings(args))
     return _finish(result, args.out, lambda: _run_figures(result, loaded, test))
 
 
@@ -348,7 +378,8 @@ def cmd_ablation(args: argparse.Namespace) -> str:
     loaded, cal, test = _load(args)
     result = experiment.run_ablation(
         loaded, cal, test, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma, epochs=args.epochs,
-        device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args), progress=not args.quiet)
+        device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args), progress=not args.quiet,
+        nc_settings=_nc_settings(args))
     return _finish(result, args.out, lambda: _run_figures(result, loaded, test))
 
 
@@ -367,7 +398,7 @@ def cmd_sweep_gamma(args: argparse.Namespace) -> str:
     from nctv import experiment, plots, report
 
     loaded, cal, test = _load(args)
-    settings = {} if args.epochs is None else {"epochs": args.epochs}
+    settings = {**_nc_settings(args), **({} if args.epochs is None else {"epochs": args.epochs})}
     result = experiment.run_gamma_sweep(
         loaded, cal, test, gammas=args.gammas, n_bins=args.n_bins, fitter=args.fitter, seed=args.seed,
         device=_device(args.device), batch_size=args.batch_size, progress=not args.quiet, **settings)
@@ -388,7 +419,7 @@ def cmd_init_study(args: argparse.Namespace) -> str:
     from nctv import experiment, plots, report
 
     loaded, cal, test = _load(args)
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = {k: v for k, v in _nc_settings(args).items() if k != "init"}
     if args.epochs is not None:
         settings["epochs"] = args.epochs
     if args.gamma is not None:

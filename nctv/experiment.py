@@ -1,6 +1,6 @@
 """Paper-style runs: every method fitted on the calibration split, scored on the test split.
 
-A run (SPEC §4) takes a frozen model, a calibration split and a test split and
+A run takes a frozen model, a calibration split and a test split and
 
 * computes the unperturbed logits of each split once and caches them on disk (safetensors, keyed
   by the model's weights and the split's content), so logit-space methods never touch the model;

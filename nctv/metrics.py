@@ -1,4 +1,4 @@
-"""Calibration metrics (SPEC §1): pure functions of ``(logits, labels)``.
+"""Calibration metrics: pure functions of ``(logits, labels)``.
 
 Conventions, shared by every caller (tables, figures, γ selection, tests):
 

@@ -1,4 +1,4 @@
-"""Metrics against hand-computed cases and a brute-force pure-Python reading of SPEC §1."""
+"""Metrics against hand-computed cases and a brute-force pure-Python reading of the definitions."""
 import math
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Post-hoc calibrators (SPEC §2–3) and the registry of the paper's methods.
+"""Post-hoc calibrators and the registry of the paper's methods.
 
 Logit-space calibrators: ``fit(logits, labels) -> self``, ``transform(logits) -> logits``.
 Input-space ones (Neural Clamping): ``fit(inputs_or_loader, labels=None) -> self``,

@@ -1,6 +1,6 @@
 """Shared pieces of every calibrator: the focal loss, the fitted-state guard, the base class.
 
-Conventions (SPEC §1–3): calibrators take *logits* (N, K), never probabilities; labels are
+Conventions: calibrators take *logits* (N, K), never probabilities; labels are
 integers in [0, K); K comes from the logits. Inputs may be numpy arrays or torch tensors on any
 device; outputs are torch tensors on the device of the input.
 """

@@ -1,6 +1,6 @@
 """The machinery under Neural Clamping: the split, full passes of a frozen model, and the fitters.
 
-Objective (SPEC §3), for a perturbation δ (the shape of one model input) and s = log T:
+Objective, for a perturbation δ (the shape of one model input) and s = log T:
 
     F(δ, s) = mean_i FL_γ(f(x_i + δ) · e^{−s}, y_i) + λ‖δ‖²₂
 
@@ -499,24 +499,24 @@ class LBFGSMemory:
     def direction(self, g: torch.Tensor) -> torch.Tensor:
         q = -g
         alphas = []
-        for s, y, rho in reversed(self.pairs):
-            a = rho * float(torch.dot(s, q))
+        for step, y, rho in reversed(self.pairs):
+            a = rho * float(torch.dot(step, q))
             q = q - a * y
             alphas.append(a)
         q = q * self.scale
-        for (s, y, rho), a in zip(self.pairs, reversed(alphas)):
+        for (step, y, rho), a in zip(self.pairs, reversed(alphas)):
             b = rho * float(torch.dot(y, q))
-            q = q + (a - b) * s
+            q = q + (a - b) * step
         return q
 
-    def update(self, s: torch.Tensor, y: torch.Tensor) -> None:
-        sy = float(torch.dot(s, y))
+    def update(self, step: torch.Tensor, y: torch.Tensor) -> None:
+        sy = float(torch.dot(step, y))
         if not sy > 1e-10 * float(torch.dot(y, y)):
             return
-        self.pairs = (self.pairs + [(s, y, 1.0 / sy)])[-self.size :]
+        self.pairs = (self.pairs + [(step, y, 1.0 / sy)])[-self.size :]
         scale = self.scale.clone()
         for block in (slice(0, -1), slice(-1, None)):
-            sb, yb = s[block], y[block]
+            sb, yb = step[block], y[block]
             syb, yyb = float(torch.dot(sb, yb)), float(torch.dot(yb, yb))
             if syb > 0 and yyb > 0:
                 scale[block] = syb / yyb

@@ -1,4 +1,4 @@
-"""Temperature scaling in three flavours (SPEC §2): NLL-optimal, ECE grid search, focal loss.
+"""Temperature scaling in three flavours: NLL-optimal, ECE grid search, focal loss.
 
 Each maps logits ``z`` (N, K) to ``z / T`` with one scalar temperature T > 0, learned on the
 calibration split; predictions never change, only confidences. Inputs are logits, never
@@ -9,7 +9,7 @@ device. Losses are means over samples, in nats.
   mean(logsumexp(a·z_i) − a·z_iy) is convex, so T is the root of its derivative, found by Newton's
   method inside a shrinking bracket to float64 precision.
 * :class:`GridSearchTemperature` takes T from the grid 0.001, 0.002, …, 5.000 with the lowest
-  calibration-set ECE (15 equal-width bins, SPEC §1), ties to the lowest T. The answer is exactly
+  calibration-set ECE (15 equal-width bins), ties to the lowest T. The answer is exactly
   that of a loop calling :func:`nctv.metrics.ece` on ``z / T`` for every T (z in float64); the work
   is not: temperatures are evaluated vectorised in chunks, and a branch and bound (confidences fall
   monotonically with T, which bounds the ECE between two evaluated temperatures) skips the

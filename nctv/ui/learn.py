@@ -14,7 +14,7 @@ from nctv.ui.state import Calibration, load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
 
-#: SPEC §5: the paper's ECE (%) on the test split, 15 bins, mean over 5 runs.
+#: the paper's ECE (%) on the test split, 15 bins, mean over 5 runs.
 PAPER_TABLE = """| setup | uncalibrated | TS | TS grid | Dir-ODIR | NC (FL) |
 | :-- | --: | --: | --: | --: | --: |
 | ResNet-50, BloodMNIST | 5.77 | 1.77 | 2.13 | 1.55 | **1.05** |

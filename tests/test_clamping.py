@@ -290,7 +290,8 @@ def test_fast_fitter_beats_paper_recipe_with_a_fifth_of_the_passes():
     paper = NeuralClamping(model, fitter="paper", momentum=0.0, **quiet()).fit(x, y)
     fast = NeuralClamping(model, fitter="fast", weight_decay="auto", temperature="fitted", **quiet()).fit(x, y)
     assert paper.n_passes_ == pytest.approx(101)
-    assert fast.n_passes_ <= 20
+    # It converged before its budget of 20 passes: at most a fifth of the recipe's 101.
+    assert fast.n_passes_ < fast.max_passes and fast.n_passes_ <= paper.n_passes_ / 5
     assert fast.objective_ <= paper.objective_ * 1.01
     # objective_ is the exact objective at the returned state.
     with torch.no_grad():

@@ -2,7 +2,9 @@
 
 A model's logits on a split are computed once per (weights, split content) and kept as safetensors
 files (tensors only, never pickle) under ``<cache dir>/logits/``; logit-space calibrators never touch
-the model again. The folder is kept under a size cap, least recently used files first.
+the model again. The folder is kept under a size cap (``$NCTV_CACHE_MAX_MB``, default
+:data:`DEFAULT_CACHE_MAX_MB`): after each write the least recently used files go first. A file's
+modification time marks its last use: every cache hit touches it.
 """
 from __future__ import annotations
 
@@ -17,12 +19,57 @@ import torch
 
 from nctv.inference import DEFAULT_BATCH_SIZE, model_logits
 
+#: Size cap of ``<cache dir>/logits/`` in MB (2²⁰ bytes) when ``$NCTV_CACHE_MAX_MB`` is not set.
+DEFAULT_CACHE_MAX_MB = 2048
+
 
 def default_cache_dir() -> Path:
     """NCTV's cache folder (``$NCTV_CACHE_DIR``, else ``~/.cache/nctv``), shared with the datasets."""
     from nctv.data import cache_dir
 
     return cache_dir()
+
+
+def cache_max_bytes() -> int | None:
+    """The logit cache's cap in bytes from ``$NCTV_CACHE_MAX_MB`` (MB, may be fractional; 0: no cap)."""
+    raw = os.environ.get("NCTV_CACHE_MAX_MB", "").strip()
+    if not raw:
+        return DEFAULT_CACHE_MAX_MB * 2**20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not (0 <= mb < float("inf")):
+        raise ValueError(f"NCTV_CACHE_MAX_MB must be a number of megabytes >= 0 (0: no cap); got {raw!r}.")
+    return None if mb == 0 else int(mb * 2**20)
+
+
+def prune_cache(folder: str | Path, max_bytes: int | None, keep: Path | None = None) -> list[Path]:
+    """Delete the least recently used ``*.safetensors`` files of ``folder`` until they fit in ``max_bytes``.
+
+    ``keep`` (the file in use) is never deleted, even alone over the cap. Returns the deleted paths.
+    Files that vanish meanwhile (another process pruning the same folder) are skipped.
+    """
+    if max_bytes is None:
+        return []
+    files = []
+    for path in Path(folder).glob("*.safetensors"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        files.append((st.st_mtime_ns, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    deleted = []
+    for _, size, path in sorted(files):
+        if total <= max_bytes:
+            break
+        if keep is not None and path == keep:
+            continue
+        path.unlink(missing_ok=True)
+        total -= size
+        deleted.append(path)
+    return deleted
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -58,12 +105,15 @@ def split_logits(
     :func:`default_cache_dir`) with key = SHA-256 of the model's
     :func:`model_fingerprint` and ``split.fingerprint``; a different split or changed weights give
     a different key. ``cache_dir=False`` disables the cache. Files hold tensors only (no pickle).
+    A hit marks the file as used (its modification time); a write prunes the folder to
+    :func:`cache_max_bytes`, least recently used files first.
     """
     from safetensors.torch import load_file, save_file
 
     labels = torch.as_tensor(np.asarray(split.labels)).long()
-    path = None
+    path = max_bytes = None
     if cache_dir is not False:
+        max_bytes = cache_max_bytes()  # a mistyped cap fails before the model pass, not after
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         mh = model_hash or model_fingerprint(model)
         key = hashlib.sha256(f"{mh}|{split.fingerprint}|logits-v1".encode()).hexdigest()[:32]
@@ -73,6 +123,7 @@ def split_logits(
                 stored = load_file(str(path))
                 z, y = stored["logits"], stored["labels"]
                 if z.ndim == 2 and z.shape[0] == len(labels) and torch.equal(y, labels):
+                    _touch(path)
                     return CachedLogits(z, y, True, path)
             except Exception:  # noqa: BLE001 - a damaged cache entry is simply recomputed
                 pass
@@ -88,4 +139,12 @@ def split_logits(
         save_file({"logits": z.contiguous(), "labels": labels.contiguous()}, str(tmp),
                   metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint)})
         os.replace(tmp, path)
+        prune_cache(path.parent, max_bytes, keep=path)
     return CachedLogits(z, labels, False, path)
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache still serves hits; it just cannot record them
+        pass

@@ -61,11 +61,10 @@ def check_logits_labels(logits: Any, labels: Any) -> tuple[torch.Tensor, torch.T
     return z, y
 
 
-def check_bins(n_bins: int, n: int | None = None) -> int:
+def check_bins(n_bins: int) -> int:
+    """A bin count >= 1. More bins than samples is allowed: the metrics define empty bins (they add 0)."""
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
         raise ValueError(f"n_bins must be a positive whole number; got {n_bins!r}.")
-    if n is not None and n < n_bins:
-        raise ValueError(f"{n} samples are fewer than the {n_bins} bins; use fewer bins or more samples.")
     return int(n_bins)
 
 

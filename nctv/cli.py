@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
-from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS, hub_datasets_available
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
@@ -140,8 +140,8 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                    help="zoo name, hf-hub:<org>/<name> or local-dir:<folder> (default: the embedded model; "
                         "see `nctv models`)")
     g.add_argument("--dataset", default=None, metavar="NAME",
-                   help="fashion-mnist, bloodmnist, cifar100, folder:<path>, hf-dataset:<id> "
-                        "(default: the model's own)")
+                   help="fashion-mnist, bloodmnist, cifar100, folder:<path>"
+                        + (", hf-dataset:<id>" if hub_datasets_available() else "") + " (default: the model's own)")
     g.add_argument("--calibration-seed", type=int, default=0, metavar="S",
                    help="seed of the calibration subsample drawn from the pool (default 0)")
     g.add_argument("--calibration-size", type=_size, default=DEFAULT_CALIBRATION_SIZE, metavar="N",

@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from nctv.inference import DEFAULT_BATCH_SIZE
-from nctv.settings import DEFAULT_CALIBRATION_SIZE
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available
 
 FASHION_MNIST_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -623,13 +623,14 @@ def folder_label_mapping(folders: Sequence[str], model_class_names: Sequence[str
 
 
 def _hub_dataset_pools(spec: str, token: str | None, model_class_names: Sequence[str]) -> Pools:
+    if not hub_datasets_available():
+        raise ValueError("hf-dataset: needs the optional 'datasets' package, which is not installed here: "
+                         f"pip install datasets, or use one of {', '.join(dataset_names())}.")
     repo, _, split = spec.partition("@")
     if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", repo):
         raise ValueError(f"'{repo}' is not a Hub dataset id; write hf-dataset:<org>/<name>[@split].")
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError("Hub image datasets need the 'datasets' package: pip install datasets") from None
+    import datasets
+
     ds = datasets.load_dataset(repo, split=split or "validation", token=token)
     image_key = next((k for k, f in ds.features.items() if type(f).__name__ == "Image"), None)
     label_key = next((k for k, f in ds.features.items() if type(f).__name__ == "ClassLabel"), None)
@@ -686,11 +687,16 @@ DATASETS = {
 }
 
 
+def dataset_names() -> list[str]:
+    """The names of :data:`DATASETS` this installation can open (``hf-dataset:`` needs ``datasets``)."""
+    return [k for k in DATASETS if not k.startswith("hf-dataset:") or hub_datasets_available()]
+
+
 def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int = 0,
                cache: str | os.PathLike | None = None, token: str | None = None) -> Pools:
     """Open a dataset by name (see :data:`DATASETS`)."""
     if not isinstance(dataset, str) or not dataset.strip():
-        raise ValueError(f"A dataset is named by a string; known: {', '.join(DATASETS)}.")
+        raise ValueError(f"A dataset is named by a string; known: {', '.join(dataset_names())}.")
     name = dataset.strip()
     if name == "fashion-mnist":
         return _fashion_mnist_pools()
@@ -707,7 +713,7 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
             "ImageNet cannot be downloaded automatically. Use dataset='folder:/path/to/imagenet/val' (synset "
             "folders) or dataset='hf-dataset:ILSVRC/imagenet-1k@validation' with your Hub token."
         )
-    raise ValueError(f"Unknown dataset {name!r}; known: {', '.join(DATASETS)}.")
+    raise ValueError(f"Unknown dataset {name!r}; known: {', '.join(dataset_names())}.")
 
 
 # ----------------------------------------------------------------------------- get_splits

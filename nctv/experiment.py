@@ -5,7 +5,7 @@ A run takes a frozen model, a calibration split and a test split and
 * computes the unperturbed logits of each split once and caches them on disk (safetensors, keyed
   by the model's weights and the split's content), so logit-space methods never touch the model;
 * fits every method on the calibration split; stochastic methods once per seed, deterministic ones
-  once (reported as ± 0);
+  once (std 0 in the results; tables show no spread for them);
 * scores the calibrated *test* logits with :func:`nctv.metrics.evaluate` for every bin count;
 * aggregates mean and sample standard deviation (ddof = 1) over the seeds;
 * compares "Neural Clamping (FL)" with the best baseline per metric by Welch's t-test.

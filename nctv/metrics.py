@@ -8,9 +8,10 @@ Conventions, shared by every caller (tables, figures, γ selection, tests):
   index.
 * Results are fractions (0.0–1.0) returned as Python floats; tables convert to %.
 * ECE uses ``n_bins`` equal-width bins, bin m = ((m−1)/M, m/M]; the first bin also takes c = 0 and
-  c = 1.0 falls in the last bin. Empty bins add 0.
+  c = 1.0 falls in the last bin. Empty bins add 0, so more bins than samples is allowed.
 * AECE sorts by confidence (stable sort) and splits into M contiguous groups whose sizes differ by at
-  most one (as ``numpy.array_split``); every sample is counted exactly once.
+  most one (as ``numpy.array_split``); every sample is counted exactly once, and with fewer samples
+  than groups the last groups are empty and add 0.
 * SCE bins p_ik of every class k with the ECE bins; K comes from the logits, never from the labels.
 * Everything is computed on the CPU in float64, so a tensor on a GPU and the same values on the CPU
   give bit-identical results.
@@ -66,23 +67,13 @@ class Column:
     decimals: int = 4
     higher_is_better: bool | None = None
 
-    def label(self, style: str = "markdown") -> str:
+    def label(self) -> str:
+        """Title, unit and direction as a reader sees them, e.g. "SCE (×10⁻²) ↓" (LaTeX: ``nctv.report``)."""
         arrow = "" if self.higher_is_better is None else (" ↑" if self.higher_is_better else " ↓")
-        unit = self.unit
-        if style == "latex":
-            arrow = "" if self.higher_is_better is None else (r" $\uparrow$" if self.higher_is_better else r" $\downarrow$")
-            if unit == "%":
-                unit = r"\%"
-            elif unit.startswith("×10⁻"):
-                unit = rf"$\times10^{{-{_from_superscript(unit[4:])}}}$"
-        return f"{self.title} ({unit}){arrow}" if unit else f"{self.title}{arrow}"
+        return f"{self.title} ({self.unit}){arrow}" if self.unit else f"{self.title}{arrow}"
 
 
 _SUPERSCRIPTS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
-
-
-def _from_superscript(s: str) -> str:
-    return "".join(str(_SUPERSCRIPTS.index(ch)) for ch in s)
 
 
 def metric_column(metric: str, n_classes: int) -> Column:
@@ -271,25 +262,25 @@ def entropy(logits: Any, from_probabilities: bool = False) -> float:
 def ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
     """Expected Calibration Error with equal-width bins (see the module docstring)."""
     _, p, y = _prepare(logits, labels, from_probabilities)
-    return _ece(p, y, check_bins(n_bins, p.shape[0]))
+    return _ece(p, y, check_bins(n_bins))
 
 
 def aece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
     """Adaptive ECE: M equal-count groups of the confidence-sorted samples (sizes differ by at most 1)."""
     _, p, y = _prepare(logits, labels, from_probabilities)
-    return _aece(p, y, check_bins(n_bins, p.shape[0]))
+    return _aece(p, y, check_bins(n_bins))
 
 
 def sce(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
     """Static Calibration Error: class-wise ECE of p_ik over all samples, averaged over the K classes."""
     _, p, y = _prepare(logits, labels, from_probabilities)
-    return _sce(p, y, check_bins(n_bins, p.shape[0]))
+    return _sce(p, y, check_bins(n_bins))
 
 
 def mce(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
     """Maximum Calibration Error: the largest |accuracy − confidence| over non-empty ECE bins."""
     _, p, y = _prepare(logits, labels, from_probabilities)
-    return _mce(p, y, check_bins(n_bins, p.shape[0]))
+    return _mce(p, y, check_bins(n_bins))
 
 
 def nll(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
@@ -307,7 +298,7 @@ def brier(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool =
 def reliability_bins(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> ReliabilityBins:
     """Per ECE bin: edges, count, mean confidence and accuracy."""
     _, p, y = _prepare(logits, labels, from_probabilities)
-    n_bins = check_bins(n_bins, p.shape[0])
+    n_bins = check_bins(n_bins)
     counts, sc, sa = (t.numpy() for t in _reliability(p, y, n_bins))
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_conf = np.where(counts > 0, sc / counts, np.nan)
@@ -318,7 +309,7 @@ def reliability_bins(logits: Any, labels: Any, n_bins: int = 15, from_probabilit
 def evaluate(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> dict[str, float]:
     """All metrics of METRIC_NAMES for one set of logits, as fractions (inputs prepared once)."""
     logp, p, y = _prepare(logits, labels, from_probabilities)
-    n_bins = check_bins(n_bins, p.shape[0])
+    n_bins = check_bins(n_bins)
     return {
         "accuracy": _accuracy(p, y),
         "entropy": _entropy(p),

@@ -10,13 +10,20 @@ decimals), so equal-looking entries share a mark, as in the paper: every method 
 shown value is "best", every method with the next value "second". Markdown shows best in
 **bold** and second in _italics_; LaTeX (booktabs) in ``\\textbf`` and ``\\underline``. A table
 built from a result states the bin count, seeds, splits and the Neural Clamping fitter.
+
+A method measured once (a deterministic method, or any method of a one-seed run) is shown without a
+spread: "± 0" would claim a precision nobody measured. The LaTeX needs only booktabs: specials
+are escaped and symbols, Greek letters and super/subscripts are written in math mode, so pdflatex
+compiles it.
 """
 from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -98,7 +105,7 @@ def _check_bins(result: RunResult, n_bins: int) -> None:
 
 def _notes(result: RunResult, n_bins: int) -> list[str]:
     runs = len(result.seeds)
-    spread = (f"mean ± std over {runs} seeds (deterministic methods run once: ± 0)" if runs > 1
+    spread = (f"mean ± std over {runs} seeds (deterministic methods run once: no spread)" if runs > 1
               else "one run per method")
     return [
         f"Model {result.model.get('name')}; fitted on '{result.calibration['name']}' "
@@ -121,7 +128,7 @@ def results_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = 
         for col in columns:
             s = m.metrics[n_bins][col.key]
             # Nothing is fitted for the reference row, so it has no spread to show (paper style).
-            std = None if m.is_reference else s.std * col.scale
+            std = None if m.is_reference or len(s.runs) < 2 else s.std * col.scale
             row.append(Cell(s.mean * col.scale, std))
         rows.append(name)
         cells.append(row)
@@ -157,10 +164,15 @@ def timing_table(result: RunResult, n_bins: int = 15) -> Table:
     return Table(title, columns, rows, cells, notes, [], n_bins)
 
 
+def welch_tests_shown(result: RunResult, n_bins: int = 15) -> list:
+    """The Welch tests worth a row: those computed (a test needs at least 2 runs of NC (FL))."""
+    return [w for w in result.welch_for(n_bins) if w.p is not None]
+
+
 def welch_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = TABLE_METRICS) -> Table:
-    """Welch's t-test of NC (FL) against the best baseline per metric (empty rows if not run)."""
+    """Welch's t-test of NC (FL) against the best baseline per metric (only tests that could be computed)."""
     _check_bins(result, n_bins)
-    tests = {w.metric: w for w in result.welch_for(n_bins)}
+    tests = {w.metric: w for w in welch_tests_shown(result, n_bins)}
     columns = [Column("baseline", "Best baseline"), Column("method", COMPARED_METHOD), Column("baseline_mean", "Baseline"),
                Column("t", "t"), Column("p", "p"), Column("verdict", "NC better?"), Column("note", "Note")]
     rows, cells = [], []
@@ -201,7 +213,7 @@ def _fmt_p(p: float) -> str:
 
 def to_markdown(table: Table) -> str:
     """A GitHub-flavoured Markdown table with the title above and the notes below."""
-    head = [table.first_column] + [c.label("markdown") for c in table.columns]
+    head = [table.first_column] + [c.label() for c in table.columns]
     lines = [f"**{table.title}**", "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] + ["--:" if _numeric(table, j) else ":--" for j in range(len(table.columns))]) + " |"]
     for name, row in zip(table.rows, table.cells):
@@ -234,19 +246,81 @@ def _md_escape(s: str) -> str:
     return s.replace("|", r"\|")
 
 
-_LATEX_SPECIAL = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
-                  "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}",
-                  "±": r"$\pm$", "—": "---", "δ": r"$\delta$", "γ": r"$\gamma$"}
+# Text-mode spellings that need no package beyond LaTeX's defaults (OT1 fonts: "<", ">" and "|" typed
+# as such would print other glyphs).
+_LATEX_TEXT = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
+               "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}",
+               "<": r"\textless{}", ">": r"\textgreater{}", "|": r"\textbar{}", "\u00a0": "~",
+               "—": "---", "–": "--", "…": r"\dots{}", "‘": "`", "’": "'", "“": "``", "”": "''"}
+_LATEX_MATH = {"±": r"\pm", "×": r"\times", "−": "-", "·": r"\cdot", "↑": r"\uparrow", "↓": r"\downarrow",
+               "→": r"\rightarrow", "←": r"\leftarrow", "≤": r"\leq", "≥": r"\geq", "≈": r"\approx",
+               "≠": r"\neq", "∞": r"\infty", "‖": r"\|", "µ": r"\mu", "°": r"\circ"}
+# Greek letters with a LaTeX command (Unicode spells lambda "LAMDA"); other capitals look like Latin ones.
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lamda", "mu",
+          "nu", "xi", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega"}
+_GREEK_CAPITALS = {"gamma", "delta", "theta", "lamda", "xi", "pi", "sigma", "upsilon", "phi", "psi", "omega"}
 
 
 def latex_escape(s: str) -> str:
-    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in s)
+    """``s`` as LaTeX text that pdflatex reads: specials escaped, symbols and Greek in math mode.
+
+    Runs of super- or subscript characters become one script (``10⁻²`` → ``10$^{-2}$``) and adjacent
+    math pieces share one ``$…$`` (``δ₀`` → ``$\\delta_{0}$``). Accented Latin letters are kept
+    (pdflatex reads UTF-8); any other character becomes its closest ASCII, else "?".
+    """
+    pieces: list[tuple[bool, str]] = []  # (math mode?, text)
+    for script, run in itertools.groupby(s, _script):
+        if script:
+            pieces.append((True, script + "{" + "".join(_latex_char(unicodedata.normalize("NFKC", ch))[1]
+                                                        for ch in run) + "}"))
+        else:
+            pieces += [_latex_char(ch) for ch in run]
+    out = []
+    for math_mode, group in itertools.groupby(pieces, key=lambda p: p[0]):
+        text = "".join(t for _, t in group)
+        out.append(f"${text}$" if math_mode else text)
+    return "".join(out)
+
+
+def _script(ch: str) -> str:
+    name = unicodedata.name(ch, "")
+    return "^" if name.startswith("SUPERSCRIPT") or ch == "°" else "_" if name.startswith("SUBSCRIPT") else ""
+
+
+def _latex_char(ch: str) -> tuple[bool, str]:
+    if ch in _LATEX_TEXT:
+        return False, _LATEX_TEXT[ch]
+    if ch in _LATEX_MATH:
+        return True, _LATEX_MATH[ch]
+    if ch.isascii():
+        return False, ch
+    greek = _greek(unicodedata.name(ch, ""))
+    if greek:
+        return True, greek
+    if unicodedata.category(ch).startswith("L") and ord(ch) < 0x180:
+        return False, ch  # Latin-1 and Latin Extended-A letters: defined by LaTeX's UTF-8 input
+    plain = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode()
+    return False, "".join(_LATEX_TEXT.get(c, c) for c in plain) or "?"
+
+
+def _greek(name: str) -> str | None:
+    """``\\delta`` for "GREEK SMALL LETTER DELTA" (accents dropped), ``\\mathrm{A}`` for a capital alpha."""
+    words = name.split()
+    if words[:1] != ["GREEK"] or "LETTER" not in words or words[-1] == "LETTER":
+        return None
+    letter = words[words.index("LETTER") + 1].lower()
+    if letter == "final":
+        return r"\varsigma"
+    command = "\\" + letter.replace("lamda", "lambda")
+    if "CAPITAL" in words:
+        return command.title() if letter in _GREEK_CAPITALS else r"\mathrm{" + letter[0].upper() + "}"
+    return command if letter in _GREEK else ("o" if letter == "omicron" else None)
 
 
 def to_latex(table: Table, label: str | None = None) -> str:
     """A booktabs ``table`` environment (needs ``\\usepackage{booktabs}``); best bold, second underlined."""
     spec = "l" + "".join("c" if c.higher_is_better is not None or c.key in ("seconds",) else "l" for c in table.columns)
-    head = " & ".join([latex_escape(table.first_column)] + [_latex_label(c) for c in table.columns])
+    head = " & ".join([latex_escape(table.first_column)] + [latex_escape(c.label()) for c in table.columns])
     out = [r"\begin{table}[t]", r"\centering",
            r"\caption{" + latex_escape(" ".join([table.title + "."] + table.notes + (
                ["Best per column in bold, second best underlined."] if _has_marks(table) else []))) + "}"]
@@ -267,11 +341,6 @@ def to_latex(table: Table, label: str | None = None) -> str:
         out.append(" & ".join(parts) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
     return "\n".join(out) + "\n"
-
-
-def _latex_label(col: Column) -> str:
-    # Build from the plain title so that only the unit and arrow carry LaTeX markup.
-    return col.label("latex").replace(col.title, latex_escape(col.title), 1)
 
 
 def table_to_dict(table: Table) -> dict[str, Any]:
@@ -346,12 +415,13 @@ def result_tables(result: RunResult) -> list[Table]:
 def write_tables(result: RunResult, directory: str | Path) -> list[Path]:
     """Write ``table.md``, ``table.csv``, ``table.tex`` and ``table.json`` (all bin counts) into ``directory``.
 
-    The Markdown and LaTeX files also hold the Welch t-test tables when the run has them.
+    The Markdown and LaTeX files also hold the Welch t-test tables when the run has computed tests
+    (none with a single run of NC (FL)).
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tables = result_tables(result)
-    welch = [welch_table(result, t.n_bins) for t in tables if result.welch_for(t.n_bins)]
+    welch = [welch_table(result, t.n_bins) for t in tables if welch_tests_shown(result, t.n_bins)]
     md = [f"# NCTV {result.kind}: {result.model.get('name')}", ""]
     tex = ["% NCTV tables; needs \\usepackage{booktabs}", ""]
     for t in tables:
@@ -418,10 +488,12 @@ def init_study_table(result: Any, metrics: Sequence[str] = TABLE_METRICS) -> Tab
     rows, cells = [], []
     for init in s.runs:
         rows.append(names.get(init, init))
+        # A fit computed once and repeated per run has no spread to show, however many runs repeat it.
+        once = init == "data" and s.shared_data_fit
         row = []
         for col in columns:
             v = np.asarray(s.values(init, col.key), dtype=np.float64) * col.scale
-            row.append(Cell(float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0))
+            row.append(Cell(float(v.mean()), None if once or len(v) < 2 else float(v.std(ddof=1))))
         cells.append(row)
     for j, col in enumerate(columns):
         _mark_ranks([r[j] for r in cells], col)

@@ -5,6 +5,8 @@ explains the choices and docs/glossary.md the names.
 """
 from __future__ import annotations
 
+import importlib.util
+
 #: Neural Clamping fitters: "fast" (the default: L-BFGS, then T chosen by calibration ECE), and the
 #: two published SGD recipes run exactly, "paper" (the paper's text with the authors' momentum) and
 #: "toolkit" (the authors' released demo).
@@ -42,3 +44,8 @@ DEFAULT_BINS = (10, 15, 20)
 DEFAULT_SEEDS = 5
 #: Grid resolutions of the timing table (Table 7).
 TIMING_RESOLUTIONS = (0.01, 0.001)
+
+
+def hub_datasets_available() -> bool:
+    """Whether ``hf-dataset:<org/name>`` can be offered: the optional ``datasets`` package is installed."""
+    return importlib.util.find_spec("datasets") is not None

@@ -35,6 +35,15 @@ def test_help_has_examples_and_every_command():
                                                                   "Matrix Scaling"]
 
 
+@pytest.mark.parametrize("available", [False, True])
+def test_dataset_help_offers_hf_dataset_only_with_datasets(monkeypatch, capsys, available):
+    monkeypatch.setattr("nctv.cli.hub_datasets_available", lambda: available)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    text = capsys.readouterr().out
+    assert "folder:<path>" in text and ("hf-dataset:" in text) is available
+
+
 def test_errors_are_one_line_with_exit_status_2(tmp_path):
     proc = nctv("run", "--model", "no-such-model", "--quiet", cwd=tmp_path, check=False)
     assert proc.returncode == 2

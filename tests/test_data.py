@@ -1,5 +1,6 @@
 """nctv.data: IDX reading, the embedded Fashion-MNIST splits, preprocessing, split selection."""
 import gzip
+import importlib.util
 import struct
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 from PIL import Image
 
 import nctv.data as d
+import nctv.settings as settings
 import nctv.zoo as z
 
 FMNIST_CFG = {"input_size": (1, 28, 28), "interpolation": "bilinear", "mean": (0.2861,), "std": (0.3544,),
@@ -197,6 +199,21 @@ def test_get_splits_rejects_unknown_and_unfit_datasets(fmnist_model):
         d.get_splits(fmnist_model, dataset="imagenet")
     with pytest.raises(ValueError, match="does not exist"):
         d.get_splits(fmnist_model, dataset="folder:/no/such/folder")
+
+
+def test_hf_dataset_is_offered_only_with_the_datasets_package(monkeypatch):
+    assert settings.hub_datasets_available() is (importlib.util.find_spec("datasets") is not None)
+    monkeypatch.setattr(d, "hub_datasets_available", lambda: False)
+    assert "folder:<path>" in d.dataset_names() and not any(n.startswith("hf-dataset:") for n in d.dataset_names())
+    with pytest.raises(ValueError, match="needs the optional 'datasets' package.*pip install datasets"):
+        d.load_pools("hf-dataset:ILSVRC/imagenet-1k@validation")
+    with pytest.raises(ValueError, match="Unknown dataset") as unknown:
+        d.load_pools("mnist-ish")
+    assert "hf-dataset" not in str(unknown.value)
+    monkeypatch.setattr(d, "hub_datasets_available", lambda: True)
+    assert "hf-dataset:<org/name>[@split]" in d.dataset_names()
+    with pytest.raises(ValueError, match="not a Hub dataset id"):
+        d.load_pools("hf-dataset:no-org")
 
 
 def test_folder_label_mapping_rules():

@@ -2,6 +2,7 @@
 γ sweep and initialisation study wrappers, and the saved results."""
 import json
 import math
+import os
 import statistics
 
 import numpy as np
@@ -67,6 +68,47 @@ def test_logit_cache_hits_and_invalidates(splits, tmp_path):
     assert not changed.hit and not torch.equal(changed.logits, first.logits)
     assert len(list((tmp_path / "logits").glob("*.safetensors"))) == 3
     assert not cache.split_logits(model, test, False).hit  # cache off
+
+
+def test_logit_cache_cap_deletes_least_recently_used_first(splits, tmp_path, monkeypatch):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    monkeypatch.delenv("NCTV_CACHE_MAX_MB", raising=False)
+    a = cache.split_logits(model, test, tmp_path)  # 500 samples
+    b = cache.split_logits(model, cal, tmp_path)  # 400 samples, written after a
+    os.utime(a.path, ns=(10**18,) * 2)
+    os.utime(b.path, ns=(10**18 + 10**9,) * 2)  # both in the past, b used last
+    again = cache.split_logits(model, test, tmp_path)
+    assert again.hit and a.path.stat().st_mtime_ns > b.path.stat().st_mtime_ns  # a hit marks a as used
+    size_a, size_b = a.path.stat().st_size, b.path.stat().st_size
+    # Room for a and b only; writing c (300 samples, smaller than b) must evict b, now the least recently used.
+    monkeypatch.setenv("NCTV_CACHE_MAX_MB", str((size_a + size_b) / 2**20))
+    c = cache.split_logits(model, toy_split(300, 4, "toy third"), tmp_path)
+    assert not b.path.exists() and a.path.exists() and c.path.exists()
+    # A file larger than the cap on its own is still kept: it is the one in use.
+    monkeypatch.setenv("NCTV_CACHE_MAX_MB", "0.000001")
+    d = cache.split_logits(model, toy_split(200, 5, "toy fourth"), tmp_path)
+    assert [p.name for p in (tmp_path / "logits").iterdir()] == [d.path.name]
+    assert cache.split_logits(model, toy_split(200, 5, "toy fourth"), tmp_path).hit
+
+
+def test_logit_cache_cap_setting(tmp_path, monkeypatch):
+    monkeypatch.delenv("NCTV_CACHE_MAX_MB", raising=False)
+    assert cache.cache_max_bytes() == cache.DEFAULT_CACHE_MAX_MB * 2**20
+    monkeypatch.setenv("NCTV_CACHE_MAX_MB", "0")
+    assert cache.cache_max_bytes() is None
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv("NCTV_CACHE_MAX_MB", bad)
+        with pytest.raises(ValueError, match="NCTV_CACHE_MAX_MB must be a number of megabytes"):
+            cache.cache_max_bytes()
+    # No cap: nothing is deleted; a cap deletes the oldest files (by last use) until the rest fit.
+    for i, size in enumerate((300, 200, 100)):
+        (tmp_path / f"{i}.safetensors").write_bytes(b"x" * size)
+        os.utime(tmp_path / f"{i}.safetensors", ns=(10**18 + i * 10**9,) * 2)
+    (tmp_path / "other.tmp123").write_bytes(b"x" * 1000)  # a half-written file is not the cache's to delete
+    assert cache.prune_cache(tmp_path, None) == []
+    assert cache.prune_cache(tmp_path, 350) == [tmp_path / "0.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1.safetensors", "2.safetensors", "other.tmp123"]
 
 
 def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):

@@ -166,9 +166,30 @@ def test_bad_inputs_raise_clear_errors(logits, labels, match):
         M.ece(logits, labels)
 
 
-def test_fewer_samples_than_bins_and_bad_bins():
-    with pytest.raises(ValueError, match="fewer than the 15 bins"):
-        M.ece(np.zeros((4, 2)), np.zeros(4, dtype=int))
+def test_fewer_samples_than_bins_hand_computed():
+    # 7 samples, 10 bins; confidences off the bin edges. conf / correct:
+    # .95 ✓, .92 ✗ (bin 9), .85 ✓ (bin 8), .72 ✓ (bin 7), .65 ✗ (bin 6), .55 ✓, .52 ✓ (bin 5); bins 0–4 empty.
+    p = np.array([[0.95, 0.05], [0.92, 0.08], [0.85, 0.15], [0.28, 0.72], [0.65, 0.35], [0.55, 0.45], [0.52, 0.48]])
+    y = np.array([0, 1, 0, 1, 1, 0, 0])
+    gaps = [abs(1 - 1.87), abs(1 - 0.85), abs(1 - 0.72), abs(0 - 0.65), abs(2 - 1.07)]  # |Σacc − Σconf| per bin
+    assert M.ece(p, y, n_bins=10, from_probabilities=True) == pytest.approx(sum(gaps) / 7, abs=1e-14)
+    assert M.mce(p, y, n_bins=10, from_probabilities=True) == pytest.approx(max(0.87 / 2, 0.15, 0.28, 0.65, 0.93 / 2))
+    # AECE: array_split of 7 sorted samples into 10 groups: 7 groups of one, 3 empty ones.
+    per_sample = [1 - 0.52, 1 - 0.55, 0.65, 1 - 0.72, 1 - 0.85, 0.92, 1 - 0.95]
+    assert M.aece(p, y, n_bins=10, from_probabilities=True) == pytest.approx(sum(per_sample) / 7, abs=1e-14)
+    rb = M.reliability_bins(p, y, n_bins=10, from_probabilities=True)
+    assert rb.counts.tolist() == [0, 0, 0, 0, 0, 2, 1, 1, 1, 2] and np.isnan(rb.accuracy[:5]).all()
+    assert M.evaluate(p, y, n_bins=10, from_probabilities=True)["ece"] == pytest.approx(sum(gaps) / 7, abs=1e-14)
+    # SCE, K = 3, 2 samples: class k's p_ik in 10 bins against 1[y = k].
+    p3 = np.array([[0.72, 0.17, 0.11], [0.14, 0.25, 0.61]])
+    per_class = [(1 - 0.72) + 0.14, 0.17 + (1 - 0.25), 0.11 + 0.61]  # every value alone in its bin
+    assert M.sce(p3, np.array([0, 1]), n_bins=10, from_probabilities=True) == pytest.approx(sum(per_class) / 6)
+    # One sample, 15 bins: every binned metric is its own |correct − confidence|.
+    for fn in (M.ece, M.aece, M.mce):
+        assert fn(np.array([[0.8, 0.2]]), np.array([1]), n_bins=15, from_probabilities=True) == pytest.approx(0.8)
+
+
+def test_bad_bins():
     with pytest.raises(ValueError, match="positive whole number"):
         M.ece(np.zeros((4, 2)), np.zeros(4, dtype=int), n_bins=0)
     with pytest.raises(ValueError, match="sum to 1"):

@@ -1,9 +1,13 @@
 """Tables: numbers equal direct metric calls, units as in the paper, marks, formats, Welch's test."""
 import csv
+import dataclasses
 import io
 import json
 import math
+import shutil
 import statistics
+import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,8 +15,12 @@ import torch
 from scipy import stats as sps
 
 from nctv import metrics
-from nctv.results import MethodResult, MetricStats, RunResult, welch_test, welch_tests
+from nctv.calibration.clamping import GammaSweep, InitStudy
+from nctv.results import MethodResult, MetricStats, RunResult, WelchTest, welch_test, welch_tests
 from nctv.report import (
+    gamma_table,
+    init_study_table,
+    latex_escape,
     metric_column,
     results_table,
     sce_exponent,
@@ -91,12 +99,10 @@ def test_table_numbers_equal_direct_metric_calls(case):
                 values = [fn(z) if col.key == "entropy" else fn(z, labels, n_bins=b) for z in zs]
                 cell = table.cells[i][j]
                 assert cell.mean == pytest.approx(statistics.fmean(values) * col.scale, rel=1e-12, abs=1e-12)
-                if name == "Uncalibrated":
-                    assert cell.std is None
-                elif len(values) > 1:
+                if len(values) > 1:
                     assert cell.std == pytest.approx(statistics.stdev(values) * col.scale, rel=1e-9, abs=1e-12)
-                else:
-                    assert cell.std == 0
+                else:  # measured once (the reference, deterministic methods): no spread to show
+                    assert cell.std is None
 
 
 def test_best_and_second_marks_follow_shown_values(case):
@@ -123,10 +129,14 @@ def test_markdown_and_latex_show_marks_units_and_fitter(case):
     best_text = table.cells[best_row][ece_col].format(2)
     assert f"**{best_text}**" in md
     assert "ECE (%) ↓" in md and "SCE (×10⁻²) ↓" in md and "fitter: fast" in md
-    assert "| Uncalibrated |" in md and "± 0 |" in md  # deterministic rows show ± 0
+    lines = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| ")}
+    # Methods run once (the reference, deterministic methods) show no spread; NC (3 seeds) does, even a
+    # measured spread of 0 (its temperature-scaled runs share one accuracy).
+    assert all("±" not in lines["| " + n] for n in ("Uncalibrated", "Temperature Scaling", "Matrix Scaling"))
+    assert lines["| Neural Clamping (FL)"].count(" ± ") == len(table.columns)
     tex = to_latex(table)
     assert tex.count(r"\toprule") == 1 and r"\bottomrule" in tex and r"\midrule" in tex
-    assert r"ECE (\%) $\downarrow$" in tex and r"SCE ($\times10^{-2}$)" in tex
+    assert r"ECE (\%) $\downarrow$" in tex and r"SCE ($\times$10$^{-2}$) $\downarrow$" in tex
     assert r"\textbf{" + best_text.replace(" ± ", r" $\pm$ ") + "}" in tex
     assert r"\underline{" in tex
     # The Neural Clamping group starts after a rule, as in the paper.
@@ -218,3 +228,98 @@ def test_timing_table_columns(case):
 def test_unknown_bins_is_a_clear_error(case):
     with pytest.raises(ValueError, match="no 20-bin results"):
         results_table(case[0], n_bins=20)
+
+
+@pytest.fixture(scope="module")
+def one_seed(case):
+    """The same run with one seed: every method measured once, so no spread and no Welch test."""
+    result, logits, labels = case
+    methods = {n: _method(n, zs[:1], labels, m.stochastic, m.uses_model)
+               for (n, zs), m in zip(logits.items(), result.methods.values())}
+    return dataclasses.replace(result, seeds=[0], methods=methods, welch=welch_tests(methods, BINS))
+
+
+def test_one_run_per_method_shows_no_spread_and_no_welch_table(one_seed, tmp_path):
+    assert one_seed.welch and all(w.p is None for w in one_seed.welch)  # tests exist but cannot be computed
+    table = results_table(one_seed, 15)
+    assert all(c.std is None for row in table.cells for c in row)
+    assert welch_table(one_seed, 15).rows == []
+    write_tables(one_seed, tmp_path)
+    md, tex = (tmp_path / "table.md").read_text(), (tmp_path / "table.tex").read_text()
+    assert "±" not in md and r"\pm" not in tex and "one run per method" in md
+    assert "Welch" not in md and "Welch" not in tex and "needs at least 2 runs" not in md
+    assert len(json.loads((tmp_path / "table.json").read_text())) == len(BINS)  # the result tables only
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "table.csv").read_text())))
+    assert rows[0]["ECE (%)"] and rows[0]["ECE (%) std"] == ""
+
+
+def test_welch_table_keeps_only_computed_tests(case):
+    result, _, _ = case
+    undefined = WelchTest("aece", 15, "Neural Clamping (FL)", "Matrix Scaling", 0.1, 0.2, None, None, None,
+                                  True, "needs at least 2 runs of Neural Clamping (FL)")
+    mixed = dataclasses.replace(result, welch=[w for w in result.welch if w.metric != "aece"] + [undefined])
+    table = welch_table(mixed, 15)
+    assert "AECE (%) ↓" not in table.rows and "ECE (%) ↓" in table.rows
+    assert "needs at least" not in to_markdown(table)
+
+
+def test_latex_escape_writes_symbols_in_math_mode():
+    assert latex_escape("SCE (×10⁻²) ↓") == r"SCE ($\times$10$^{-2}$) $\downarrow$"
+    assert latex_escape("Random δ₀ ± γ, λ ↑") == r"Random $\delta_{0}$ $\pm$ $\gamma$, $\lambda$ $\uparrow$"
+    assert latex_escape("50% & a_b #1 $2 {x} ~^\\") == (r"50\% \& a\_b \#1 \$2 \{x\} \textasciitilde{}"
+                                                         r"\textasciicircum{}\textbackslash{}")
+    assert latex_escape("t > 0 | p < 1 — ok") == r"t \textgreater{} 0 \textbar{} p \textless{} 1 --- ok"
+    assert latex_escape("Ω Α ά ς") == r"$\Omega$ $\mathrm{A}$ $\alpha$ $\varsigma$"
+    assert latex_escape("café ﬁ 日") == "café fi ?"  # accented Latin kept (pdflatex reads UTF-8)
+
+
+def _figure_results(case):
+    result, _, _ = case
+    rows = {"ece": np.array([0.03, 0.01, 0.02]), "entropy": np.array([0.2, 0.3, 0.4]), "loss": np.array([0.5, 0.4, 0.3])}
+    sweep = GammaSweep(gammas=np.array([0.0, 0.5, 1.0]), temperature=np.ones(3), weight_decay=np.ones(3),
+                       objective=np.ones(3), passes=np.ones(3), cal=rows, test=rows, chosen_gamma=0.5, n_passes=3.0,
+                       test_passes=1.5, fitter="fast", n_bins=15)
+    runs = {"random": [{"accuracy": 0.9, "entropy": 0.3 + i / 100, "ece": 0.02 + i / 1000, "aece": 0.021,
+                        "sce": 0.004} for i in range(3)],
+            "data": [{"accuracy": 0.9, "entropy": 0.31, "ece": 0.015, "aece": 0.016, "sce": 0.0035}] * 3}
+    study = InitStudy(runs=runs, seeds=[0, 1, 2], fitter="fast", n_passes=10.0, shared_data_fit=True, n_bins=15)
+    gamma = SimpleNamespace(sweep=sweep, model=result.model)
+    init = SimpleNamespace(study=study, model=result.model, test=result.test, n_classes=result.n_classes)
+    return gamma_table(gamma), init_study_table(init)
+
+
+def test_init_study_shows_no_spread_for_a_fit_computed_once(case):
+    _, init = _figure_results(case)
+    data_row = init.rows.index("Data-driven δ₀ (Theorem 1)")
+    assert all(c.std is None for c in init.cells[data_row])
+    assert all(c.std is not None for c in init.cells[1 - data_row])
+
+
+def test_latex_exports_are_ascii(case, tmp_path):
+    write_tables(case[0], tmp_path)
+    texts = [(tmp_path / "table.tex").read_text()] + [to_latex(t) for t in _figure_results(case)]
+    assert all(ch.isascii() for text in texts for ch in text)
+
+
+@pytest.mark.skipif(shutil.which("pdflatex") is None,
+                    reason="pdflatex is not installed (Debian: apt-get install texlive-latex-base "
+                           "texlive-latex-recommended)")
+def test_latex_compiles_with_pdflatex(case, one_seed, tmp_path):
+    """Every LaTeX export, wrapped in a minimal document, compiles without errors."""
+    if subprocess.run(["kpsewhich", "booktabs.sty"], capture_output=True, text=True).stdout.strip() == "":
+        pytest.skip("booktabs.sty is not installed (Debian: apt-get install texlive-latex-recommended)")
+    parts = []
+    for i, result in enumerate((case[0], one_seed)):
+        write_tables(result, tmp_path / str(i))
+        parts.append((tmp_path / str(i) / "table.tex").read_text())
+    timing = RunResult.from_dict(case[0].to_dict())
+    timing.kind = "timing"
+    parts += [to_latex(timing_table(timing, 15))] + [to_latex(t) for t in _figure_results(case)]
+    doc = tmp_path / "doc.tex"
+    doc.write_text("\\documentclass{article}\n\\usepackage{booktabs}\n\\begin{document}\n" + "\n".join(parts)
+                   + "\n\\end{document}\n", encoding="utf-8")
+    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:]
+    log = (tmp_path / "doc.log").read_text(errors="replace")
+    assert "Missing character" not in log and (tmp_path / "doc.pdf").stat().st_size > 0

@@ -214,8 +214,12 @@ def test_bad_hyperparameters_are_refused():
         grid_search_temperature(z, y, grid=[0.5, -1.0])
     with pytest.raises(ValueError, match="chunk_size"):
         grid_search_temperature(z, y, chunk_size=0)
-    with pytest.raises(ValueError, match="bins"):
-        grid_search_temperature(z[:10], y[:10], n_bins=15)
+    # Fewer samples than bins is allowed (empty bins add 0): the answer is still the loop's.
+    grid = np.arange(1, 101) * 0.05
+    best, eces = grid_search_temperature(z[:10], y[:10], grid=grid, n_bins=15, full_curve=True)
+    loop = np.array([M.ece(z[:10] / t, y[:10], n_bins=15) for t in grid])
+    np.testing.assert_allclose(eces, loop, rtol=0, atol=1e-12)
+    assert best == grid[int(np.argmin(loop))]
 
 
 def test_separable_calibration_data_hits_the_bound_with_a_warning():

@@ -223,6 +223,14 @@ def test_parsing_helpers():
             parse_whole(bad, "n", 1)
 
 
+@pytest.mark.parametrize("available", [False, True])
+def test_dataset_box_offers_hf_dataset_only_with_datasets(monkeypatch, available):
+    monkeypatch.setattr(state, "hub_datasets_available", lambda: available)
+    assert "folder:/path" in state.dataset_hint() and ("hf-dataset:" in state.dataset_hint()) is available
+    assert state.dataset_choices()[0] == state.DEFAULT_DATASET_CHOICE and "fashion-mnist" in state.dataset_choices()
+    assert not any(c.startswith("hf-dataset:") for c in state.dataset_choices())  # a pattern, typed, never picked
+
+
 def test_user_errors_turn_exceptions_into_messages():
     @user_errors
     def bad_value():

@@ -148,12 +148,12 @@ def temperature_grid(step: float = 0.001, t_max: float = 5.0) -> np.ndarray:
     return np.arange(1, count + 1, dtype=np.float64) * step
 
 
-def _bin_counts(n_bins: Any, n: int) -> tuple[int, ...]:
+def _bin_counts(n_bins: Any) -> tuple[int, ...]:
     """One bin count or several, each checked; duplicates are kept out."""
     counts = list(n_bins) if isinstance(n_bins, (list, tuple, np.ndarray)) else [n_bins]
     if not counts:
         raise ValueError("n_bins is empty; give a bin count such as 15, or several such as (10, 15, 20).")
-    return tuple(dict.fromkeys(check_bins(m, n) for m in counts))
+    return tuple(dict.fromkeys(check_bins(m) for m in counts))
 
 
 def _check_grid(grid: Any) -> np.ndarray:
@@ -328,7 +328,7 @@ def grid_search_temperature(
     for every T.
     """
     z, y = check_logits_labels(logits, labels)
-    bin_counts = _bin_counts(n_bins, z.shape[0])
+    bin_counts = _bin_counts(n_bins)
     temps = temperature_grid() if grid is None else _check_grid(grid)
     problem = _GridProblem(z, y, bin_counts, chunk_size)
     if full_curve or len(temps) < 3 or not np.all(np.diff(temps) > 0):

@@ -28,6 +28,7 @@ from nctv.ui.state import (
     DEFAULT_DATASET_CHOICE,
     SplitSpec,
     dataset_choices,
+    dataset_hint,
     examples_dir,
     get_logits,
     model_choices,
@@ -121,7 +122,7 @@ def _shared_panel() -> Shared:
                                 placeholder="e.g. timm/resnet18.a1_in1k", scale=2)
             dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
                                   label="Calibration pool (dataset)", scale=2,
-                                  info="Or type folder:/path (one sub-folder per class) or hf-dataset:org/name@split")
+                                  info=dataset_hint())
         with gr.Row():
             size = gr.Number(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
                              elem_id="calibration-size",

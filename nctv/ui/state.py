@@ -15,7 +15,7 @@ import torch
 
 from nctv.data import DATASETS, assets_dir
 
-from nctv.settings import DEFAULT_CALIBRATION_SIZE  # noqa: E402 - the app's default is the library's
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available  # noqa: E402 - the app's default is the library's
 DEFAULT_BINS = 15
 PRECOMPUTED_LABEL = "pre-computed, shipped with the app"
 #: Method names (paper names) of the two calibrations the Try tab compares with the raw model.
@@ -137,6 +137,12 @@ def model_choices() -> list[tuple[str, str]]:
 
 def dataset_choices() -> list[str]:
     return [DEFAULT_DATASET_CHOICE] + [k for k in DATASETS if "<" not in k]
+
+
+def dataset_hint() -> str:
+    """What else the dataset box takes; ``hf-dataset:`` only where the ``datasets`` package is installed."""
+    hub = " or hf-dataset:org/name@split" if hub_datasets_available() else ""
+    return f"Or type folder:/path (one sub-folder per class){hub}"
 
 
 def resolve_model_name(choice: str | None, hub_id: str | None) -> str:

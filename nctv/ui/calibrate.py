@@ -146,14 +146,9 @@ def _calibration_of(result: Any, spec: SplitSpec, cal_z: torch.Tensor, cal_y: to
 def table_markdown(result: Any, n_bins: int, source: str) -> str:
     from nctv import report
 
-    table = report.results_table(result, n_bins)
-    if len(result.seeds) == 1:
-        # One run per method: a spread of "± 0" would only suggest a precision nobody measured.
-        for row in table.cells:
-            for cell in row:
-                cell.std = None
     head = f"*{source}*\n\n" if source else ""
-    return head + report.to_markdown(table)
+    note = f"\n\n{NC_TARGET_NOTE}" if any(m.uses_model and m.delta is not None for m in result.methods.values()) else ""
+    return head + report.to_markdown(report.results_table(result, n_bins)) + note
 
 
 def reliability_plot(result: Any, n_bins: int, backend: str = "plotly"):

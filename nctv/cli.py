@@ -176,7 +176,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--lr", type=_float, default=None, metavar="LR",
                    help="learning rate of the paper and toolkit recipes (default: the recipe's, 0.001 / 0.01)")
     g.add_argument("--batch-size", type=_positive_int, default=512, metavar="N",
-                   help="batch size of model passes (default 512)")
+                   help="images per call of the model on the CPU; on a GPU the free memory sets it (default 512)")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("out") / command, metavar="DIR",
                    help=f"output folder (default out/{command})")
@@ -552,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("nctv: interrupted", file=sys.stderr)
         return 130
-    except (CLIError, ValueError, FileNotFoundError, PermissionError) as e:
+    except (CLIError, ValueError, FileNotFoundError, PermissionError, MemoryError) as e:
         print(f"nctv {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - any failure is reported as one line, never a traceback

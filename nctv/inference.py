@@ -10,6 +10,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from nctv.memory import ChunkSizer
+
 DEFAULT_BATCH_SIZE = 512
 
 
@@ -82,19 +84,26 @@ def model_logits(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits (N, K) of ``model`` on ``inputs`` (+ ``delta`` if given), float32 on the CPU.
 
-    With ``return_labels=True`` also returns the labels (N,) int64 seen on the way.
+    The model sees pieces of ``batch_size`` inputs on the CPU, and on CUDA as many as its free
+    memory allows, halved whenever it runs out (``nctv.memory``); a loader's batches are cut, never
+    joined. With ``return_labels=True`` also returns the labels (N,) int64 seen on the way.
     """
     dev = model_device(model) if device is None else resolve_device(device)
     was_training = model.training
     model.eval()
-    outs, ys = [], []
+    outs, ys, batches = [], [], 0
     d = None if delta is None else delta.to(dev)
+    sizer = ChunkSizer(dev, batch_size)
+    # A tensor is one batch: the sizer alone decides how many of its inputs go to the device at once.
+    whole = max(int(inputs.shape[0]), 1) if isinstance(inputs, torch.Tensor) else batch_size
     try:
-        for x, y in iter_batches(inputs, labels, batch_size):
-            x = x.to(dev, non_blocking=True).float()
-            if d is not None:
-                x = x + d
-            outs.append(model(x).float().cpu())
+        for x, y in iter_batches(inputs, labels, whole):
+            def piece(start: int, stop: int, x=x) -> torch.Tensor:
+                xb = x[start:stop].to(dev, non_blocking=True).float()
+                return model(xb if d is None else xb + d).float().cpu()
+
+            outs.extend(sizer.map(piece, int(x.shape[0])))
+            batches += 1
             if y is not None:
                 ys.append(y.long().cpu())
     finally:
@@ -103,7 +112,7 @@ def model_logits(
         raise ValueError("The split is empty: no inputs to run the model on.")
     z = torch.cat(outs)
     if return_labels:
-        if len(ys) != len(outs):
+        if len(ys) != batches:
             raise ValueError("Labels are needed but the inputs came without them.")
         return z, torch.cat(ys)
     return z

@@ -21,6 +21,7 @@ from nctv.calibration import METHODS
 from nctv.data import get_splits as data_splits
 from nctv.cache import model_fingerprint
 from nctv.inference import model_logits
+from nctv.memory import DeviceOutOfMemoryError
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
@@ -245,8 +246,14 @@ def test_user_errors_turn_exceptions_into_messages():
         yield 1
         raise ValueError("stopped in the middle")
 
+    @user_errors
+    def full_device():
+        raise DeviceOutOfMemoryError("The device cuda:0 ran out of memory even with a single image per call.")
+
     with pytest.raises(gr.Error, match="The picture is too large."):
         bad_value()
+    with pytest.raises(gr.Error, match="cuda:0 ran out of memory even with a single image"):
+        full_device()
     with pytest.raises(gr.Error, match="Something went wrong on the server \\(RuntimeError: boom\\)"):
         bug()
     g = gen()

@@ -18,7 +18,7 @@ Decisions where the paper leaves room (they hold for every class and function he
   mini-batch SGD with momentum 0.9 on (δ, T), random δ₀ drawn first from
   ``torch.Generator().manual_seed(seed)``, then one ``randperm`` per epoch from the same generator.
 * **fitter="fast"** (default) minimises the objective with full-batch L-BFGS on (δ, log T),
-  gradients accumulated over chunks of ``batch_size``, a strong-Wolfe line search and T
+  gradients accumulated over the pieces of each pass, a strong-Wolfe line search and T
   warm-started by an exact 1-D solve on the unperturbed logits; it stops on a relative objective
   change below ``tol`` or at ``max_passes``. Its defaults are λ "strong" and T chosen afterwards on
   the calibration logits f(x + δ) by the mean ECE over 10, 15 and 20 bins (``select_temperature``):
@@ -36,6 +36,10 @@ Decisions where the paper leaves room (they hold for every class and function he
   δ, T (re-solved exactly for the new γ) and L-BFGS memory; with the paper fitter each candidate is
   a separate run of the recipe with the same seed.
 * **clamp=True** clamps x + δ to [α, β] element-wise (needs ``input_range``).
+* **Memory**: every pass calls the model on pieces of ``batch_size`` images on the CPU, and on CUDA
+  as many as the free memory allows; a piece that runs out of memory is retried at half its size
+  (``nctv.memory``). A recipe's SGD batch cut into pieces gets the sum of its pieces' gradients, so
+  its step is the batch's own; results differ from an uncut run by rounding only.
 """
 from __future__ import annotations
 
@@ -333,7 +337,8 @@ class NeuralClamping(_InputCalibrator):
     fitter: "fast" (L-BFGS, the default), "paper" (the paper's SGD recipe with momentum 0.9) or
         "toolkit" (the authors' released demo); ``RECIPES`` holds the recipes' settings.
     epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings; None = the recipe's own.
-        For the fast fitter ``batch_size`` is only the chunk size of each pass.
+        For the fast fitter ``batch_size`` is only the chunk size of each pass on the CPU (on CUDA
+        the free memory sets it; ``nctv.memory``).
     temperature: "fitted" (T from the objective, as the paper) or "selected" (after fitting, T is
         re-chosen on the calibration logits f(x + δ) to minimise the mean ECE over 10, 15 and 20 bins);
         None = "selected" for the fast fitter, "fitted" for the recipes.
@@ -613,13 +618,10 @@ def _choose(fits: list[_GammaFit], labels: torch.Tensor, rule: str = "fitted") -
 
 def _multi_logits(problem: Problem, deltas: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """f(x + δ_r) for several δ's, reading every chunk of the split once (0.5 pass per δ)."""
-    outs: list[list[torch.Tensor]] = [[] for _ in deltas]
     with torch.no_grad():
-        for x, _ in problem.split.chunks():
-            for r, d in enumerate(deltas):
-                outs[r].append(problem.forward(x, d))
+        pieces = list(problem.split.map(lambda x, _: [problem.forward(x, d) for d in deltas]))
     problem.split.passes += 0.5 * len(deltas)
-    return [torch.cat(o) for o in outs]
+    return [torch.cat(per_delta) for per_delta in zip(*pieces)]
 
 
 def _split_metrics(logits: torch.Tensor, labels: torch.Tensor, gamma: float, n_bins: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ Objective, for a perturbation δ (the shape of one model input) and s = log T:
 
 Cost is counted in *passes* over the calibration split: a forward pass with a backward pass to the
 input counts 1, a forward pass alone counts 0.5 (the backward to the input costs about one forward;
-no weight gradients are ever computed). Partial chunks count in proportion to their size.
+no weight gradients are ever computed). Partial passes count in proportion to their size.
 
 Everything here keeps the model in eval mode with its parameters' ``requires_grad`` off for the
 duration of a fit (both restored afterwards), and asks autograd only for gradients of δ and s, so
@@ -25,6 +25,7 @@ from scipy.optimize import minimize_scalar
 
 from nctv.calibration.base import focal_loss
 from nctv.inference import iter_batches
+from nctv.memory import ChunkSizer
 
 #: Splits up to this many bytes (float32 inputs) are gathered once and kept on the compute device;
 #: larger ones are streamed chunk by chunk on every pass.
@@ -63,6 +64,8 @@ class Split:
         self.batch_size = batch_size
         self.passes = 0.0
         self._loader = None
+        # One sizer for forward passes, one for passes that also go backward (more memory per image).
+        self._sizers = {False: ChunkSizer(device, batch_size), True: ChunkSizer(device, batch_size)}
         if isinstance(inputs, torch.Tensor):
             x = inputs.detach()
             y = None if labels is None else _as_label_tensor(labels, x.shape[0])
@@ -107,21 +110,44 @@ class Split:
             raise ValueError("Every batch must be (inputs, labels) with one label per input.")
         return x, (torch.cat(ys) if ys else None)
 
-    def chunks(self, order: torch.Tensor | None = None, batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Yield ``(x, y)`` on the device, float32 inputs, in natural order or in ``order``."""
-        bs = batch_size or self.batch_size
+    def batches(self, order: torch.Tensor | None = None, batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Yield ``(x, y)`` batches in natural order or in ``order``.
+
+        ``batch_size`` images per batch (a recipe's batch); None: as large as the split allows (all
+        of a held split, the configured ``batch_size`` of a streamed one), for passes whose batches
+        mean nothing. A held split's batches stay where it holds them; ``pieces`` moves them to the
+        device piece by piece. A streamed split's batches arrive on the device.
+        """
         if self._loader is not None:
-            yield from self._stream(order, bs)
+            yield from self._stream(order, batch_size or self.batch_size)
             return
+        bs = batch_size or self.n
         y_all = self.labels
         for s in range(0, self.n, bs):
             if order is None:
-                xb, yb = self.x[s : s + bs], (None if y_all is None else y_all[s : s + bs])
+                yield self.x[s : s + bs], (None if y_all is None else y_all[s : s + bs])
             else:
                 idx = order[s : s + bs]
-                xb = self.x[idx.to(self.x.device)]
-                yb = None if y_all is None else y_all[idx.to(y_all.device)]
-            yield xb.to(self.device, torch.float32, non_blocking=True), yb
+                yield self.x[idx.to(self.x.device)], (None if y_all is None else y_all[idx.to(y_all.device)])
+
+    def pieces(self, batch: tuple[torch.Tensor, torch.Tensor | None], fn: Callable[[torch.Tensor, Any], Any],
+               backward: bool = False) -> Iterator[Any]:
+        """``fn(x, y)`` on consecutive pieces of one batch, as large as the device's memory allows
+        (float32 inputs on the device), results in order. ``backward``: ``fn`` differentiates
+        through the model, which needs more memory per image than a forward pass alone."""
+        x, y = batch
+        sizer = self._sizers[backward]
+
+        def run(start: int, stop: int):
+            xb = x[start:stop].to(self.device, torch.float32, non_blocking=True)
+            return fn(xb, None if y is None else y[start:stop])
+
+        return sizer.map(run, int(x.shape[0]))
+
+    def map(self, fn: Callable[[torch.Tensor, Any], Any], backward: bool = False) -> Iterator[Any]:
+        """``fn(x, y)`` over the whole split in natural order, piece by piece (see ``pieces``)."""
+        for batch in self.batches():
+            yield from self.pieces(batch, fn, backward)
 
     def _stream(self, order: torch.Tensor | None, bs: int):
         src = self._loader
@@ -227,10 +253,8 @@ class Problem:
 
     def logits(self, delta: torch.Tensor | None) -> torch.Tensor:
         """Logits f(x + δ) over the split in natural order, on the device (0.5 pass)."""
-        out = []
         with torch.no_grad():
-            for x, _ in self.split.chunks():
-                out.append(self.forward(x, delta))
+            out = list(self.split.map(lambda x, _: self.forward(x, delta)))
         self.split.passes += 0.5
         return torch.cat(out)
 
@@ -255,14 +279,17 @@ class Problem:
         g_d = torch.zeros_like(d)
         g_s = torch.zeros((), device=d.device)
         out = []
-        for x, y in self.split.chunks():
+
+        def piece(x: torch.Tensor, y: torch.Tensor):
             z = self.forward(x, d)
             loss = self.loss(z * torch.exp(-s), y, reduction="sum") / n
-            gd, gs = torch.autograd.grad(loss, (d, s))
+            return (loss.detach(), *torch.autograd.grad(loss, (d, s)), z.detach())
+
+        for loss, gd, gs, z in self.split.map(piece, backward=True):
             g_d += gd
             g_s += gs
-            total += loss.detach()
-            out.append(z.detach())
+            total += loss
+            out.append(z)
         self.split.passes += 1.0
         d64 = d.detach().to(accumulation_dtype(d.device)).requires_grad_(True)
         reg = self.penalty_term(d64)
@@ -282,9 +309,10 @@ class Problem:
         """Labels within the model's classes, checked on one sample's logits before any fitting."""
         if self.split.labels is None:  # a streamed split: checked once its first pass has read them
             return
-        x, _ = next(self.split.chunks(batch_size=1))
+        one = next(self.split.batches(batch_size=1))
         with torch.no_grad():
-            check_label_range(self.split.labels, self.forward(x, None).shape[1])
+            (z,) = self.split.pieces(one, lambda x, _: self.forward(x, None))
+        check_label_range(self.split.labels, z.shape[1])
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -350,20 +378,22 @@ def entropy_gradient(problem: Problem):
     split = problem.split
     g = lo = hi = None
     out = []
-    for x, _ in split.chunks():
-        if g is None:
-            g = torch.zeros(x.shape[1:], device=x.device)
-            lo, hi = x.amin(0), x.amax(0)
-        else:
-            lo, hi = torch.minimum(lo, x.amin(0)), torch.maximum(hi, x.amax(0))
-        d = torch.zeros_like(g, requires_grad=True)
+
+    def piece(x: torch.Tensor, _):
+        d = torch.zeros(x.shape[1:], device=x.device, requires_grad=True)
         # No clamp here: at δ = 0 the inputs are where the data put them.
         z = checked_logits(problem.model(x + d))
         logp = torch.log_softmax(z, dim=1)
         ent = -(logp.exp() * logp).sum()
         (gd,) = torch.autograd.grad(ent, d)
-        g += gd
-        out.append(z.detach())
+        return gd, x.amin(0), x.amax(0), z.detach()
+
+    for gd, lo_x, hi_x, z in split.map(piece, backward=True):
+        if g is None:
+            g, lo, hi = gd, lo_x, hi_x
+        else:
+            g, lo, hi = g + gd, torch.minimum(lo, lo_x), torch.maximum(hi, hi_x)
+        out.append(z)
     split.passes += 1.0
     return g, lo, hi, torch.cat(out)
 
@@ -445,15 +475,10 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
         for epoch in range(1, sgd.epochs + 1):
             order = torch.randperm(n, generator=generator)
             epoch_loss = 0.0
-            for x, y in split.chunks(order, sgd.batch_size):
+            for x, y in split.batches(order, sgd.batch_size):
                 d = delta.requires_grad_(sgd.learn_delta)
                 t = temp.requires_grad_(True)
-                loss = problem.loss(problem.forward(x, d) / t, y) + problem.penalty_term(d)
-                if sgd.learn_delta:
-                    gd, gt = torch.autograd.grad(loss, (d, t))
-                else:
-                    (gt,) = torch.autograd.grad(loss, (t,))
-                    gd = torch.zeros_like(d)
+                loss, gd, gt = _batch_loss_and_grad(problem, (x, y), d, t, sgd.learn_delta)
                 with torch.no_grad():
                     if sgd.momentum and buf_d is not None:
                         buf_d, buf_t = sgd.momentum * buf_d + gd, sgd.momentum * buf_t + gt
@@ -481,6 +506,32 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
     log_t = math.log(t_final)
     return FitResult(delta, log_t, problem.objective_from_logits(z, delta, log_t), z, report.history,
                      split.passes - start, stopped)
+
+
+def _batch_loss_and_grad(problem: Problem, batch: tuple[torch.Tensor, torch.Tensor], d: torch.Tensor,
+                         t: torch.Tensor, learn_delta: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One SGD batch's loss mean_batch FL_γ(f(x + δ)/T, y) + penalty(δ) and its gradients in δ and T.
+
+    The batch may be cut into pieces to fit the device's memory: each piece contributes its mean
+    loss weighted by its share of the batch, and the pieces' gradients are summed, so the step is
+    the batch's own. (A batch in one piece is computed exactly as a single graph would be.)
+    """
+    m = batch[0].shape[0]
+    wrt = (d, t) if learn_delta else (t,)
+
+    def piece(x: torch.Tensor, y: torch.Tensor):
+        part = problem.loss(problem.forward(x, d) / t, y) * (x.shape[0] / m)
+        return part.detach(), torch.autograd.grad(part, wrt)
+
+    loss, grads = None, None
+    for part, g in problem.split.pieces(batch, piece, backward=learn_delta):
+        loss = part if loss is None else loss + part
+        grads = list(g) if grads is None else [a + b for a, b in zip(grads, g)]
+    penalty = problem.penalty_term(d)
+    if learn_delta:
+        (g_pen,) = torch.autograd.grad(penalty, d)
+        return loss + penalty.detach(), grads[0] + g_pen, grads[1]
+    return loss + penalty.detach(), torch.zeros_like(d), grads[0]
 
 
 class LBFGSMemory:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
+from nctv.memory import DeviceOutOfMemoryError
 
 log = logging.getLogger("nctv.ui")
 
@@ -36,7 +37,7 @@ POLL_SECONDS = 0.25
 def _message(exc: BaseException) -> gr.Error:
     if isinstance(exc, gr.Error):
         return exc
-    if isinstance(exc, (ValueError, NotFittedError)) and str(exc):
+    if isinstance(exc, (ValueError, NotFittedError, DeviceOutOfMemoryError)) and str(exc):
         return gr.Error(str(exc), print_exception=False)
     if isinstance(exc, MemoryError):
         return gr.Error("The server ran out of memory. Try a smaller calibration split or a smaller model.")

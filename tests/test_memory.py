@@ -1,0 +1,230 @@
+"""Memory-adaptive passes: pieces cut to fit the device, halved when it runs out, same numbers."""
+import pytest
+import torch
+import torch.nn as nn
+
+from nctv import cache, data, experiment, memory
+from nctv.calibration.clamping import (
+    EfficientNeuralClamping,
+    NeuralClamping,
+    data_driven_delta,
+    gamma_sweep,
+    init_study,
+)
+from nctv.inference import model_logits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = (1, 4, 4)
+RANGE = (-3.0, 3.0)
+CLOSE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        model[3].weight.mul_(2.0)  # confident logits
+    return model.eval()
+
+
+def make_data(model, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *SHAPE, generator=g).clamp(-2.5, 2.5)
+    with torch.no_grad():
+        y = torch.multinomial(torch.softmax(model(x) / 2.0, dim=1), 1, generator=g).squeeze(1)
+    return x, y
+
+
+class SmallDevice(nn.Module):
+    """The model on a pretend device that holds at most ``limit`` images per call: a larger batch
+    raises CUDA's out-of-memory error before any work, as a real GPU would mid-forward."""
+
+    def __init__(self, inner, limit):
+        super().__init__()
+        self.inner, self.limit = inner, limit
+        self.failures, self.sizes = 0, []
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            self.failures += 1
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {x.shape[0]} images; {self.limit} fit.")
+        self.sizes.append(x.shape[0])
+        return self.inner(x)
+
+
+@pytest.fixture(scope="module")
+def splits():
+    model = make_model()
+    return model, make_data(model, 600), make_data(model, 300, seed=2)
+
+
+def quiet(**kw):
+    return dict(progress=False, **kw)
+
+
+def assert_same_fit(got, ref):
+    torch.testing.assert_close(got.delta_, ref.delta_, **CLOSE)
+    assert got.temperature_ == pytest.approx(ref.temperature_, rel=1e-5)
+    assert got.n_passes_ == pytest.approx(ref.n_passes_)
+
+
+# ---- the sizer on its own -------------------------------------------------------------------
+
+
+def test_out_of_memory_errors_are_recognised():
+    assert memory.is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert memory.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert memory.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 9 GB"))
+    assert not memory.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not memory.is_out_of_memory(ValueError("out of memory"))
+    assert not memory.is_out_of_memory(memory.DeviceOutOfMemoryError("out of memory"))
+
+
+def test_sizer_halves_the_failing_piece_and_keeps_the_smaller_size():
+    sizer = memory.ChunkSizer("cpu", 100)
+    tried = []
+
+    def fn(start, stop):
+        tried.append(stop - start)
+        if stop - start > 30:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return start, stop
+
+    pieces = list(sizer.map(fn, 130))
+    assert tried == [100, 50, 25, 25, 25, 25, 25, 5]
+    assert pieces == [(0, 25), (25, 50), (50, 75), (75, 100), (100, 125), (125, 130)]
+    assert sizer.size == 25
+    tried.clear()
+    assert [p[1] - p[0] for p in sizer.map(fn, 60)] == [25, 25, 10] and 50 not in tried  # learned once
+
+
+def test_sizer_passes_other_errors_through():
+    def fn(start, stop):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        list(memory.ChunkSizer("cpu", 8).map(fn, 20))
+
+
+def test_sizer_takes_its_size_from_free_cuda_memory(monkeypatch):
+    """The CUDA rule, with the device's counters played on the CPU: the first piece (the configured
+    chunk) measures the peak per image, then the share of the free memory sets the size."""
+    mib = 2**20
+    state = {"allocated": 100 * mib, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["allocated"] + 50 * mib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (950 * mib, 2000 * mib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def fn(start, stop):  # 1 MiB per image at its peak
+        state["peak"] = max(state["peak"], state["allocated"] + (stop - start) * mib)
+        return stop - start
+
+    sizer = memory.ChunkSizer("cuda", 64)
+    assert list(sizer.map(fn, 64 + 1000)) == [64, 600, 400]  # 0.6 × (950 + 50) MiB free, 1 MiB each
+    assert sizer.size == 600
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**15, 10**15))
+    roomy = memory.ChunkSizer("cuda", 64)
+    list(roomy.map(fn, 64))
+    assert roomy.size == memory.MAX_CHUNK
+
+
+def test_one_image_that_does_not_fit_is_a_clear_error(splits):
+    model, (x, y), _ = splits
+    full = SmallDevice(model, 0)
+    with pytest.raises(memory.DeviceOutOfMemoryError, match="single image.*device='cpu'.*CUDA out of memory"):
+        model_logits(full, x)
+    with pytest.raises(MemoryError, match="single image"):
+        NeuralClamping(full, **quiet()).fit(x, y)
+    assert full.failures < 20  # halved down to one image, not retried forever
+
+
+# ---- every pass on a device that holds few images -------------------------------------------
+
+
+def test_logits_and_the_logit_cache(splits, tmp_path):
+    model, (x, y), _ = splits
+    small = SmallDevice(model, 70)
+    torch.testing.assert_close(model_logits(small, x, batch_size=512), model_logits(model, x, batch_size=512), **CLOSE)
+    assert max(small.sizes) <= 70 and small.failures == 3  # 512 → 256 → 128 → 64, then 64 for every piece
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=200)
+    z, seen = model_logits(small, loader, return_labels=True)
+    torch.testing.assert_close(z, model(x), **CLOSE)
+    assert torch.equal(seen, y)
+    split = data.TensorSplit(x, y)
+    got = cache.split_logits(small, split, tmp_path, batch_size=300)
+    torch.testing.assert_close(got.logits, cache.split_logits(model, split, False).logits, **CLOSE)
+
+
+@pytest.mark.parametrize("fitter", ["fast", "paper", "toolkit"])
+def test_fitters_give_the_fit_of_an_unconstrained_device(splits, fitter):
+    """The recipes' batches (512 and 1,000 images) are cut into pieces whose gradients are summed:
+    every SGD step, hence the fit, is the unconstrained one."""
+    model, (x, y), _ = splits
+    settings = quiet(fitter=fitter, epochs=3, init="data", input_range=RANGE)
+    ref = NeuralClamping(model, **settings).fit(x, y)
+    small = SmallDevice(model, 45)
+    got = NeuralClamping(small, **settings).fit(x, y)
+    assert_same_fit(got, ref)
+    assert got.objective_ == pytest.approx(ref.objective_, rel=1e-5)
+    assert max(small.sizes) <= 45 and small.failures <= 10  # each of the split's two sizers learns once
+
+
+def test_frozen_delta_ablation_and_a_streamed_split(splits, monkeypatch):
+    model, (x, y), _ = splits
+    ref = NeuralClamping(model, fitter="paper", epochs=2, learn_delta=False, **quiet()).fit(x, y)
+    assert_same_fit(NeuralClamping(SmallDevice(model, 45), fitter="paper", epochs=2, learn_delta=False,
+                                   **quiet()).fit(x, y), ref)
+    import nctv.calibration.clamping_fit as clamping_fit
+
+    ref = NeuralClamping(model, batch_size=128, **quiet()).fit(x, y)
+    monkeypatch.setattr(clamping_fit, "DEVICE_CACHE_BYTES", 0)  # streamed from the loader on every pass
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=100)
+    assert_same_fit(NeuralClamping(SmallDevice(model, 45), batch_size=128, **quiet()).fit(loader), ref)
+
+
+def test_forced_small_chunk_equals_the_normal_chunk(splits):
+    model, (x, y), _ = splits
+    ref = NeuralClamping(model, batch_size=600, **quiet()).fit(x, y)
+    assert_same_fit(NeuralClamping(model, batch_size=7, **quiet()).fit(x, y), ref)
+
+
+def test_theorem1_and_nc_eff(splits):
+    model, (x, y), _ = splits
+    small = SmallDevice(model, 33)
+    torch.testing.assert_close(data_driven_delta(small, x, RANGE), data_driven_delta(model, x, RANGE), **CLOSE)
+    ref = EfficientNeuralClamping(model, input_range=RANGE).fit(x, y)
+    got = EfficientNeuralClamping(small, input_range=RANGE).fit(x, y)
+    torch.testing.assert_close(got.delta_, ref.delta_, **CLOSE)
+    assert got.temperature_ == ref.temperature_
+    torch.testing.assert_close(got.predict_logits(x), ref.predict_logits(x), **CLOSE)
+
+
+def test_gamma_sweep_and_init_study(splits):
+    model, (x, y), (xt, yt) = splits
+    small = SmallDevice(model, 50)
+    ref = gamma_sweep(model, x, y, xt, yt, gammas=[0.0, 1.0], **quiet())
+    got = gamma_sweep(small, x, y, xt, yt, gammas=[0.0, 1.0], **quiet())
+    for name in ("temperature", "objective"):
+        torch.testing.assert_close(torch.tensor(getattr(got, name)), torch.tensor(getattr(ref, name)), **CLOSE)
+    torch.testing.assert_close(torch.tensor(got.test["ece"]), torch.tensor(ref.test["ece"]), **CLOSE)
+    ref = init_study(model, (x, y), (xt, yt), n_runs=2, input_range=RANGE, **quiet())
+    got = init_study(small, (x, y), (xt, yt), n_runs=2, input_range=RANGE, **quiet())
+    for init in ("random", "data"):
+        torch.testing.assert_close(torch.tensor(got.values(init, "ece")), torch.tensor(ref.values(init, "ece")), **CLOSE)
+
+
+def test_a_whole_run_on_a_small_device(splits):
+    model, cal, test = splits
+    methods = ["Uncalibrated", "TS by Grid Search", "Neural Clamping (CE)", "NC (Eff.)"]
+    kw = dict(methods=methods, seeds=1, bins=(15,), cache_dir=False, progress=False, input_range=RANGE)
+    ref = experiment.run_experiment(model, cal, test, **kw)
+    got = experiment.run_experiment(SmallDevice(model, 40), cal, test, **kw)
+    for name in methods:
+        assert got.stats(name, "ece").mean == pytest.approx(ref.stats(name, "ece").mean, rel=1e-4, abs=1e-6)

@@ -38,6 +38,9 @@ REFERENCE = "Uncalibrated"
 DEFAULT_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
 #: Methods that take the minutes they need without a progress report.
 SLOW_METHODS = ("Matrix Scaling", "MS-ODIR", "Dir-ODIR")
+#: Said beside every table with Neural Clamping: what the default delivers, measured (docs/method.md).
+NC_TARGET_NOTE = ("*Neural Clamping's default (fast fitter) is not better than temperature scaling by grid search "
+                  "on every model: see docs/method.md for the measured panel.*")
 FITTER_CHOICES = [("fast (default: L-BFGS, then T by calibration ECE; about 6 passes)", "fast"),
                   ("paper recipe (SGD + momentum, lr 0.001, batch 512, 100 epochs)", "paper"),
                   ("authors' toolkit recipe (SGD + momentum, lr 0.01, batch 1000, 100 epochs)", "toolkit")]

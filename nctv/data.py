@@ -571,13 +571,34 @@ def _cifar100_pools(root: Path, paper_protocol: bool) -> Pools:
                  test=test_pool)
 
 
-def _folder_pools(root: Path, model_class_names: Sequence[str], num_classes: int) -> Pools:
-    root = Path(root).expanduser()
+FOLDERS_REFUSED = ("This server reads image folders only inside the data folders its operator allows "
+                   "(NCTV_DATA_ROOTS; none by default), and this one is not among them.")
+
+
+def allowed_folder(text: str, roots: Sequence[str | os.PathLike] | None) -> Path:
+    """The image folder ``text`` names, if it may be read.
+
+    ``roots=None`` (the command line: a local user's own machine) allows any folder. Otherwise the
+    folder, with symlinks and ``..`` resolved, must lie inside one of ``roots``; a refusal is the
+    same sentence whether the folder exists or not, so it tells a visitor nothing about the server.
+    """
+    if roots is None:
+        return Path(text).expanduser()
+    # No "~" expansion: a visitor has no business with the server's home folder.
+    folder = Path(text).resolve()
+    if not any(folder.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
+        raise ValueError(FOLDERS_REFUSED)
+    return folder
+
+
+def _folder_pools(text: str, model_class_names: Sequence[str], num_classes: int,
+                  roots: Sequence[str | os.PathLike] | None) -> Pools:
+    root = allowed_folder(text, roots)
     if not root.is_dir():
-        raise ValueError(f"Image folder {root} does not exist; give a folder with one sub-folder per class.")
+        raise ValueError(f"Image folder {text} does not exist; give a folder with one sub-folder per class.")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
-        raise ValueError(f"{root} has no class sub-folders; the ImageFolder layout is <root>/<class>/<image>.")
+        raise ValueError(f"{text} has no class sub-folders; the ImageFolder layout is <root>/<class>/<image>.")
     mapping = folder_label_mapping(classes, model_class_names, num_classes)
     paths, labels = [], []
     for name in classes:
@@ -585,9 +606,10 @@ def _folder_pools(root: Path, model_class_names: Sequence[str], num_classes: int
         paths += files
         labels += [mapping[name]] * len(files)
     if not paths:
-        raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}.")
-    return Pools(f"folder:{root}", tuple(model_class_names),
-                 whole=(FileImages(root, paths, f"folder:{root}"), np.asarray(labels, dtype=np.int64)))
+        raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) found under {text}.")
+    # Named as the person typed it: results and messages never show where the server keeps it.
+    return Pools(f"folder:{text}", tuple(model_class_names),
+                 whole=(FileImages(root, paths, f"folder:{text}"), np.asarray(labels, dtype=np.int64)))
 
 
 def folder_label_mapping(folders: Sequence[str], model_class_names: Sequence[str], num_classes: int) -> dict[str, int]:
@@ -693,8 +715,10 @@ def dataset_names() -> list[str]:
 
 
 def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int = 0,
-               cache: str | os.PathLike | None = None, token: str | None = None) -> Pools:
-    """Open a dataset by name (see :data:`DATASETS`)."""
+               cache: str | os.PathLike | None = None, token: str | None = None,
+               folder_roots: Sequence[str | os.PathLike] | None = None) -> Pools:
+    """Open a dataset by name (see :data:`DATASETS`); ``folder:`` datasets only inside
+    ``folder_roots`` unless it is None (see :func:`allowed_folder`)."""
     if not isinstance(dataset, str) or not dataset.strip():
         raise ValueError(f"A dataset is named by a string; known: {', '.join(dataset_names())}.")
     name = dataset.strip()
@@ -705,7 +729,7 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
     if name in ("cifar100", "cifar100-train-tail"):
         return _cifar100_pools(cache_dir(cache), name == "cifar100-train-tail")
     if name.startswith("folder:"):
-        return _folder_pools(Path(name[len("folder:"):]), class_names, num_classes)
+        return _folder_pools(name[len("folder:"):], class_names, num_classes, folder_roots)
     if name.startswith("hf-dataset:"):
         return _hub_dataset_pools(name[len("hf-dataset:"):], token, class_names)
     if name == "imagenet":
@@ -720,14 +744,16 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
 
 def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: int | None = DEFAULT_CALIBRATION_SIZE,
                calibration_seed: int = 0, test_size: int | None = None, split_seed: int = 0,
-               cache: str | os.PathLike | None = None, token: str | None = None) -> tuple[Split, Split]:
+               cache: str | os.PathLike | None = None, token: str | None = None,
+               folder_roots: Sequence[str | os.PathLike] | None = None) -> tuple[Split, Split]:
     """Calibration and test splits of ``dataset`` for ``loaded_model`` (an ``nctv.zoo.LoadedModel``).
 
     ``dataset=None`` uses the model's default dataset (the first its zoo entry lists).
     ``calibration_size`` images are drawn from the calibration pool with ``calibration_seed``
     (``None`` = the whole pool); ``test_size`` from the test pool with ``split_seed`` (``None`` =
     all). Datasets without separate pools are first split in halves by ``split_seed``. Asking for
-    more images than a pool holds is an error, never silently fewer.
+    more images than a pool holds is an error, never silently fewer. ``folder_roots`` restricts
+    ``folder:`` datasets to those folders (the web app's setting); None allows any folder.
     """
     if dataset is None:
         dataset = getattr(loaded_model, "default_dataset", None)
@@ -737,7 +763,8 @@ def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: 
                 "(one sub-folder per class) or dataset='hf-dataset:org/name@split'."
             )
     num_classes = len(loaded_model.class_names)
-    pools = load_pools(dataset, loaded_model.class_names, num_classes, cache=cache, token=token)
+    pools = load_pools(dataset, loaded_model.class_names, num_classes, cache=cache, token=token,
+                       folder_roots=folder_roots)
     if len(pools.class_names) != num_classes:
         raise ValueError(
             f"Dataset {pools.name!r} has {len(pools.class_names)} classes but model {loaded_model.name!r} predicts "

@@ -28,9 +28,10 @@ import math
 import os
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -42,7 +43,8 @@ from nctv.inference import freeze, resolve_device
 
 __all__ = [
     "DEFAULT_MODEL", "ZooEntry", "LoadedModel", "TrainingResult", "ENTRIES", "list_models", "get_entry",
-    "load_model", "parse_model_id", "train_classifier", "count_flops", "read_card", "nctv_mlp_mixer",
+    "load_model", "parse_model_id", "check_weight_size", "train_classifier", "count_flops", "read_card",
+    "nctv_mlp_mixer",
 ]
 
 DEFAULT_MODEL = "fmnist-resnet-overconfident"
@@ -256,39 +258,75 @@ def _offline_message(source: ModelSource, missing: str) -> str:
     )
 
 
-def _hub_folder(source: ModelSource, token: str | None = None) -> Path:
-    """Snapshot folder of a Hub model holding config.json and model.safetensors (downloads once)."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+@contextmanager
+def _hub_errors(source: ModelSource, filename: str) -> Iterator[None]:
+    """Hub client errors about ``filename`` of ``source`` as messages that say what to do."""
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
+    try:
+        yield
+    except LocalEntryNotFoundError:
+        raise ValueError(_offline_message(source, filename)) from None
+    except GatedRepoError:
+        raise ValueError(f"hf-hub:{source.location} is gated: accept its terms on the Hub and pass your token.") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"hf-hub:{source.location} does not exist on the Hub (or is private: pass a token).") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"hf-hub:{source.location} has no revision '{source.revision}'.") from None
+    except EntryNotFoundError:
+        hint = (" NCTV reads weights from safetensors only; pickle checkpoints are refused."
+                if filename == WEIGHTS_NAME else " It is not a timm model.")
+        raise ValueError(f"hf-hub:{source.location} has no {filename}.{hint}") from None
+
+
+def check_weight_size(what: str, size: int | None, limit: int | None) -> None:
+    """Refuse a model whose ``size`` bytes of weights exceed ``limit`` (None: no limit); an unknown
+    size is refused too when there is a limit."""
+    if limit is None:
+        return
+    cap = f"this server loads Hub models with at most {limit / 1e6:,.1f} MB of weights"
+    if size is None:
+        raise ValueError(f"{what}: the Hub did not say how large its weights are, and {cap}.")
+    if size > limit:
+        raise ValueError(f"{what} has {size / 1e6:,.1f} MB of weights; {cap}. Pick a smaller model.")
+
+
+def _hub_weight_size(source: ModelSource, cached: str | Any, token: str | None) -> int | None:
+    """Bytes of the model's weights: the cached file's size, else the Hub's metadata (nothing is downloaded)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    if isinstance(cached, str):
+        return Path(cached).stat().st_size
+    with _hub_errors(source, WEIGHTS_NAME):
+        url = hf_hub_url(source.location, WEIGHTS_NAME, revision=source.revision)
+        return get_hf_file_metadata(url, token=token, library_name="nctv").size
+
+
+def _hub_folder(source: ModelSource, token: str | None = None, max_weight_bytes: int | None = None) -> Path:
+    """Snapshot folder of a Hub model holding config.json and model.safetensors (downloads once,
+    after checking that the weights are at most ``max_weight_bytes``)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
     cached = {f: try_to_load_from_cache(source.location, f, revision=source.revision) for f in (CONFIG_NAME, WEIGHTS_NAME)}
-    if all(isinstance(p, str) for p in cached.values()):
-        return Path(cached[CONFIG_NAME]).parent
-    if not hub_reachable():
+    what = f"hf-hub:{source.location}"
+    complete = all(isinstance(p, str) for p in cached.values())
+    if not complete and not hub_reachable():
         missing = next(f for f in (CONFIG_NAME, WEIGHTS_NAME) if not isinstance(cached[f], str))
         raise ValueError(_offline_message(source, missing))
+    if max_weight_bytes is not None:
+        check_weight_size(what, _hub_weight_size(source, cached[WEIGHTS_NAME], token), max_weight_bytes)
+    if complete:
+        return Path(cached[CONFIG_NAME]).parent
     paths = {}
     # Fetch both files together so that they come from the same snapshot.
     for filename in (CONFIG_NAME, WEIGHTS_NAME):
-        try:
+        with _hub_errors(source, filename):
             paths[filename] = Path(hf_hub_download(source.location, filename, revision=source.revision,
                                                    token=token, library_name="nctv"))
-        except LocalEntryNotFoundError:
-            raise ValueError(_offline_message(source, filename)) from None
-        except GatedRepoError:
-            raise ValueError(f"hf-hub:{source.location} is gated: accept its terms on the Hub and pass your token.") from None
-        except RepositoryNotFoundError:
-            raise ValueError(f"hf-hub:{source.location} does not exist on the Hub (or is private: pass a token).") from None
-        except RevisionNotFoundError:
-            raise ValueError(f"hf-hub:{source.location} has no revision '{source.revision}'.") from None
-        except EntryNotFoundError:
-            hint = (" NCTV reads weights from safetensors only; pickle checkpoints are refused."
-                    if filename == WEIGHTS_NAME else " It is not a timm model.")
-            raise ValueError(f"hf-hub:{source.location} has no {filename}.{hint}") from None
     folder = paths[CONFIG_NAME].parent
     if paths[WEIGHTS_NAME].parent != folder:
-        raise ValueError(f"hf-hub:{source.location}: config.json and model.safetensors come from different snapshots; "
+        raise ValueError(f"{what}: config.json and model.safetensors come from different snapshots; "
                          "clear this model from the Hugging Face cache and load it again.")
     return folder
 
@@ -343,21 +381,26 @@ class LoadedModel:
         return tuple(int(v) for v in self.data_config["input_size"])
 
 
-def load_model(name_or_id: str, device: Any = "cpu", token: str | None = None) -> LoadedModel:
+def load_model(name_or_id: str, device: Any = "cpu", token: str | None = None,
+               max_weight_bytes: int | None = None) -> LoadedModel:
     """Load a zoo name, ``hf-hub:<org>/<name>[@rev]``, ``<org>/<name>`` or ``local-dir:<folder>``.
 
     The model is returned frozen (eval mode, no parameter gradients) on ``device``. ``token`` is a
     Hugging Face token for gated or private repositories (else the usual HF_TOKEN / login applies).
+    ``max_weight_bytes`` refuses Hub models with larger weights, before anything is downloaded
+    (the size comes from the Hub's metadata, or from the cached file); None: no limit.
+    ``source`` records an embedded model by its entry (``local-dir:models/…``, inside the shipped
+    assets), so results do not hold where the assets lie.
     """
     source, entry = parse_model_id(name_or_id)
     if source.kind == "hf-hub":
-        folder = _hub_folder(source, token)
+        folder = _hub_folder(source, token, max_weight_bytes)
         card_path = _hub_card(source, token)
         source_text = f"hf-hub:{source.location}" + (f"@{source.revision}" if source.revision else "")
     else:
         folder = Path(source.location)
         card_path = folder / CARD_NAME if (folder / CARD_NAME).is_file() else None
-        source_text = f"local-dir:{folder}"
+        source_text = entry.source if entry else f"local-dir:{folder}"
     model = _build(folder, entry.adapt if entry else None)
     model = freeze(model).to(resolve_device(device))
     data_config = _data_config(model)

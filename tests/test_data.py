@@ -250,3 +250,33 @@ def test_image_folder_dataset_split_in_halves(tmp_path, fmnist_model):
     assert len(seen) == 15
     again = d.get_splits(fmnist_model, dataset=f"folder:{tmp_path}", calibration_size=None)
     assert again[0].fingerprint == cal.fingerprint
+
+
+def test_folder_roots_allow_only_folders_inside_them(tmp_path, fmnist_model):
+    root, outside = tmp_path / "data", tmp_path / "private"
+    for cls in ("Bag", "Trouser"):
+        (root / "set" / cls).mkdir(parents=True)
+        (outside / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.new("L", (28, 28), 40 * i).save(root / "set" / cls / f"{i}.png")
+            Image.new("L", (28, 28), 40 * i).save(outside / cls / f"{i}.png")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    (root / "alias").symlink_to(root / "set", target_is_directory=True)
+    roots = [str(root)]
+    assert d.allowed_folder(f"{root}/set", roots) == (root / "set").resolve()
+    assert d.allowed_folder(f"{root}/alias", roots) == (root / "set").resolve()  # a link that stays inside
+    answers = set()
+    for refused in (str(outside), f"{root}/link", f"{root}/set/../../private", "/etc", "/no/such/folder",
+                    f"{root}/../no-such", "~"):
+        with pytest.raises(ValueError) as e:
+            d.allowed_folder(refused, roots)
+        answers.add(str(e.value))
+    assert answers == {d.FOLDERS_REFUSED}  # one sentence, whether the folder exists or not
+    with pytest.raises(ValueError, match="NCTV_DATA_ROOTS"):
+        d.allowed_folder(f"{root}/set", [])
+    # The library and the command line (no roots) read any folder, as before.
+    assert d.allowed_folder(str(outside), None) == outside
+    cal, test = d.get_splits(fmnist_model, dataset=f"folder:{root}/set", calibration_size=None, folder_roots=roots)
+    assert len(cal) + len(test) == 4 and cal.name == f"folder:{root}/set calibration"
+    with pytest.raises(ValueError, match="not among them"):
+        d.get_splits(fmnist_model, dataset=f"folder:{root}/link", folder_roots=roots)

@@ -7,7 +7,10 @@ Splits are small (300 calibration and 1,000 test images) so that every fit takes
 import csv
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import gradio as gr
@@ -18,7 +21,9 @@ from PIL import Image
 
 from nctv import metrics
 from nctv.calibration import METHODS
+from nctv.data import FASHION_MNIST_CLASSES as FMNIST_CLASSES
 from nctv.data import get_splits as data_splits
+from nctv.data import load_pools as data_load_pools
 from nctv.cache import model_fingerprint
 from nctv.inference import model_logits
 from nctv.memory import DeviceOutOfMemoryError
@@ -26,7 +31,7 @@ from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn, state, try_image
-from nctv.ui.common import Worker, parse_number_or_auto, parse_whole, user_errors
+from nctv.ui.common import SERVER_PATH, Worker, parse_number_or_auto, parse_whole, user_errors
 from nctv.ui.images import MAX_PIXELS, CheckedImage, ImageError, match_channels, to_pil
 from nctv.zoo import DEFAULT_MODEL, load_model, train_classifier
 
@@ -227,6 +232,8 @@ def test_parsing_helpers():
 @pytest.mark.parametrize("available", [False, True])
 def test_dataset_box_offers_hf_dataset_only_with_datasets(monkeypatch, available):
     monkeypatch.setattr(state, "hub_datasets_available", lambda: available)
+    monkeypatch.setenv("NCTV_DATA_ROOTS", "/srv/data")
+    monkeypatch.setenv("NCTV_HUB_DATASETS", "1")  # what the operator allows; see below for the default
     assert "folder:/path" in state.dataset_hint() and ("hf-dataset:" in state.dataset_hint()) is available
     assert state.dataset_choices()[0] == state.DEFAULT_DATASET_CHOICE and "fashion-mnist" in state.dataset_choices()
     assert not any(c.startswith("hf-dataset:") for c in state.dataset_choices())  # a pattern, typed, never picked
@@ -260,6 +267,123 @@ def test_user_errors_turn_exceptions_into_messages():
     assert next(g) == 1
     with pytest.raises(gr.Error, match="stopped in the middle"):
         next(g)
+
+
+# --------------------------------------------------------------------------- safe on a public server
+
+
+def _calibrate(dataset: str, hub_id: str = "", methods=("Temperature Scaling",)) -> list:
+    return list(cal_tab.calibrate(DEFAULT_MODEL, hub_id, dataset, 20, 20, 0, 5, list(methods), "1", "default",
+                                  "random", "fast", 100))
+
+
+def _refusal(dataset: str, hub_id: str = "") -> str:
+    with pytest.raises(gr.Error) as e:
+        _calibrate(dataset, hub_id)
+    return str(e.value.message)
+
+
+@pytest.mark.parametrize("roots", ["none", "a temporary root"])
+def test_server_folders_are_refused_alike_and_reveal_nothing(roots, tmp_path, monkeypatch):
+    if roots == "none":
+        monkeypatch.delenv("NCTV_DATA_ROOTS", raising=False)
+    else:
+        (tmp_path / "data").mkdir()
+        monkeypatch.setenv("NCTV_DATA_ROOTS", str(tmp_path / "data"))
+    asked = ["folder:/etc", "folder:/no/such/folder", f"folder:{tmp_path}/data/../../../etc", "folder:~"]
+    answers = {dataset: _refusal(dataset) for dataset in asked}
+    assert len(set(answers.values())) == 1, answers  # the same sentence whether the folder exists or not
+    message = answers["folder:/etc"]
+    assert not re.search(r"/\w|\d", message)  # no path, no count
+    # The server's own split loader refuses too, for a split built without the form.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        state.get_splits(state.SplitSpec(DEFAULT_MODEL, "folder:/etc", 20, 0, 20))
+
+
+def test_an_allowed_root_serves_a_folder_of_classes(tmp_path, monkeypatch):
+    # Real Fashion-MNIST test images of two classes, one folder per class named as the model names them.
+    images, labels = data_load_pools("fashion-mnist").test
+    root = tmp_path / "data"
+    for cls in (1, 8):
+        (root / "fmnist" / FMNIST_CLASSES[cls]).mkdir(parents=True)
+        for i in np.flatnonzero(labels == cls)[:30]:
+            images.pil(int(i)).save(root / "fmnist" / FMNIST_CLASSES[cls] / f"{i}.png")
+    monkeypatch.setenv("NCTV_DATA_ROOTS", os.pathsep.join([str(tmp_path / "elsewhere"), str(root)]))
+    dataset = f"folder:{root}/fmnist"
+    status, *_, files, calibration = _calibrate(dataset)[-1]
+    assert status.startswith("**Done**") and calibration.split.dataset == dataset
+    data = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
+    assert data["calibration"]["name"] == f"{dataset} calibration" and data["calibration"]["size"] == 20
+    # The same images the library reads from that folder without any root.
+    _, test = data_splits(state.get_model(DEFAULT_MODEL), dataset=dataset, calibration_size=20, test_size=20)
+    assert data["test"]["fingerprint"] == test.fingerprint and set(test.labels.tolist()) <= {1, 8}
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [k, *_strings(v)]]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_downloads_hold_no_server_path(run):
+    result, calibration, _ = run
+    files = [Path(f) for f in cal_tab.export_files(result, calibration, 15)]
+    server = [str(Path(__file__).resolve().parent.parent), str(Path.home()), str(state.assets_dir())]
+    for f in files + [state.precomputed_dir() / "results.json"]:
+        if f.suffix in (".json", ".md", ".csv", ".tex"):
+            text = f.read_text(encoding="utf-8")
+            assert not [p for p in server if p in text], f
+    for f in (files[0], state.precomputed_dir() / "results.json"):
+        data = json.loads(f.read_text(encoding="utf-8"))
+        assert data["model"]["source"] == "local-dir:models/fmnist-resnet-overconfident"
+        assert not [s for s in _strings(data) if s.startswith("/") or ":/" in s]
+
+
+def test_messages_hide_the_servers_folders(monkeypatch):
+    from huggingface_hub import constants
+
+    # Offline, an uncached Hub model's message names the Hugging Face cache for a local user.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    message = _refusal(state.DEFAULT_DATASET_CHOICE, hub_id="nctv-test/never-downloaded")
+    assert "needs the network" in message and f"cache ({SERVER_PATH})" in message
+    assert constants.HF_HUB_CACHE not in message and str(Path.home()) + "/" not in message
+
+    @user_errors
+    def missing_asset():
+        raise ValueError(f"The embedded file {state.assets_dir()}/data/x.npz is missing; see {Path.home()}.")
+
+    with pytest.raises(gr.Error) as e:
+        missing_asset()
+    assert e.value.message == f"The embedded file {SERVER_PATH}/data/x.npz is missing; see {SERVER_PATH}."
+
+
+def test_hub_datasets_and_folders_are_offered_only_when_allowed(monkeypatch):
+    monkeypatch.delenv("NCTV_DATA_ROOTS", raising=False)
+    monkeypatch.delenv("NCTV_HUB_DATASETS", raising=False)
+    assert state.dataset_hint() is None
+    assert "NCTV_HUB_DATASETS" in _refusal("hf-dataset:org/name@test")
+    monkeypatch.setenv("NCTV_HUB_DATASETS", "1")
+    assert state.resolve_dataset("hf-dataset:org/name@test") == "hf-dataset:org/name@test"
+    # A typed id is a Hub id: no server folder of that name is looked at.
+    assert state.resolve_model_name(DEFAULT_MODEL, "timm/resnet18.a1_in1k") == "hf-hub:timm/resnet18.a1_in1k"
+    assert state.resolve_model_name(None, "fmnist-vit") == "fmnist-vit"
+
+
+def test_operator_limits_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("NCTV_MAX_MODEL_MB", raising=False)
+    assert state.max_model_bytes() == 500 * 10**6
+    monkeypatch.setenv("NCTV_MAX_MODEL_MB", "250")
+    assert state.max_model_bytes() == 250 * 10**6
+    monkeypatch.setenv("NCTV_MAX_MODEL_MB", "lots")
+    with pytest.raises(ValueError, match="NCTV_MAX_MODEL_MB must be a number ≥ 0; it is 'lots'"):
+        state.max_model_bytes()
+    # The model memo's size is read once, when the app starts.
+    script = "from nctv.ui import state; print(state._models.maxsize)"
+    env = {**os.environ, "NCTV_MAX_MODELS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- images

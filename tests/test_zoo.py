@@ -1,9 +1,11 @@
 """nctv.zoo: the embedded models, Hub loading through the cache, id validation, training helper."""
+import http.server
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +51,9 @@ def test_embedded_model_is_frozen_and_described(embedded):
     assert not m.model.training and not any(p.requires_grad for p in m.model.parameters())
     assert m.class_names == list(d.FASHION_MNIST_CLASSES) and m.default_dataset == "fashion-mnist"
     assert m.data_config["input_size"] == (1, 28, 28) and m.data_config["crop_pct"] == 1.0
-    assert m.source.startswith("local-dir:") and Path(m.source[len("local-dir:"):]) == m.folder
+    # Recorded as the entry names it (inside the shipped assets): results never hold where they lie.
+    assert m.source == z.get_entry(m.name).source and m.source.startswith("local-dir:models/")
+    assert m.folder == (d.assets_dir() / m.source[len("local-dir:"):]).resolve()
     assert m.card["metadata"]["nctv"]["name"] == m.name and "Training recipe" in m.card["text"]
 
 
@@ -235,6 +239,82 @@ def test_hub_models_and_data_load_offline_from_the_cache(tmp_path):
     assert "needs the network" in out["paper"]
     assert out["blood_sizes"] == [6, 4] and out["blood_x"] and out["blood_train"] == [9, 28, 28, 3]
     assert out["blood_labels"] == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3]]
+
+
+def test_hub_weight_cap_reads_the_cached_file(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    model = timm.create_model("resnet10t", num_classes=5, channels=[8, 16, 16, 16], stem_width=8).eval()
+    _put_in_hub_cache(tmp_path / "hf", "nctv-test/tiny-resnet", model, "a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot = tmp_path / "hf" / "hub" / "models--nctv-test--tiny-resnet" / "snapshots" / ("a" * 40)
+    size = (snapshot / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match=r"hf-hub:nctv-test/tiny-resnet has 0\.\d MB of weights; this server loads "
+                                         r"Hub models with at most 0\.\d MB"):
+        z.load_model("hf-hub:nctv-test/tiny-resnet", max_weight_bytes=size - 1)
+    assert z.load_model("hf-hub:nctv-test/tiny-resnet", max_weight_bytes=size).num_classes == 5
+    # Not cached and offline: the offline answer, as without a cap.
+    with pytest.raises(ValueError, match="needs the network"):
+        z.load_model("hf-hub:nctv-test/never-downloaded", max_weight_bytes=size)
+
+
+def test_weight_cap_decision():
+    z.check_weight_size("m", 10**9, None)
+    z.check_weight_size("m", 500 * 10**6, 500 * 10**6)
+    with pytest.raises(ValueError, match="m has 500.0 MB of weights; .* at most 499.9 MB"):
+        z.check_weight_size("m", 500 * 10**6, 499_900_000)
+    with pytest.raises(ValueError, match="did not say how large"):
+        z.check_weight_size("m", None, 10**9)
+
+
+class _HubStandIn(http.server.BaseHTTPRequestHandler):
+    """Answers a file's metadata the way the Hub does (size in X-Linked-Size) and records every request."""
+
+    size = 600 * 10**6
+    seen: list = []
+
+    def do_HEAD(self):
+        self.seen.append(("HEAD", self.path))
+        self.send_response(200 if self.path.endswith("/resolve/main/model.safetensors") else 404)
+        self.send_header("X-Repo-Commit", "d" * 40)
+        self.send_header("ETag", '"0123abcd"')
+        self.send_header("X-Linked-Size", str(self.size))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        self.seen.append(("GET", self.path))
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_hub_weight_cap_is_checked_before_any_download(tmp_path):
+    """The Hub cannot be reached from where this project is built, so a local endpoint stands in for it."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HubStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGINGFACE_")) and not k.lower().endswith("_proxy")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+               PYTHONPATH=str(REPO_ROOT))
+    script = ("import nctv.zoo as z\n"
+              "try:\n    z.load_model('hf-hub:nctv-test/big-model', max_weight_bytes=500 * 10**6)\n"
+              "except ValueError as e:\n    print('MESSAGE', e)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("MESSAGE hf-hub:nctv-test/big-model has 600.0 MB of weights; this server loads Hub models with at most "
+            "500.0 MB of weights. Pick a smaller model.") in proc.stdout
+    # Of the model, only the weights' metadata was asked for (the client asks the endpoint other things too).
+    asked = [r for r in _HubStandIn.seen if "big-model" in r[1]]
+    assert asked == [("HEAD", "/nctv-test/big-model/resolve/main/model.safetensors")]
+    assert not list((tmp_path / "hf").rglob("*.safetensors")) and not list((tmp_path / "hf").rglob("config.json"))
 
 
 def test_cifar_stem_adapter_only_changes_what_the_checkpoint_needs():

@@ -31,6 +31,7 @@ from nctv.ui.state import (
     dataset_hint,
     examples_dir,
     get_logits,
+    max_model_bytes,
     model_choices,
 )
 
@@ -104,7 +105,8 @@ def describe_model(choice: str | None, hub_id: str | None) -> str:
     typed = (hub_id or "").strip()
     if typed:
         return (f"Hub model **{typed}**: downloaded on the first run (needs the network once, then cached). It must "
-                "be a timm model with config.json and model.safetensors; pick a dataset it was trained for.")
+                f"be a timm model with config.json and model.safetensors of at most {max_model_bytes() / 1e6:,.0f} MB; "
+                "pick a dataset it was trained for.")
     entry = ENTRIES.get(choice or "")
     if entry is None:
         return ""
@@ -121,8 +123,7 @@ def _shared_panel() -> Shared:
             hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
                                 placeholder="e.g. timm/resnet18.a1_in1k", scale=2)
             dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
-                                  label="Calibration pool (dataset)", scale=2,
-                                  info=dataset_hint())
+                                  label="Calibration pool (dataset)", scale=2, info=dataset_hint())
         with gr.Row():
             size = gr.Number(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
                              elem_id="calibration-size",

@@ -3,7 +3,9 @@ that a Gradio generator streams from (and that Stop ends), GPU placement, and in
 
 Handlers never show a traceback: a ``ValueError`` from the library already speaks the person's
 words and becomes ``gr.Error(message)``; anything else is logged on the server with its traceback
-and shown as a short message.
+and shown as a short message. Every message (and warning) a visitor sees has the server's own
+folders (home, caches, the installation) replaced by :data:`SERVER_PATH`: the library's messages
+name them for a person on their own machine, which a visitor is not.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import logging
 import math
 import os
 import queue
+import re
 import shutil
+import sys
 import tempfile
 import threading
 import warnings
@@ -34,15 +38,41 @@ HEAVY = "nctv-heavy"
 POLL_SECONDS = 0.25
 
 
+SERVER_PATH = "[server folder]"
+
+
+def _server_folders() -> list[str]:
+    """Folders of this server that messages may name, longest first (so a cache inside the home
+    folder goes as a whole)."""
+    from huggingface_hub import constants
+
+    from nctv.data import assets_dir, cache_dir
+
+    folders = [Path.home(), cache_dir(), Path(constants.HF_HOME), Path(constants.HF_HUB_CACHE), assets_dir(),
+               Path(__file__).resolve().parents[2], Path(sys.prefix), Path(tempfile.gettempdir())]
+    names = {str(f) for f in folders} | {str(f.resolve()) for f in folders}
+    return sorted((n for n in names if len(Path(n).parts) > 1), key=len, reverse=True)  # "/" names nothing
+
+
+def redact(text: str) -> str:
+    """``text`` with every server folder (see :func:`_server_folders`) replaced by :data:`SERVER_PATH`."""
+    for folder in _server_folders():
+        # Whole path components only: "/app" is hidden in "/app/x", not in "org/app" or "/apple".
+        text = re.sub(r"(?<![\w.\-])" + re.escape(folder) + r"(?![\w\-]|\.[\w\-])", SERVER_PATH, text)
+    return text
+
+
 def _message(exc: BaseException) -> gr.Error:
     if isinstance(exc, gr.Error):
-        return exc
+        return gr.Error(redact(str(exc.message)), duration=exc.duration, visible=exc.visible, title=exc.title,
+                        print_exception=exc.print_exception)
     if isinstance(exc, (ValueError, NotFittedError, DeviceOutOfMemoryError)) and str(exc):
-        return gr.Error(str(exc), print_exception=False)
+        return gr.Error(redact(str(exc)), print_exception=False)
     if isinstance(exc, MemoryError):
         return gr.Error("The server ran out of memory. Try a smaller calibration split or a smaller model.")
     log.exception("unexpected error in an app handler")
-    return gr.Error(f"Something went wrong on the server ({type(exc).__name__}: {exc}). Please try other settings.")
+    return gr.Error(redact(f"Something went wrong on the server ({type(exc).__name__}: {exc}). "
+                           "Please try other settings."))
 
 
 def user_errors(fn: Callable) -> Callable:
@@ -158,7 +188,7 @@ class Worker:
 
 def with_warnings(status: str, worker: Worker) -> str:
     """A final status with the work's warnings (if any) below it, one per line."""
-    return status + "".join(f"\n\n⚠ {w}" for w in worker.warnings)
+    return status + "".join(f"\n\n⚠ {redact(w)}" for w in worker.warnings)
 
 
 def stream_progress(worker: Worker, progress: Any, outputs: int) -> Iterator[tuple]:

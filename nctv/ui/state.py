@@ -4,6 +4,8 @@ and the per-visitor :class:`Calibration` that lives in a ``gr.State`` (no visito
 """
 from __future__ import annotations
 
+import math
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from nctv.data import DATASETS, assets_dir
+from nctv.data import DATASETS, allowed_folder, assets_dir
 
 from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available  # noqa: E402 - the app's default is the library's
 DEFAULT_BINS = 15
@@ -30,6 +32,45 @@ def precomputed_dir() -> Path:
 
 def examples_dir() -> Path:
     return precomputed_dir() / "examples"
+
+
+# --------------------------------------------------------------------------- the operator's settings
+# Safe by default on a public server: no server folders, Hub models of bounded size, few in memory.
+# docs/app.md, "Running a public copy", lists every variable.
+
+DEFAULT_MAX_MODEL_MB = 500
+DEFAULT_MAX_MODELS = 3
+
+
+def _env_number(name: str, default: float, minimum: float, whole: bool = False) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum or (whole and value != int(value)):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"The environment variable {name} must be {kind} ≥ {minimum:g}; it is {text!r}.")
+    return value
+
+
+def data_roots() -> list[Path]:
+    """Folders inside which visitors may name image folders as datasets: ``$NCTV_DATA_ROOTS``
+    (separated by ``os.pathsep``); none when unset."""
+    return [Path(p) for p in os.environ.get("NCTV_DATA_ROOTS", "").split(os.pathsep) if p.strip()]
+
+
+def max_model_bytes() -> int:
+    """The largest Hub model weights the app loads: ``$NCTV_MAX_MODEL_MB`` megabytes (10⁶ bytes)."""
+    return int(_env_number("NCTV_MAX_MODEL_MB", DEFAULT_MAX_MODEL_MB, 0) * 1e6)
+
+
+def hub_datasets_allowed() -> bool:
+    """Whether visitors may name Hugging Face datasets (``$NCTV_HUB_DATASETS=1``); a dataset's
+    size is not known before it downloads, so they are off by default."""
+    return os.environ.get("NCTV_HUB_DATASETS", "").strip().lower() in ("1", "true", "yes")
 
 
 # --------------------------------------------------------------------------- shared caches
@@ -64,7 +105,8 @@ class Memo:
             return value
 
 
-_models = Memo(3)
+#: Models held in memory at once (``$NCTV_MAX_MODELS``, read at start); the least recently used goes first.
+_models = Memo(int(_env_number("NCTV_MAX_MODELS", DEFAULT_MAX_MODELS, 1, whole=True)))
 _splits = Memo(6)
 _logits = Memo(8)
 _hashes = Memo(8)
@@ -87,7 +129,7 @@ def get_model(name: str):
     from nctv.inference import resolve_device
     from nctv.zoo import load_model
 
-    return _models.get(name, lambda: load_model(name, device=resolve_device(None)))
+    return _models.get(name, lambda: load_model(name, device=resolve_device(None), max_weight_bytes=max_model_bytes()))
 
 
 def model_hash(name: str) -> str:
@@ -103,7 +145,8 @@ def get_splits(spec: SplitSpec):
 
     def make():
         return data_splits(get_model(spec.model), dataset=spec.dataset, calibration_size=spec.calibration_size,
-                           calibration_seed=spec.calibration_seed, test_size=spec.test_size)
+                           calibration_seed=spec.calibration_seed, test_size=spec.test_size,
+                           folder_roots=data_roots())
 
     return _splits.get(spec, make)
 
@@ -139,10 +182,12 @@ def dataset_choices() -> list[str]:
     return [DEFAULT_DATASET_CHOICE] + [k for k in DATASETS if "<" not in k]
 
 
-def dataset_hint() -> str:
-    """What else the dataset box takes; ``hf-dataset:`` only where the ``datasets`` package is installed."""
-    hub = " or hf-dataset:org/name@split" if hub_datasets_available() else ""
-    return f"Or type folder:/path (one sub-folder per class){hub}"
+def dataset_hint() -> str | None:
+    """What else the dataset box takes on this server (None: only the listed datasets): folders
+    where the operator allows some, ``hf-dataset:`` where allowed and ``datasets`` is installed."""
+    ways = (["folder:/path (one sub-folder per class)"] * bool(data_roots())
+            + ["hf-dataset:org/name@split"] * (hub_datasets_allowed() and hub_datasets_available()))
+    return f"Or type {' or '.join(ways)}" if ways else None
 
 
 def resolve_model_name(choice: str | None, hub_id: str | None) -> str:
@@ -152,15 +197,25 @@ def resolve_model_name(choice: str | None, hub_id: str | None) -> str:
         if typed.lower().startswith("local-dir:"):
             raise ValueError("This box takes a Hugging Face Hub model id such as timm/resnet18.a1_in1k; "
                              "local folders are used through the nctv command instead.")
-        return typed
+        # An <org>/<name> is said to be a Hub id, so that no server folder of that name is looked at.
+        return f"hf-hub:{typed}" if "/" in typed and ":" not in typed else typed
     if not choice:
         raise ValueError("Pick a model from the list (or type a Hugging Face Hub id).")
     return str(choice)
 
 
 def resolve_dataset(choice: str | None) -> str | None:
+    """The dataset to use (None: the model's own), refused at once when this server does not
+    allow it (see :func:`data_roots`, :func:`hub_datasets_allowed`)."""
     text = (choice or "").strip()
-    return None if text in ("", DEFAULT_DATASET_CHOICE) else text
+    if text in ("", DEFAULT_DATASET_CHOICE):
+        return None
+    if text.startswith("hf-dataset:") and not hub_datasets_allowed():
+        raise ValueError("This server does not download Hugging Face datasets (its operator has not allowed them: "
+                         "NCTV_HUB_DATASETS); pick a dataset from the list.")
+    if text.startswith("folder:"):
+        allowed_folder(text[len("folder:"):], data_roots())  # before any model loads
+    return text
 
 
 # --------------------------------------------------------------------------- per-visitor state

@@ -126,6 +126,19 @@ def test_folders_need_config_and_safetensors(tmp_path):
         z.load_model(f"local-dir:{tmp_path}")
 
 
+def test_a_pickle_beside_the_safetensors_is_never_loaded(tmp_path):
+    # timm before 1.0.29 took the last checkpoint it found in a local-dir folder (a .bin over
+    # model.safetensors); the timm lower bound keeps weights coming from safetensors only.
+    src = d.assets_dir() / z.get_entry(z.DEFAULT_MODEL).source[len("local-dir:"):]
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint: reading it fails")
+    m, ref = z.load_model(f"local-dir:{tmp_path}"), z.load_model(z.DEFAULT_MODEL)
+    x = torch.randn(3, *ref.input_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(m.model(x), ref.model(x))
+
+
 def test_unknown_architecture_is_reported(tmp_path):
     src = z.get_entry(z.DEFAULT_MODEL).source[len("local-dir:"):]
     folder = d.assets_dir() / src
@@ -139,16 +152,20 @@ def test_unknown_architecture_is_reported(tmp_path):
 
 # ----------------------------------------------------------------------------- Hub cache
 
-def _put_in_hub_cache(hf_home: Path, repo_id: str, model: torch.nn.Module, commit: str) -> None:
-    """Write a model the way the Hub cache stores a downloaded snapshot of ``repo_id``."""
+def _put_in_hub_cache(hf_home: Path, repo_id: str, model: torch.nn.Module, commit: str, model_args: dict) -> None:
+    """Write a model the way the Hub cache stores a downloaded snapshot of ``repo_id``. ``model_args``
+    go into config.json explicitly: only recent timm records a model's size arguments by itself."""
     repo_dir = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    timm.models.save_for_hf(model, str(repo_dir / "snapshots" / commit), safe_serialization=True)
+    timm.models.save_for_hf(model, str(repo_dir / "snapshots" / commit), model_args=model_args, safe_serialization=True)
     (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
     (repo_dir / "refs" / "main").write_text(commit)
 
 
+CIFAR_ARGS = {"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16], "stem_width": 8}
+
+
 def _cifar_stem_resnet() -> torch.nn.Module:
-    m = timm.create_model("resnet18", num_classes=100, layers=[1, 1, 1, 1], channels=[8, 16, 16, 16], stem_width=8)
+    m = timm.create_model("resnet18", num_classes=100, **CIFAR_ARGS)
     m.conv1 = torch.nn.Conv2d(3, m.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
     m.maxpool = torch.nn.Identity()
     return m
@@ -196,10 +213,11 @@ OFFLINE_SCRIPT = textwrap.dedent("""
 def test_hub_models_and_data_load_offline_from_the_cache(tmp_path):
     torch.set_num_threads(1)
     hf_home = tmp_path / "hf"
-    model = timm.create_model("resnet10t", num_classes=5, channels=[8, 16, 16, 16], stem_width=8).eval()
-    _put_in_hub_cache(hf_home, "nctv-test/tiny-resnet", model, "a" * 40)
+    tiny = {"channels": [8, 16, 16, 16], "stem_width": 8}
+    model = timm.create_model("resnet10t", num_classes=5, **tiny).eval()
+    _put_in_hub_cache(hf_home, "nctv-test/tiny-resnet", model, "a" * 40, tiny)
     cifar = _cifar_stem_resnet().eval()
-    _put_in_hub_cache(hf_home, "edadaltocg/resnet50_cifar100", cifar, "b" * 40)
+    _put_in_hub_cache(hf_home, "edadaltocg/resnet50_cifar100", cifar, "b" * 40, CIFAR_ARGS)
     g = torch.Generator().manual_seed(0)
     x, xc = torch.randn(4, 3, 64, 64, generator=g), torch.randn(4, 3, 32, 32, generator=g)
     with torch.no_grad():
@@ -217,11 +235,12 @@ def test_hub_models_and_data_load_offline_from_the_cache(tmp_path):
     np.savez_compressed(snap / "data" / "bloodmnist.npz", **blood)
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("c" * 40)
-    blood_model = timm.create_model("nctv_mlp_mixer", num_classes=8, img_size=28, patch_size=7, embed_dim=8,
-                                    num_blocks=1)
+    blood_args = {"img_size": 28, "patch_size": 7, "embed_dim": 8, "num_blocks": 1}
+    blood_model = timm.create_model("nctv_mlp_mixer", num_classes=8, **blood_args)
     cfg = {"input_size": (3, 28, 28), "mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25), "crop_pct": 1.0,
            "interpolation": "bilinear"}
-    timm.models.save_for_hf(blood_model, str(tmp_path / "blood-model"), safe_serialization=True, data_config=cfg)
+    blood_model.pretrained_cfg = {**blood_model.pretrained_cfg, **cfg}  # save_for_hf's data_config is recent in timm
+    timm.models.save_for_hf(blood_model, str(tmp_path / "blood-model"), model_args=blood_args, safe_serialization=True)
     tensors["blood_test_x"] = ((torch.from_numpy(blood["test_images"]).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.25).contiguous()
     save_file(tensors, str(tmp_path / "ref.safetensors"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}

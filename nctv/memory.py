@@ -26,6 +26,8 @@ device holds for every later pass over the same split.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -38,6 +40,28 @@ FREE_MEMORY_SHARE = 0.6
 MAX_CHUNK = 8192
 
 T = TypeVar("T")
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def cancellation(check: Callable[[], None]):
+    """Within the block, every model pass of this thread calls ``check()`` before each piece; it
+    raises to cancel (the app's Stop). Passes are the only long loops, so a cancelled job ends
+    within one piece of work, logits included."""
+    previous = getattr(_local, "check", None)
+    _local.check = check
+    try:
+        yield
+    finally:
+        _local.check = previous
+
+
+def check_cancelled() -> None:
+    check = getattr(_local, "check", None)
+    if check is not None:
+        check()
 
 
 class DeviceOutOfMemoryError(MemoryError):
@@ -84,6 +108,7 @@ class ChunkSizer:
         """
         start = 0
         while start < n:
+            check_cancelled()
             stop = min(n, start + self.size)
             measure = self._measure
             base = self._start_measuring() if measure else 0

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,31 @@ def test_stop_ends_the_worker_at_its_next_report():
     worker._thread.join(timeout=120)
     assert not worker._thread.is_alive()
     assert worker.result is None and worker.error is None
+
+
+def test_stop_ends_a_model_pass_between_chunks():
+    """Cancellation reaches the logit pass itself: after Stop no further chunk of the model runs."""
+    calls = []
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            calls.append(len(x))
+            time.sleep(0.05)
+            return x.flatten(1)[:, :3]
+
+    def work(report):
+        report(("started",))
+        return model_logits(Slow(), torch.zeros(200, 1, 2, 2), batch_size=2)  # 100 chunks, about 5 s
+
+    worker = Worker(work)
+    stream = worker.stream()
+    while not next(stream):  # empty lists while the thread starts
+        pass
+    time.sleep(0.2)  # a few chunks into the pass
+    stream.close()
+    worker._thread.join(timeout=30)
+    assert not worker._thread.is_alive() and worker.result is None and worker.error is None
+    assert 0 < len(calls) < 20  # it stopped within a chunk or two of the Stop, far from the 100 chunks
 
 
 @pytest.mark.parametrize("args, words", [

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.memory import DeviceOutOfMemoryError
+from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
 
@@ -139,9 +139,12 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="nctv-worker", daemon=True)
 
     def report(self, item: Any) -> None:
+        self._check()
+        self._queue.put(item)
+
+    def _check(self) -> None:
         if self._stop.is_set():
             raise Cancelled()
-        self._queue.put(item)
 
     def _run(self) -> None:
         try:
@@ -150,7 +153,8 @@ class Worker:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    self.result = self._work(self.report)
+                    with cancellation(self._check):
+                        self.result = self._work(self.report)
                 finally:
                     for w in caught:
                         if issubclass(w.category, UserWarning) and str(w.message) not in self.warnings:

@@ -433,7 +433,9 @@ def markdown(summary: dict, settings: dict) -> list[str]:
     if summary["fidelity"]:
         lines += ["## Fidelity: the recipes against NCToolkit", "",
                   "*Same batches*: our fitter and NCWrapper start from the same δ₀ and see the same batches in the "
-                  "same order (seed 0), so any difference is floating-point rounding. *Own order*: each with its "
+                  "same order (seed 0): the computations agree in every step but their order of operations (how "
+                  "the loss is summed, where the clamp sits), so the difference is rounding, which 500 momentum "
+                  "steps amplify; it must stay well inside the own-order tolerance. *Own order*: each with its "
                   f"own shuffling over {seeds} seeds; the tolerance is twice the larger seed-to-seed standard "
                   "deviation, i.e. what the random order of batches alone explains. The paper recipe's λ‖δ‖²₂ "
                   "cannot be expressed in NCToolkit (it offers λ₁‖δ‖₂ only) and its focal loss clamps p_y, so the "

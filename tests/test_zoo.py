@@ -263,8 +263,9 @@ def test_hub_models_and_data_load_offline_from_the_cache(tmp_path):
 def test_hub_weight_cap_reads_the_cached_file(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    model = timm.create_model("resnet10t", num_classes=5, channels=[8, 16, 16, 16], stem_width=8).eval()
-    _put_in_hub_cache(tmp_path / "hf", "nctv-test/tiny-resnet", model, "a" * 40)
+    tiny = {"channels": [8, 16, 16, 16], "stem_width": 8}
+    model = timm.create_model("resnet10t", num_classes=5, **tiny).eval()
+    _put_in_hub_cache(tmp_path / "hf", "nctv-test/tiny-resnet", model, "a" * 40, tiny)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     snapshot = tmp_path / "hf" / "hub" / "models--nctv-test--tiny-resnet" / "snapshots" / ("a" * 40)

@@ -36,6 +36,8 @@ BASELINES = (
     "MS-ODIR",
     "Dir-ODIR",
 )
+#: The baselines with a (λ, μ) selection that can screen the grid (``screen``).
+ODIR_METHODS = ("MS-ODIR", "Dir-ODIR")
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ def case_grid(p: dict, device: torch.device) -> dict:
 
 def _fitted_summary(method: Any) -> dict:
     keep = {}
-    for name in ("temperature_", "lambda_", "mu_", "n_iter_", "converged_"):
+    for name in ("temperature_", "lambda_", "mu_", "n_iter_", "converged_", "objective_", "screened_"):
         v = getattr(method, name, None)
         if isinstance(v, (bool, np.bool_)):
             keep[name.rstrip("_")] = bool(v)
@@ -236,25 +238,34 @@ def _fitted_summary(method: Any) -> dict:
 
 def case_baseline(p: dict, device: torch.device) -> dict:
     """One logit-space baseline fitted on synthetic logits (n × k), including any hyperparameter
-    selection its ``fit`` does (ODIR's cross-validated λ, μ); test ECE on a second synthetic set."""
+    selection its ``fit`` does (ODIR's cross-validated λ, μ); test ECE and NLL on a second synthetic
+    set. ``screen`` (ODIR only) is passed to the method when given."""
     import inspect
 
     from nctv.calibration import METHODS, make_method
-    from nctv.metrics import ece
+    from nctv.metrics import ece, nll
 
     n, k = int(p["n"]), int(p["k"])
     z, y = synthetic_logits(n, k, p.get("seed", 0), device)
     z_test, y_test = synthetic_logits(n, k, p.get("seed", 0) + 1, device)
     cls = getattr(importlib.import_module("nctv.calibration"), METHODS[p["method"]].cls)
     kwargs = {"progress": False} if "progress" in inspect.signature(cls.__init__).parameters else {}
+    if "screen" in p:
+        kwargs["screen"] = p["screen"]
     method = make_method(p["method"], **kwargs)
     rss_before = _rss_mb()
     out: dict[str, Any] = {}
     with timed(device, out):
         method.fit(z, y)
     memory = _memory(device, rss_before)
+    calibrated = method.transform(z_test)
     out.update(method=p["method"], n=n, k=k, uncalibrated_test_ece=ece(z_test, y_test, n_bins=15),
-               test_ece=ece(method.transform(z_test), y_test, n_bins=15), **_fitted_summary(method), **memory)
+               test_ece=ece(calibrated, y_test, n_bins=15), test_nll=nll(calibrated, y_test),
+               **_fitted_summary(method), **memory)
+    if "screen" in p:
+        out["screen"] = p["screen"]
+    if hasattr(method, "cv_refined_"):
+        out["refined_points"], out["grid_points"] = int(method.cv_refined_.sum()), int(method.cv_refined_.size)
     return out
 
 

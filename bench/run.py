@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from bench import panel
-from bench.cases import BASELINES
+from bench.cases import BASELINES, ODIR_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("fmnist-resnet", "fmnist-vit", "fmnist-mixer")
@@ -49,6 +49,9 @@ QUICK = dict(cal_size=500, test_size=2000, sweep_size=300, sequential=2, panel_s
              baseline_cap_s=60.0, large_cap_s=30.0, cap_s=600.0)
 #: Cases with at least this many logits (n·k) get ``large_cap_s`` instead of ``cap_s``.
 LARGE_LOGITS = 10_000_000
+#: From this many classes ODIR's default selection screens the (λ, μ) grid
+#: (``nctv.calibration.linear``); there the bench also times the exact selection beside it.
+SCREEN_MIN_CLASSES = 30
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +163,10 @@ def run_all(args: argparse.Namespace, log) -> dict:
             for method in BASELINES:
                 plan.append(("baseline", dict(common, n=n, k=k, method=method, seed=0), cap,
                              f"{method} on {n}×{k}"))
+                if method in ODIR_METHODS and k >= SCREEN_MIN_CLASSES and n * k < LARGE_LOGITS:
+                    # The same fit with the exact (unscreened) selection, right after it.
+                    plan.append(("baseline", dict(common, n=n, k=k, method=method, seed=0, screen=False), cap,
+                                 f"{method} (exact selection) on {n}×{k}"))
     t0 = time.perf_counter()
     for i, (case, params, cap, label) in enumerate(plan, 1):
         if args.budget_min is not None and time.perf_counter() - t0 > 60 * args.budget_min:
@@ -260,9 +267,30 @@ def grid_summary(result: dict | None) -> dict | None:
 
 
 def baseline_table(results: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """The default fit of every baseline, by size (the exact-selection comparisons left out)."""
     table: dict[tuple[int, int], list[dict]] = {}
     for r in results:
-        table.setdefault((int(r["n"]), int(r["k"])), []).append(r)
+        if r.get("screen") is not False:
+            table.setdefault((int(r["n"]), int(r["k"])), []).append(r)
+    return table
+
+
+def selection_comparison(results: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """ODIR's default (screened) selection against the exact one, fitted in the same run: seconds,
+    their ratio, and the differences of the choice, the final objective and the test NLL."""
+    default = {(int(r["n"]), int(r["k"]), r["method"]): r for r in results if r.get("screen") is not False}
+    table: dict[tuple[int, int], list[dict]] = {}
+    for r in results:
+        if r.get("screen") is not False:
+            continue
+        n, k, method = int(r["n"]), int(r["k"]), r["method"]
+        d = default.get((n, k, method))
+        row: dict[str, Any] = {"method": method, "default": d, "exact": r}
+        if _ok(d) and _ok(r):
+            row.update(ratio=r["seconds"] / d["seconds"], same_choice=(d["lambda"], d["mu"]) == (r["lambda"], r["mu"]),
+                       objective_difference=abs(d["objective"] - r["objective"]),
+                       test_nll_difference=abs(d["test_nll"] - r["test_nll"]))
+        table.setdefault((n, k), []).append(row)
     return table
 
 
@@ -521,7 +549,29 @@ def _md_baselines(results: list[dict], s: dict) -> list[str]:
                          f"{_pct(r['uncalibrated_test_ece'])} → {_pct(r['test_ece'])} | {fitted} | "
                          f"{r['peak_rss_mb']:.0f} ({r['rss_before_mb']:.0f}) |")
         lines += [f"| **all {'together' if complete else 'that finished'}** | **{total:.2f}** | | | | |", ""]
+        comparison = selection_comparison(results).get((n, k))
+        if comparison:
+            lines += _md_selection_comparison(comparison)
     return lines
+
+
+def _md_selection_comparison(rows: list[dict]) -> list[str]:
+    lines = ["ODIR's default selection screens the (λ, μ) grid at this size; the same fit with the exact "
+             "selection (`screen=False`: every grid point on every fold to the CV tolerance) ran right after "
+             "it, in its own process:", "",
+             "| method | default s | exact s | exact / default | same (λ, μ) | Δ objective | Δ test NLL | "
+             "points refined |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        d, e = row["default"], row["exact"]
+        if "ratio" not in row:
+            cells = [f"{r['seconds']:.2f}" if _ok(r) else _failure(r) if r else "not run" for r in (d, e)]
+            lines.append(f"| {row['method']} | {cells[0]} | {cells[1]} | | | | | |")
+            continue
+        refined = f"{d['refined_points']} of {d['grid_points']}" if d.get("screened") else "— (fell back to exact)"
+        lines.append(f"| {row['method']} | {d['seconds']:.2f} | {e['seconds']:.2f} | {row['ratio']:.2f} | "
+                     f"{'yes' if row['same_choice'] else '**no**'} | {row['objective_difference']:.1e} | "
+                     f"{row['test_nll_difference']:.1e} | {refined} |")
+    return lines + [""]
 
 
 def _clean(v: Any) -> Any:
@@ -638,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
         report.setdefault("derived", {})["sweep"] = {k: v for k, v in s.items() if k not in ("sweep", "sequential")}
     if "grid" in results:
         report.setdefault("derived", {})["grid"] = grid_summary(results["grid"][0])
+    if "baseline" in results:
+        report.setdefault("derived", {})["odir_selection"] = {
+            size: [{k: v for k, v in row.items() if k not in ("default", "exact")} for row in rows]
+            for size, rows in selection_comparison(results["baseline"]).items()}
     (args.out / "report.json").write_text(json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
     (args.out / "report.md").write_text(render_markdown(report) + "\n")
     log(f"done in {total / 60:.1f} min; wrote {args.out / 'report.md'} and report.json")

@@ -175,6 +175,59 @@ def test_cross_validation_picks_the_minimum_and_matches_an_independent_solver():
         assert model.cv_nll_[i, j] == pytest.approx(total / len(y), abs=1e-7)
 
 
+@pytest.fixture(scope="module")
+def thirty_classes():
+    """30-class logits (where "auto" screens the ODIR grid) and each ODIR method's exact selection."""
+    z, y, _ = distorted_sample(600, 30, seed=3, mixing=0.2)
+    exact = {}
+
+    def exact_fit(cls):
+        if cls not in exact:
+            exact[cls] = cls(progress=False, screen=False).fit(z, y)
+        return exact[cls]
+
+    return z, y, exact_fit
+
+
+@pytest.mark.parametrize("cls", [MatrixScalingODIR, DirichletODIR])
+def test_screened_selection_matches_the_exact_one_and_reaches_the_optimum(cls, thirty_classes):
+    z, y, exact_fit = thirty_classes
+    screened = cls(progress=False).fit(z, y)
+    exact = exact_fit(cls)
+    assert screened.screened_ and not screened.cv_refined_.all()  # some grid points were ruled out
+    assert not exact.screened_ and exact.cv_refined_.all()
+    assert (screened.lambda_, screened.mu_) == (exact.lambda_, exact.mu_)
+    refined = screened.cv_refined_
+    np.testing.assert_allclose(screened.cv_nll_[refined], exact.cv_nll_[refined], rtol=0, atol=1e-6)
+    assert screened.cv_nll_[~refined].min() > screened.cv_nll_[refined].min()
+    # The final fit is the optimum of the stated objective: zero gradient by autograd on an
+    # independent formula, the same objective value, and the same map as the exact selection's.
+    lam, mu = screened.lambda_, screened.mu_
+    x = torch.log_softmax(z, 1) if cls is DirichletODIR else z
+    g = autograd_gradient(screened.weight_, screened.bias_, x, y, lam=lam, mu=mu)
+    assert float(g.abs().max()) < 1e-7
+    assert screened.objective_ == pytest.approx(float(odir_objective(screened.weight_, screened.bias_, x, y, lam, mu)),
+                                                rel=1e-12)
+    assert screened.objective_ == pytest.approx(exact.objective_, rel=1e-12)
+    torch.testing.assert_close(screened.weight_, exact.weight_, rtol=0, atol=1e-6)
+    torch.testing.assert_close(screened.bias_, exact.bias_, rtol=0, atol=1e-6)
+
+
+def test_untrusted_screening_falls_back_to_the_exact_selection(thirty_classes, monkeypatch):
+    import nctv.calibration.linear as linear
+
+    z, y, exact_fit = thirty_classes
+    exact = exact_fit(MatrixScalingODIR)
+    # Margins far below the screening fits' real errors: the first refined value moves by more
+    # than half its margin, and the whole exact selection runs instead.
+    monkeypatch.setattr(linear, "_SCREEN_SAFETY", 0.0)
+    monkeypatch.setattr(linear, "_SCREEN_FLOOR", 1e-12)
+    fallen = MatrixScalingODIR(progress=False, screen=True).fit(z, y)
+    assert not fallen.screened_ and fallen.cv_refined_.all()
+    np.testing.assert_array_equal(fallen.cv_nll_, exact.cv_nll_)
+    assert torch.equal(fallen.weight_, exact.weight_) and torch.equal(fallen.bias_, exact.bias_)
+
+
 def test_stratified_folds_are_balanced_and_seeded():
     y = np.repeat(np.arange(4), [10, 7, 3, 1])
     folds = stratified_folds(y, 3, seed=0)
@@ -232,6 +285,7 @@ def test_bad_inputs_are_refused(cls):
         ({"n_folds": 41}, "exceeds"),
         ({"max_iter": 0}, "max_iter"),
         ({"cv_max_iter": 2.5}, "cv_max_iter"),
+        ({"screen": "yes"}, "screen"),
     ],
 )
 def test_bad_odir_settings_are_refused(kwargs, match):

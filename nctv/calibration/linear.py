@@ -32,12 +32,19 @@ How the fit runs, and why:
   (the regulariser's curvature is known exactly, so stored curvature pairs are re-targeted to each
   new (λ, μ)). The chosen (λ, μ) is then refitted on the whole calibration split, starting from
   the last fold's solution there.
+* With many classes most of that sweep is spent on grid points that are nowhere near the best
+  (weak regularisation overfits, and its fits converge slowly). Screening sweeps the grid with
+  loose fits instead, each with a predicted error of its held-out NLL, and fits to the full CV
+  tolerance only the points whose screened value minus a safety margin could still beat the best;
+  the chosen point's value and the final refit are those of the exact sweep. Where the margins
+  prove unreliable on the problem (a refined value moved by more than half its margin) or a
+  refinement fit hits its iteration cap, the exact sweep runs instead.
 """
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +61,20 @@ ODIR_GRID = (1e-2, 1e-1, 1e0, 1e1, 1e2, 1e3, 1e4)
 # leaves errors comparable to the gaps between neighbouring grid points).
 _GTOL = 1e-8
 _CV_GTOL = 1e-6
+
+# Screening of the (λ, μ) grid (_GridSearch.screened): the gradient tolerance of its fits; a point's
+# margin is _SCREEN_SAFETY × the predicted change of its held-out NLL, clipped to
+# [_SCREEN_FLOOR, _SCREEN_CAP]; a fit may stop at a gradient of _FAR_GTOL when its held-out NLL
+# lies _FAR_GAP above the fold's best so far (its margin is then at least _FAR_GAP). "auto" screens
+# from _SCREEN_MIN_CLASSES classes on: below, the fits are cheap and screening saved nothing in
+# measurements on 10- and 20-class logits.
+_SCREEN_GTOL = 1e-4
+_SCREEN_SAFETY = 10.0
+_SCREEN_FLOOR = 1e-3
+_SCREEN_CAP = 0.1
+_FAR_GTOL = 1e-3
+_FAR_GAP = 0.02
+_SCREEN_MIN_CLASSES = 30
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,8 +153,18 @@ class _AffineProblem:
         g[:, k] -= g[:, k].mean()
         return g
 
-    def preconditioner(self, p: torch.Tensor, c_off: float, c_bias: float):
-        """An approximate inverse Hessian at probabilities ``p``, as a function q ↦ H₀q.
+    def curvature(self, p: torch.Tensor) -> torch.Tensor:
+        """The data part of :meth:`preconditioner` at probabilities ``p`` (one product of size N·K²)."""
+        curv = p * (1.0 - p)
+        if self.diagonal:
+            return torch.stack([(curv * self.x * self.x).sum(0), curv.sum(0)]) / self.n
+        if self._eigh is None:
+            self._eigh = torch.linalg.eigh((self.x.T @ self.x) / self.n)
+            self._x_rot_sq = (self.x @ self._eigh[1]) ** 2
+        return (curv.T @ self._x_rot_sq) / self.n
+
+    def preconditioner(self, h: torch.Tensor, c_off: float, c_bias: float):
+        """An approximate inverse Hessian, as a function q ↦ H₀q, from :meth:`curvature` ``h``.
 
         Vector scaling: the inverse of the exact Hessian diagonal. Full W: each row k of [W | b]
         gets its own block, the NLL curvature E[p_k(1 − p_k)·x xᵀ] (x = [φ(z), 1]) taken diagonal
@@ -143,29 +174,24 @@ class _AffineProblem:
         the intercept). Directions without any curvature (features that never vary, no
         regulariser) are left alone.
         """
-        curv = p * (1.0 - p)
         if self.diagonal:
-            h = torch.stack([(curv * self.x * self.x).sum(0), curv.sum(0)]) / self.n
             inv = _safe_reciprocal(h, 0.0)
             return lambda q: q * inv
         k = self.k
-        if self._eigh is None:
-            self._eigh = torch.linalg.eigh((self.x.T @ self.x) / self.n)
-            self._x_rot_sq = (self.x @ self._eigh[1]) ** 2
         u = self._eigh[1]
         c = 2.0 * c_off
-        inv = _safe_reciprocal((curv.T @ self._x_rot_sq) / self.n + c, c)
+        inv = _safe_reciprocal(h + c, c)
         # G_k⁻¹ e_k and G_k⁻¹ e_bias for every row k, where G_k = U diag(h_k + c) Uᵀ.
         e_diag = (u[:k, :] * inv) @ u.T
         e_bias = (u[k, :][None, :] * inv) @ u.T
-        rows = torch.arange(k, device=p.device)
+        rows = torch.arange(k, device=h.device)
         gm = torch.stack(
             [torch.stack([e_diag[rows, rows], e_diag[:, k]], 1), torch.stack([e_bias[rows, rows], e_bias[:, k]], 1)], 1
         )
         # Woodbury for G_k + E S Eᵀ, E = [e_k, e_bias], S = diag(−c, 2c_bias − c): the block's
         # true penalty is 0 on w_kk and 2c_bias on b_k instead of c.
-        s = torch.tensor([-c, 2.0 * c_bias - c], dtype=p.dtype, device=p.device)
-        eye = torch.eye(2, dtype=p.dtype, device=p.device)
+        s = torch.tensor([-c, 2.0 * c_bias - c], dtype=h.dtype, device=h.device)
+        eye = torch.eye(2, dtype=h.dtype, device=h.device)
         small = torch.linalg.solve(eye + s[None, :, None] * gm, torch.diag(s).expand(k, 2, 2))
 
         def apply(q: torch.Tensor) -> torch.Tensor:
@@ -181,6 +207,27 @@ def _safe_reciprocal(h: torch.Tensor, floor: float) -> torch.Tensor:
     if floor > 0:
         return 1.0 / h
     return torch.where(h > 1e-12 * float(h.max()), 1.0 / h, torch.zeros_like(h))
+
+
+class _Point:
+    """A parameter Θ with its calibrated logits, mean NLL and projected NLL gradient, so that a
+    fit starting from the end of another on the same problem needs no product to begin."""
+
+    __slots__ = ("theta", "logits", "nll", "g_nll", "curv", "updates")
+
+    def __init__(self, theta, logits, nll, g_nll, curv=None, updates=0):
+        self.theta, self.logits, self.nll, self.g_nll, self.curv, self.updates = theta, logits, nll, g_nll, curv, updates
+
+    @classmethod
+    def at(cls, problem: _AffineProblem, theta: torch.Tensor) -> "_Point":
+        logits = problem.logits(theta)
+        nll, p = problem.nll_and_probs(logits)
+        curv = problem.curvature(p)
+        return cls(theta, logits, nll, problem.project(problem.nll_gradient(p)), curv)
+
+
+# Logits carried from fit to fit are refreshed from Θ after this many updates (rounding drift).
+_REFRESH = 500
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,21 +246,22 @@ class _Memory:
         self.size = size
         self.s: list[torch.Tensor] = []
         self.y_nll: list[torch.Tensor] = []
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def retarget(self, coef: torch.Tensor) -> None:
-        self._coef = coef
+        self._coef = coef.flatten()
         self._pairs = []
         for s, yn in zip(self.s, self.y_nll):
             self._add(s, yn)
 
     def _add(self, s: torch.Tensor, y_nll: torch.Tensor) -> None:
-        y = y_nll + 2.0 * self._coef * s
-        sy = float(torch.dot(s.flatten(), y.flatten()))
-        if sy > 0:
+        y = torch.addcmul(y_nll, self._coef, s, value=2.0)
+        sy = torch.dot(s, y)
+        if float(sy) > 0:
             self._pairs.append((s, y, 1.0 / sy))
 
     def push(self, s: torch.Tensor, y_nll: torch.Tensor) -> None:
+        s, y_nll = s.flatten(), y_nll.flatten()
         self.s.append(s)
         self.y_nll.append(y_nll)
         self._add(s, y_nll)
@@ -233,56 +281,81 @@ class _Memory:
         self.s, self.y_nll, self._pairs = [], [], []
 
     def direction(self, g: torch.Tensor, precond, project) -> torch.Tensor:
-        """−H·g by the two-loop recursion, with H₀ = P·precond·P (P: projection onto S)."""
+        """−H·g by the two-loop recursion, with H₀ = P·precond·P (P: projection onto S).
+
+        The scalars stay tensors (no host round trip per pair on an accelerator).
+        """
         q = g.flatten().clone()
         alphas = []
         for s, y, rho in reversed(self._pairs):
-            a = rho * float(torch.dot(s.flatten(), q))
+            a = rho * torch.dot(s, q)
             alphas.append(a)
-            q.sub_(y.flatten(), alpha=a)
+            q.addcmul_(y, a, value=-1.0)
         r = project(precond(q.view_as(g))).flatten()
         for (s, y, rho), a in zip(self._pairs, reversed(alphas)):
-            b = rho * float(torch.dot(y.flatten(), r))
-            r.add_(s.flatten(), alpha=a - b)
+            r.addcmul_(s, a - rho * torch.dot(y, r))
         return r.neg_().view_as(g)
 
 
 class _FitResult:
-    def __init__(self, theta: torch.Tensor, objective: float, n_iter: int, converged: bool):
+    def __init__(self, theta, objective, n_iter, converged, point=None, step=None, stopped_early=False):
         self.theta, self.objective, self.n_iter, self.converged = theta, objective, n_iter, converged
+        #: Whether ``early_stop`` ended the fit (converged only at its looser tolerance).
+        self.stopped_early = stopped_early
+        #: The end of the fit with its logits and gradient, to start another fit from.
+        self.point = point
+        #: The quasi-Newton step −H·g at the end (the predicted remaining way to the optimum), if asked.
+        self.step = step
 
 
 def _minimise(
     problem: _AffineProblem,
-    theta: torch.Tensor,
+    start: torch.Tensor | _Point,
     c_off: float = 0.0,
     c_bias: float = 0.0,
     memory: _Memory | None = None,
     max_iter: int = 1000,
     gtol: float = _GTOL,
+    exact: bool = True,
+    predict: bool = False,
+    early_stop: tuple[float, Callable[[torch.Tensor], bool]] | None = None,
 ) -> _FitResult:
-    """Minimise mean NLL + c_off·Σ_{j≠k} w_jk² + c_bias·Σ b_j² starting from ``theta``.
+    """Minimise mean NLL + c_off·Σ_{j≠k} w_jk² + c_bias·Σ b_j² starting from ``start``.
 
-    ``theta`` must lie in S (the identity does, and so does every result of this function).
+    ``start`` is a Θ in S (the identity is, and so is every result of this function) or the
+    ``point`` of an earlier result on the same problem (then the fit begins without any product
+    of size N·K²). With ``exact`` the reported objective is recomputed from fresh logits;
+    otherwise it is the running value. With ``predict`` the result carries the quasi-Newton step
+    at the end. ``early_stop = (tol, stop)``: the first time the gradient is ≤ tol, ``stop(Θ)`` is
+    asked whether that is close enough (then the fit ends there, converged at that tolerance).
 
     Converged means the largest entry of the (projected) gradient is ≤ ``gtol``, or that an exact
     line search can no longer lower the objective in float64.
     """
     memory = memory if memory is not None else _Memory()
+    if not isinstance(start, _Point) or start.updates > _REFRESH:
+        start = _Point.at(problem, start.theta if isinstance(start, _Point) else start)
+    elif start.curv is None:
+        # Curvature for the preconditioner at the start (one product; the logits are known).
+        start.curv = problem.curvature(problem.nll_and_probs(start.logits)[1])
+    theta, logits, nll, g_nll, updates = start.theta, start.logits.clone(), start.nll, start.g_nll, start.updates
     coef = problem.penalty(c_off, c_bias)
-    logits = problem.logits(theta)
-    nll, p = problem.nll_and_probs(logits)
-    precond = problem.preconditioner(p, c_off, c_bias)
+    precond = problem.preconditioner(start.curv, c_off, c_bias)
     memory.retarget(coef)
-    g_nll = problem.project(problem.nll_gradient(p))
     g = g_nll + 2.0 * coef * theta
     f = nll + float((coef * theta * theta).sum())
-    converged = False
+    converged = stopped_early = False
     n_iter = 0
     while True:
-        if float(g.abs().max()) <= gtol:
+        gmax = float(g.abs().max())
+        if gmax <= gtol:
             converged = True
             break
+        if early_stop is not None and gmax <= early_stop[0]:
+            if early_stop[1](theta):
+                converged = stopped_early = True
+                break
+            early_stop = None
         if n_iter >= max_iter:
             break
         n_iter += 1
@@ -297,16 +370,22 @@ def _minimise(
         if step is None:
             converged = True  # no representable decrease left along a descent direction
             break
-        alpha, f, p = step
+        alpha, f, nll, p = step
         theta = theta + alpha * d
         logits.add_(dlogits, alpha=alpha)
+        updates += 1
         g_nll_new = problem.project(problem.nll_gradient(p))
         memory.push(alpha * d, g_nll_new - g_nll)
         g_nll = g_nll_new
         g = g_nll + 2.0 * coef * theta
-    # Report the objective from freshly computed logits, free of accumulated updates.
-    nll, _ = problem.nll_and_probs(problem.logits(theta), overwrite=True)
-    return _FitResult(theta, nll + float((coef * theta * theta).sum()), n_iter, converged)
+    point = _Point(theta, logits, nll, g_nll, start.curv if n_iter == 0 else None, updates)
+    objective = f
+    if exact:  # the objective from freshly computed logits, free of accumulated updates
+        objective = problem.nll_and_probs(problem.logits(theta), overwrite=True)[0] + float((coef * theta * theta).sum())
+    step = None
+    if predict:
+        step = memory.direction(g, precond, problem.project) if float(g.abs().max()) > 0 else torch.zeros_like(g)
+    return _FitResult(theta, objective, n_iter, converged, point, step, stopped_early)
 
 
 def _line_search(problem, logits, dlogits, theta, d, coef, f0, slope, c1=1e-4, c2=0.1, max_trials=40):
@@ -314,7 +393,8 @@ def _line_search(problem, logits, dlogits, theta, d, coef, f0, slope, c1=1e-4, c
 
     φ is convex and smooth; φ' and φ'' come from one softmax per trial, far cheaper than the
     matrix products of an iteration, so the search is nearly exact (c2 = 0.1), which saves
-    iterations. Returns (α, φ(α), probabilities at α), or None when no step lowers the objective.
+    iterations. Returns (α, φ(α), mean NLL at α, probabilities at α), or None when no step lowers
+    the objective.
     """
     dy = problem.label_logits(dlogits)
     reg0 = float((coef * theta * theta).sum())
@@ -330,7 +410,7 @@ def _line_search(problem, logits, dlogits, theta, d, coef, f0, slope, c1=1e-4, c
         phi = nll + reg0 + alpha * reg1 + alpha * alpha * reg2
         armijo = phi <= f0 + c1 * alpha * slope
         if armijo and phi < f0 and (best is None or phi < best[1]):
-            best = (alpha, phi, p)
+            best = (alpha, phi, nll, p)
             if abs(dphi) <= c2 * abs(slope):
                 return best
         d2phi = float((pd_terms.mul_(dlogits).sum(1) - pd * pd).mean()) + 2.0 * reg2
@@ -480,6 +560,7 @@ class _ODIR(_AffineCalibrator):
         max_iter: int = 1000,
         cv_max_iter: int = 100,
         progress: bool = True,
+        screen: bool | str = "auto",
     ):
         self.lambdas = lambdas
         self.mus = mus
@@ -488,61 +569,196 @@ class _ODIR(_AffineCalibrator):
         self.max_iter = max_iter
         self.cv_max_iter = cv_max_iter
         self.progress = progress
+        self.screen = screen
 
     def fit(self, logits: Any, labels: Any) -> "_ODIR":
         lambdas = _check_grid(self.lambdas, "lambdas")
         mus = _check_grid(self.mus, "mus")
         max_iter = _check_count(self.max_iter, "max_iter", 1)
         cv_max_iter = _check_count(self.cv_max_iter, "cv_max_iter", 1)
+        if not (self.screen is True or self.screen is False or self.screen == "auto"):
+            raise ValueError(f"screen must be True, False or 'auto'; got {self.screen!r}.")
         z, y = check_logits_labels(logits, labels)
-        n, k = z.shape
+        k = z.shape[1]
         folds = torch.as_tensor(stratified_folds(y, self.n_folds, self.seed), device=z.device)
-        n_folds = int(self.n_folds)
         x = self._features(z)
-
-        def penalty(ij: tuple[int, int]) -> tuple[float, float]:
-            return lambdas[ij[0]] / (k * (k - 1)), mus[ij[1]] / k
-
-        # Strongest regularisation first (closest to the identity start), then a serpentine walk
-        # so that consecutive grid points differ in one hyperparameter by one step.
-        li = sorted(range(len(lambdas)), key=lambda i: -lambdas[i])
-        mj = sorted(range(len(mus)), key=lambda j: -mus[j])
-        path = [(i, j) for r, i in enumerate(li) for j in (mj if r % 2 == 0 else mj[::-1])]
-        cv_sum = np.zeros((len(lambdas), len(mus)))
-        converged = np.ones((len(lambdas), len(mus)), dtype=bool)
-        best_sum = math.inf
-        bar = tqdm(total=n_folds * len(path) + 1, desc=type(self).__name__, disable=not self.progress)
-        for fold in range(n_folds):
-            held = folds == fold
-            train = _AffineProblem(x[~held], y[~held], diagonal=False)
-            test = _AffineProblem(x[held], y[held], diagonal=False)
-            theta, memory = train.identity(), _Memory()
-            for ij in path:
-                fit = _minimise(train, theta, *penalty(ij), memory=memory, max_iter=cv_max_iter, gtol=_CV_GTOL)
-                theta = fit.theta
-                cv_sum[ij] += test.nll_and_probs(test.logits(theta), overwrite=True)[0] * test.n
-                converged[ij] &= fit.converged
-                if fold == n_folds - 1 and cv_sum[ij] < best_sum:
-                    # The best complete grid point so far: this fold's state there is a close
-                    # start for the final refit (only speed depends on the start).
-                    best_sum, start, start_memory = cv_sum[ij], theta, memory.snapshot()
-                bar.update()
-        self.cv_nll_ = cv_sum / n
-        self.cv_converged_ = converged
-        best = min(path, key=lambda ij: (self.cv_nll_[ij], -lambdas[ij[0]], -mus[ij[1]]))
+        search = _GridSearch(x, y, folds, int(self.n_folds), lambdas, mus, cv_max_iter,
+                             tqdm(total=1, desc=type(self).__name__, disable=not self.progress))
+        screen = self.screen if self.screen != "auto" else k >= _SCREEN_MIN_CLASSES
+        selection = search.screened() if screen else None
+        self.screened_ = selection is not None
+        if selection is None:
+            selection = search.exact()
+        self.cv_nll_, self.cv_converged_, self.cv_refined_, best, (start, start_memory) = selection
         self.lambda_, self.mu_ = lambdas[best[0]], mus[best[1]]
-        if not converged[best]:
+        if not self.cv_converged_[best]:
             warnings.warn(
                 f"{type(self).__name__}: some cross-validation fits at the chosen lambda={self.lambda_:g}, "
-                f"mu={self.mu_:g} stopped after cv_max_iter={cv_max_iter} iterations; raise cv_max_iter "
+                f"mu={self.mu_:g} stopped at cv_max_iter={cv_max_iter} before converging; raise cv_max_iter "
                 "for an exact selection.",
                 stacklevel=2,
             )
         problem = _AffineProblem(x, y, diagonal=False)
-        self._store(problem, _minimise(problem, start, *penalty(best), memory=start_memory, max_iter=max_iter))
-        bar.update()
-        bar.close()
+        self._store(problem, _minimise(problem, start, *search.coefs[best], memory=start_memory, max_iter=max_iter))
+        search.bar.update()
+        search.bar.close()
         return self
+
+
+class _GridSearch:
+    """The k-fold cross-validated held-out NLL of the ODIR fits over the (λ, μ) grid.
+
+    Both selections return (cv NLL, converged, refined, chosen (i, j), (Θ, memory) to start the
+    final refit from); see :meth:`exact` and :meth:`screened`.
+    """
+
+    def __init__(self, x, y, folds, n_folds, lambdas, mus, cv_max_iter, bar):
+        self.x, self.y, self.folds, self.n_folds = x, y, folds, n_folds
+        self.n, k = x.shape
+        self.lambdas, self.mus, self.cv_max_iter, self.bar = lambdas, mus, cv_max_iter, bar
+        self.shape = (len(lambdas), len(mus))
+        self.coefs = {(i, j): (lam / (k * (k - 1)), mu / k) for i, lam in enumerate(lambdas) for j, mu in enumerate(mus)}
+        # Strongest regularisation first (closest to the identity start), then a serpentine walk
+        # so that consecutive grid points differ in one hyperparameter by one step.
+        li = sorted(range(len(lambdas)), key=lambda i: -lambdas[i])
+        mj = sorted(range(len(mus)), key=lambda j: -mus[j])
+        self.path = [(i, j) for r, i in enumerate(li) for j in (mj if r % 2 == 0 else mj[::-1])]
+        # Grid coordinates of each point in sorted order, for "nearest kept solution" look-ups.
+        self.rank = {ij: (li.index(ij[0]), mj.index(ij[1])) for ij in self.path}
+
+    def fold(self, fold: int) -> tuple[_AffineProblem, _AffineProblem]:
+        held = self.folds == fold
+        return (_AffineProblem(self.x[~held], self.y[~held], diagonal=False),
+                _AffineProblem(self.x[held], self.y[held], diagonal=False))
+
+    def choose(self, cv_nll: np.ndarray, refined: np.ndarray) -> tuple[int, int]:
+        """The refined grid point of least CV NLL; ties go to the larger λ, then the larger μ."""
+        return min((ij for ij in self.path if refined[ij]),
+                   key=lambda ij: (cv_nll[ij], -self.lambdas[ij[0]], -self.mus[ij[1]]))
+
+    def exact(self):
+        """Every grid point on every fold to the CV tolerance, warm-started along the path (with the
+        curvature memory carried over)."""
+        self.bar.total += self.n_folds * len(self.path)
+        cv_sum = np.zeros(self.shape)
+        converged = np.ones(self.shape, dtype=bool)
+        best_sum = math.inf
+        for fold in range(self.n_folds):
+            train, test = self.fold(fold)
+            point, memory = train.identity(), _Memory()
+            for ij in self.path:
+                fit = _minimise(train, point, *self.coefs[ij], memory=memory, max_iter=self.cv_max_iter,
+                                gtol=_CV_GTOL, exact=False)
+                point = fit.point
+                cv_sum[ij] += _held_out(test, fit.theta)[0] * test.n
+                converged[ij] &= fit.converged
+                if fold == self.n_folds - 1 and cv_sum[ij] < best_sum:
+                    # The best complete grid point so far: this fold's state there is a close
+                    # start for the final refit (only speed depends on the start).
+                    best_sum, start = cv_sum[ij], (fit.theta, memory.snapshot())
+                self.bar.update()
+        cv_nll, refined = cv_sum / self.n, np.ones(self.shape, dtype=bool)
+        return cv_nll, converged, refined, self.choose(cv_nll, refined), start
+
+    def screened(self):
+        """The selection of :meth:`exact` with most of its work skipped, or None where the shortcut
+        cannot be trusted (then the caller runs :meth:`exact`).
+
+        1. Sweep: the path of :meth:`exact`, but each fit stops at a loose tolerance, and records
+           how far its held-out NLL is predicted to move on the way to the optimum (held-out
+           gradient · quasi-Newton step); a fit whose held-out NLL lies far above the fold's best
+           so far stops at a looser one still. The margin of a point is a multiple of that
+           prediction (clipped), and at least the far gap for a point that stopped as far off
+           (such a fit stops on its way from a stronger regularisation towards its own optimum,
+           where the held-out NLL usually keeps rising: its screened value is then an
+           underestimate, the safe side for ruling it out); a point whose fit stopped at
+           ``cv_max_iter`` gets the widest margin.
+        2. Refinement: every point whose screened value minus its margin does not exceed the best
+           upper bound (a refined value, or a screened value plus its margin) is fitted on every
+           fold to the CV tolerance, from the nearest kept screening solution, until none is left.
+
+        Gives up (None) when a refinement fit stops at ``cv_max_iter`` (its value then depends on
+        where it started) or a refined value moved by more than half its margin (the margins are
+        then not trusted on this problem).
+        """
+        self.bar.total += self.n_folds * len(self.path)
+        cv_sum, error_sum = np.zeros(self.shape), np.zeros(self.shape)
+        far_off = np.zeros(self.shape, dtype=bool)
+        converged = np.ones(self.shape, dtype=bool)
+        kept: list[list[tuple[float, tuple[int, int], torch.Tensor]]] = []
+        for fold in range(self.n_folds):
+            train, test = self.fold(fold)
+            point, memory, store, fold_best = train.identity(), _Memory(), [], math.inf
+
+            def far(theta: torch.Tensor) -> bool:
+                return _held_out(test, theta)[0] > fold_best + _FAR_GAP
+
+            for ij in self.path:
+                fit = _minimise(train, point, *self.coefs[ij], memory=memory, max_iter=self.cv_max_iter,
+                                gtol=_SCREEN_GTOL, exact=False, predict=True, early_stop=(_FAR_GTOL, far))
+                point = fit.point
+                held_nll, held_grad = _held_out(test, fit.theta, gradient=True)
+                cv_sum[ij] += held_nll * test.n
+                error_sum[ij] += abs(float((held_grad * fit.step).sum())) * test.n
+                far_off[ij] |= fit.stopped_early
+                converged[ij] &= fit.converged
+                fold_best = min(fold_best, held_nll)
+                _keep_best(store, (held_nll, ij, fit.theta))
+                self.bar.update()
+            kept.append(store)
+            del train, test, point, memory
+
+        screened = cv_sum / self.n
+        margin = np.clip(_SCREEN_SAFETY * error_sum / self.n, _SCREEN_FLOOR, _SCREEN_CAP)
+        margin[far_off] = np.maximum(margin[far_off], _FAR_GAP)
+        margin[~converged] = _SCREEN_CAP
+        cv_nll = screened.copy()
+        refined = np.zeros(self.shape, dtype=bool)
+        starts: dict[tuple[int, int], tuple[torch.Tensor, _Memory]] = {}
+        while True:
+            bound = np.where(refined, cv_nll, screened + margin).min()
+            todo = [ij for ij in self.path if not refined[ij] and screened[ij] - margin[ij] <= bound]
+            if not todo:
+                break
+            self.bar.total += self.n_folds * len(todo)
+            sums = dict.fromkeys(todo, 0.0)
+            for fold in range(self.n_folds):
+                train, test = self.fold(fold)
+                for ij in todo:
+                    near = min(kept[fold], key=lambda item: _grid_distance(self.rank[item[1]], self.rank[ij]))
+                    memory = _Memory()
+                    fit = _minimise(train, near[2], *self.coefs[ij], memory=memory, max_iter=self.cv_max_iter,
+                                    gtol=_CV_GTOL, exact=False)
+                    if not fit.converged:
+                        return None
+                    sums[ij] += _held_out(test, fit.theta)[0] * test.n
+                    if fold == self.n_folds - 1:
+                        starts[ij] = (fit.theta, memory)
+                    self.bar.update()
+                del train, test
+            for ij in todo:
+                cv_nll[ij], refined[ij], converged[ij] = sums[ij] / self.n, True, True
+                if abs(cv_nll[ij] - screened[ij]) > 0.5 * margin[ij]:
+                    return None
+        best = self.choose(cv_nll, refined)
+        return cv_nll, converged, refined, best, starts[best]
+
+
+def _held_out(problem: _AffineProblem, theta: torch.Tensor, gradient: bool = False):
+    """Mean NLL of a held-out fold at Θ, and its projected gradient w.r.t. Θ if asked."""
+    nll, p = problem.nll_and_probs(problem.logits(theta), overwrite=True)
+    return nll, problem.project(problem.nll_gradient(p)) if gradient else None
+
+
+def _keep_best(store: list, item: tuple, size: int = 8) -> None:
+    """Keep the ``size`` items with the lowest first entry (the held-out NLL)."""
+    store.append(item)
+    if len(store) > size:
+        store.remove(max(store, key=lambda it: it[0]))
+
+
+def _grid_distance(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
 _ODIR_DOC = """
@@ -560,13 +776,22 @@ _ODIR_DOC = """
     iterations; the final refit stops at ≤ 1e-8 or after ``max_iter``. Weakly regularised grid
     points can need many iterations (they overfit and are rarely chosen); if the chosen point had a
     capped cross-validation fit, a warning says so.
+
+    ``screen`` (default "auto": from 30 classes on) first sweeps the grid with loose fits and then
+    fits to the CV tolerance only the grid points that could still hold the minimum (see the
+    module notes); it gives up and runs the exact selection when its error margins prove
+    unreliable or a refinement fit reaches ``cv_max_iter``. On 5,000 × 100 synthetic logits it
+    refitted 5–6 of the 49 points and chose the same (λ, μ) with the same final fit, in about a
+    quarter of the time. ``screen=False`` always runs the exact selection.
     Cost grows like N·K² per iteration: K = 100 runs on a CPU, K = 1000 wants the logits on a GPU.
     ``progress`` shows a progress bar over the fits.
 
     Learned: ``weight_`` (K×K) and ``bias_`` (K,) as float64 tensors on the logits' device;
     ``lambda_``, ``mu_``; ``cv_nll_`` (len(lambdas) × len(mus) numpy array; rows follow ``lambdas``
     and columns ``mus`` in the order given) and ``cv_converged_`` (same shape, bool: every fold's fit
-    converged); ``objective_``, ``n_iter_`` and ``converged_`` of the final fit.
+    converged); ``cv_refined_`` (same shape, bool: the entry comes from fits to the CV tolerance;
+    False only for points that screening ruled out, whose entry and convergence are those of the
+    loose screening fits) and ``screened_`` (whether the selection was the screened one); ``objective_``, ``n_iter_`` and ``converged_`` of the final fit.
     """
 
 

@@ -1,4 +1,4 @@
-"""Vector scaling, matrix scaling, MS-ODIR and Dir-ODIR (SPEC §2): one affine core.
+"""Vector scaling, matrix scaling, MS-ODIR and Dir-ODIR: one affine core.
 
 Every method here maps logits ``z`` (N, K) to calibrated logits ``W·φ(z) + b``:
 
@@ -767,7 +767,7 @@ _ODIR_DOC = """
     :func:`odir_penalty`). λ and μ are chosen from ``lambdas`` × ``mus`` (default {1e−2, 1e−1, …,
     1e4} each) by the pooled held-out mean NLL of ``n_folds``-fold cross-validation on the
     calibration split (folds stratified by label, shuffled with ``seed``; ties go to the larger λ,
-    then the larger μ), then the model is refitted on the whole split. SPEC §2 leaves k open; the
+    then the larger μ), then the model is refitted on the whole split. the paper leaves k open; the
     default is 3 folds: on 5,000 × 100 synthetic logits it chose the same λ and test NLL as 5 folds
     (to five digits) in about a third of the time (fold count × fold size of the fits, plus slower
     convergence on the larger folds); ``n_folds=5`` is one argument away.

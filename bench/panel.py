@@ -265,18 +265,22 @@ def panel_summary(model: str, baselines: dict, nc_runs: dict[str, list[dict]]) -
     return out
 
 
+def same_order_comparison(ours: dict, theirs: dict) -> dict:
+    """T, the largest |δ| difference and test ECE (%) of two fits that saw the same batches."""
+    return {
+        "temperature": [ours["temperature"], theirs["temperature"]],
+        "max_abs_delta_difference": float(np.abs(np.asarray(ours["delta"]) - np.asarray(theirs["delta"])).max()),
+        "test_ece_pt": [100 * ours["test_ece"], 100 * theirs["test_ece"]],
+    }
+
+
 def fidelity_summary(model: str, ours: list[dict], theirs_own: list[dict], same: dict | None,
                      ours_same: dict | None) -> dict:
     """Our toolkit recipe against NCToolkit: same-order differences (float rounding) and own-order
     means (tolerance: 2 × the larger seed-to-seed standard deviation, at least the same-order gap)."""
     out: dict[str, Any] = {"model": model}
     if same is not None and ours_same is not None:
-        d_ours, d_theirs = np.asarray(ours_same["delta"]), np.asarray(same["delta"])
-        out["same_order"] = {
-            "temperature": [ours_same["temperature"], same["temperature"]],
-            "max_abs_delta_difference": float(np.abs(d_ours - d_theirs).max()),
-            "test_ece_pt": [100 * ours_same["test_ece"], 100 * same["test_ece"]],
-        }
+        out["same_order"] = same_order_comparison(ours_same, same)
     if ours and theirs_own:
         fields = {"temperature": 1.0, "delta_norm": 1.0, "test_ece": 100.0}
         comp = {}
@@ -376,11 +380,7 @@ def summarise(results: dict) -> dict:
         p_same = _pick(tk_all, model=model, settings="paper-ce-no-penalty", order="same")
         p_ours = _pick(nc_all, model=model, row="NC paper (CE, no penalty)")
         if p_same and p_ours:
-            f["paper_no_penalty_same_order"] = {
-                "temperature": [p_ours[0]["temperature"], p_same[0]["temperature"]],
-                "max_abs_delta_difference": float(np.abs(np.asarray(p_ours[0]["delta"]) - np.asarray(p_same[0]["delta"])).max()),
-                "test_ece_pt": [100 * p_ours[0]["test_ece"], 100 * p_same[0]["test_ece"]],
-            }
+            f["paper_no_penalty_same_order"] = same_order_comparison(p_ours[0], p_same[0])
         out["fidelity"].append(f)
     return out
 
@@ -390,6 +390,17 @@ def _ms(v: tuple[float, float] | None, digits: int = 2) -> str:
         return "–"
     mean, std = v
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _same_order_rows(model: str, what: str, c: dict, with_ece: bool = False) -> list[str]:
+    """Fidelity table rows of one same-batches comparison (see ``same_order_comparison``)."""
+    (t_ours, t_theirs), (e_ours, e_theirs) = c["temperature"], c["test_ece_pt"]
+    rows = [f"| {model} | {what}, same batches: T | {t_ours:.6f} | {t_theirs:.6f} | {t_ours - t_theirs:.2e} | – | – |",
+            f"| {model} | {what}, same batches: max abs δ difference | | | {c['max_abs_delta_difference']:.2e} | – | – |"]
+    if with_ece:
+        rows.append(f"| {model} | {what}, same batches: test ECE % | {e_ours:.3f} | {e_theirs:.3f} | "
+                    f"{e_ours - e_theirs:+.3f} | – | – |")
+    return rows
 
 
 def markdown(summary: dict, settings: dict) -> list[str]:
@@ -444,20 +455,10 @@ def markdown(summary: dict, settings: dict) -> list[str]:
                   "| model | comparison | ours | NCToolkit | difference | tolerance | within |",
                   "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
         for f in summary["fidelity"]:
-            so = f.get("same_order")
-            if so:
-                lines.append(f"| {f['model']} | toolkit, same batches: T | {so['temperature'][0]:.6f} | "
-                             f"{so['temperature'][1]:.6f} | {so['temperature'][0] - so['temperature'][1]:.2e} | – | – |")
-                lines.append(f"| {f['model']} | toolkit, same batches: max abs δ difference | | | "
-                             f"{so['max_abs_delta_difference']:.2e} | – | – |")
-                lines.append(f"| {f['model']} | toolkit, same batches: test ECE % | {so['test_ece_pt'][0]:.3f} | "
-                             f"{so['test_ece_pt'][1]:.3f} | {so['test_ece_pt'][0] - so['test_ece_pt'][1]:+.3f} | – | – |")
-            pp = f.get("paper_no_penalty_same_order")
-            if pp:
-                lines.append(f"| {f['model']} | paper, CE, no penalty, same batches: T | {pp['temperature'][0]:.6f} | "
-                             f"{pp['temperature'][1]:.6f} | {pp['temperature'][0] - pp['temperature'][1]:.2e} | – | – |")
-                lines.append(f"| {f['model']} | paper, CE, no penalty, same batches: max abs δ difference | | | "
-                             f"{pp['max_abs_delta_difference']:.2e} | – | – |")
+            if f.get("same_order"):
+                lines += _same_order_rows(f["model"], "toolkit", f["same_order"], with_ece=True)
+            if f.get("paper_no_penalty_same_order"):
+                lines += _same_order_rows(f["model"], "paper, CE, no penalty", f["paper_no_penalty_same_order"])
             for field, c in (f.get("own_order") or {}).items():
                 label = {"temperature": "T", "delta_norm": "‖δ‖₂", "test_ece": "test ECE %"}[field]
                 lines.append(f"| {f['model']} | toolkit, own order: {label} | {_ms(c['ours'], 3)} | "

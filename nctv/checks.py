@@ -90,3 +90,16 @@ def check_whole(value: Any, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be a whole number >= {minimum}; got {value!r}.")
     return int(value)
+
+
+def number_or_word(text: Any, words: tuple[str, ...] = ()) -> float | str | None:
+    """A typed setting: one of ``words`` (compared stripped and lower-cased), or a finite number
+    ≥ 0; None when it is neither (the caller says what it expected, in its own words)."""
+    word = str(text).strip().lower()
+    if word in words:
+        return word
+    try:
+        value = float(word)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None

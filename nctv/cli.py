@@ -116,13 +116,10 @@ def _float(text: str) -> float:
 def _float_or(*words: str):
     """A number ≥ 0, or one of ``words`` (γ takes "auto"; λ takes its rules)."""
     def parse(text: str) -> float | str:
-        if text.strip().lower() in words:
-            return text.strip().lower()
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not value >= 0 or value == float("inf"):
+        from nctv.checks import number_or_word  # at parse time: `nctv --help` imports no torch
+
+        value = number_or_word(text, words)
+        if value is None:
             raise argparse.ArgumentTypeError(f"expected a number ≥ 0 or {' / '.join(words)}, got {text!r}")
         return value
     return parse

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
+from nctv.checks import number_or_word
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -244,32 +245,20 @@ def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = N
 
 def parse_number_or_auto(value: Any, name: str, symbol: str) -> float | str:
     """``"auto"`` or a finite number >= 0 from a form field (γ and λ take either)."""
-    text = str(value).strip().lower() if value is not None else ""
-    if text in ("", "auto"):
-        return "auto"
-    try:
-        f = float(text)
-    except ValueError:
-        raise ValueError(f"{name} ({symbol}) must be a number ≥ 0 or 'auto'; got {value!r}.") from None
-    if not math.isfinite(f) or f < 0:
+    parsed = "auto" if value is None else number_or_word(value, ("", "auto"))
+    if parsed is None:
         raise ValueError(f"{name} ({symbol}) must be a number ≥ 0 or 'auto'; got {value!r}.")
-    return f
+    return "auto" if parsed == "" else parsed
 
 
 def parse_weight_decay(value: Any) -> float | str | None:
     """λ from the form: None for "default" (the fitter's own), a rule name ("auto", "strong"), or a number ≥ 0."""
     from nctv.calibration.clamping import WEIGHT_DECAY_RULES
 
-    text = str(value).strip().lower() if value is not None else ""
-    if text in ("", "default"):
+    parsed = None if value is None else number_or_word(value, ("", "default", *WEIGHT_DECAY_RULES))
+    if value is None or parsed in ("", "default"):
         return None
-    if text in WEIGHT_DECAY_RULES:
-        return text
-    try:
-        f = float(text)
-    except ValueError:
-        f = math.nan
-    if not math.isfinite(f) or f < 0:
+    if parsed is None:
         raise ValueError(f"Weight decay (λ) must be a number ≥ 0, 'default', or one of "
                          f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {value!r}.")
-    return f
+    return parsed

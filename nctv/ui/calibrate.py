@@ -122,18 +122,18 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
         init=nc.init, weight_decay=nc.weight_decay, dataset=spec.dataset,
         mean=[float(v) for v in loaded.data_config["mean"]], std=[float(v) for v in loaded.data_config["std"]])
     say(("progress", 1.0, f"done in {result.seconds:.1f} s"))
-    cal_z, cal_y = get_logits(spec, "calibration")
-    return result, _calibration_of(result, spec, cal_z, cal_y, n_bins)
+    return result, _calibration_of(result, spec, n_bins)
 
 
-def _calibration_of(result: Any, spec: SplitSpec, cal_z: torch.Tensor, cal_y: torch.Tensor, n_bins: int) -> Calibration:
+def _calibration_of(result: Any, spec: SplitSpec, n_bins: int) -> Calibration:
     from nctv.calibration import METHODS
 
     if TS_METHOD in result.methods:
         ts_t = result.methods[TS_METHOD].params["temperature"]
     else:
-        # The Try tab always compares with temperature scaling; it costs nothing on cached logits.
-        ts_t = float(METHODS[TS_METHOD].factory().fit(cal_z, cal_y).temperature_)
+        # The Try tab always compares with temperature scaling; it costs nothing on the cached logits
+        # (the run has just written them to the logit cache).
+        ts_t = float(METHODS[TS_METHOD].factory().fit(*get_logits(spec, "calibration")).temperature_)
     nc = next((n for n in NC_METHODS if n in result.methods), None)
     if nc is None:
         nc = next((n for n, m in result.methods.items() if m.delta is not None), None)

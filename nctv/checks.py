@@ -103,3 +103,27 @@ def number_or_word(text: Any, words: tuple[str, ...] = ()) -> float | str | None
     except ValueError:
         return None
     return value if math.isfinite(value) and value >= 0 else None
+
+
+#: Largest focal-loss γ accepted anywhere (the paper's appendix sweeps 0.01–5). Far above that the
+#: loss of every confident prediction is ~0, the fit learns nothing, and the result only looks calibrated.
+GAMMA_MAX = 10.0
+#: Largest numeric weight decay λ (the paper's appendix sweeps 0.001–10): beyond it δ is held at 0.
+WEIGHT_DECAY_MAX = 1000.0
+#: Largest SGD learning rate of the recipes (theirs are 0.001 and 0.01).
+LR_MAX = 10.0
+#: Most epochs of a recipe (theirs: 100).
+EPOCHS_MAX = 10_000
+
+
+def check_at_most(value: Any, name: str, maximum: float, why: str = "") -> float:
+    """A finite number in [0, ``maximum``]; ``why`` (a clause) says where the bound comes from."""
+    v = check_nonnegative(value, name)
+    if v > maximum:
+        raise ValueError(f"{name} must be at most {maximum:g}{f' ({why})' if why else ''}; got {value!r}.")
+    return v
+
+
+def check_gamma(value: Any, name: str = "gamma") -> float:
+    """A focal-loss γ in [0, :data:`GAMMA_MAX`]."""
+    return check_at_most(value, name, GAMMA_MAX, "the paper uses 0 to 5")

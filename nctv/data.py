@@ -389,7 +389,7 @@ def subsample(split: Split, size: int | None, seed: int, name: str | None = None
     if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
         raise ValueError(f"A split size must be a positive whole number or None (all); got {size!r}.")
     if size > n:
-        raise ValueError(f"Asked for {size} images but the pool {split.name!r} holds only {n}; ask for at most {n} or None.")
+        raise ValueError(f"Asked for {size} images but the pool {split.name!r} holds only {n}; ask for at most {n}.")
     chosen = np.sort(np.random.default_rng(seed).permutation(n)[:size])
     return split.subset(chosen, name)
 

@@ -113,8 +113,8 @@ def _as_list(data):
     return items
 
 
-def _grid(n: int) -> tuple[int, int]:
-    cols = min(n, _PER_ROW)
+def _grid(n: int, per_row: int = _PER_ROW) -> tuple[int, int]:
+    cols = min(n, per_row)
     return math.ceil(n / cols), cols
 
 
@@ -166,18 +166,36 @@ def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backen
     return fig
 
 
+#: Plotly reliability grid, as fractions of one row's height (top to bottom): room for a title of
+#: up to :data:`_TITLE_LINES` lines, the diagram, a gap, the count histogram, its ticks and axis title.
+_BLOCK = dict(title=0.13, diagram=0.55, gap=0.03, counts=0.17, axis=0.12)
+_TITLE_CHARS, _TITLE_LINES, _TITLE_SIZE = 14, 3, 12
+#: Interactive diagrams per row: at the app's least plot width (:data:`MIN_PLOT_WIDTH`) a panel keeps
+#: about 170 px, enough for a wrapped title and the ECE label.
+PLOTLY_PER_ROW = 4
+MIN_PLOT_WIDTH = 720
+
+
+def wrap_title(text: str, width: int = _TITLE_CHARS, lines: int = _TITLE_LINES) -> str:
+    """``text`` broken at spaces into at most ``lines`` lines of about ``width`` characters, joined by
+    ``<br>`` (plotly's line break), so that titles over narrow panels stay apart."""
+    words, out = (text or "").split(), [""]
+    for w in words:
+        if out[-1] and len(out[-1]) + 1 + len(w) > width:
+            out.append(w)
+        else:
+            out[-1] = f"{out[-1]} {w}".strip()
+    if len(out) > lines:
+        out = out[:lines - 1] + [" ".join(out[lines - 1:])]
+    return "<br>".join(out)
+
+
 def _reliability_plotly(items: list[ReliabilityData]):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    rows, cols = _grid(len(items))
-    # make_subplots takes titles row by row: names on the diagram rows, blanks on the count rows.
-    names = [d.method for d in items] + [""] * (rows * cols - len(items))
-    titles = []
-    for r in range(rows):
-        titles += names[r * cols:(r + 1) * cols] + [""] * cols
-    fig = make_subplots(rows=2 * rows, cols=cols, row_heights=[0.75, 0.25] * rows, vertical_spacing=0.04,
-                        subplot_titles=titles)
+    rows, cols = _grid(len(items), PLOTLY_PER_ROW)
+    fig = make_subplots(rows=2 * rows, cols=cols, horizontal_spacing=0.07)
     for k, d in enumerate(items):
         r, c = divmod(k, cols)
         top, bottom = 2 * r + 1, 2 * r + 2
@@ -200,15 +218,32 @@ def _reliability_plotly(items: list[ReliabilityData]):
         fig.add_trace(go.Bar(x=centers, y=d.counts, width=width, marker=dict(color=GREY), name="Count", showlegend=False,
                              hovertext=hover, hovertemplate="%{hovertext}<extra>count</extra>"), row=bottom, col=c + 1)
         fig.add_annotation(x=0.97, y=0.05, text=f"ECE = {100 * d.ece:.2f}%", showarrow=False, xanchor="right",
-                           bgcolor="white", bordercolor=GREY, row=top, col=c + 1)
+                           bgcolor="white", bordercolor=GREY, font=dict(size=11), row=top, col=c + 1)
         fig.update_xaxes(range=[0, 1], row=top, col=c + 1, showticklabels=False)
         fig.update_xaxes(range=[0, 1], title_text="Confidence", row=bottom, col=c + 1)
         fig.update_yaxes(range=[0, 1], title_text="Accuracy" if c == 0 else None, row=top, col=c + 1)
         fig.update_yaxes(title_text="Count" if c == 0 else None, row=bottom, col=c + 1)
-    fig.update_layout(barmode="overlay", bargap=0, height=420 * rows, width=max(340 * cols, 420),
+        _place_block(fig, r, rows, c + 1, d.method)
+    fig.update_layout(barmode="overlay", bargap=0, height=420 * rows + 60, width=max(MIN_PLOT_WIDTH, 250 * cols),
                       template="plotly_white", title="Reliability diagrams",
-                      margin=dict(t=110), legend=_TOP_LEGEND)
+                      margin=dict(t=110 if rows == 1 else 60), legend=_TOP_LEGEND)
     return fig
+
+
+def _place_block(fig: Any, r: int, rows: int, col: int, title: str | None) -> None:
+    """Give row ``r``'s diagram and count axes their share of the page (see :data:`_BLOCK`) and
+    put the panel's wrapped title in the room above the diagram."""
+    height = 1.0 / rows
+    y = 1.0 - r * height - _BLOCK["title"] * height
+    diagram = [y - _BLOCK["diagram"] * height, y]
+    counts_top = diagram[0] - _BLOCK["gap"] * height
+    counts = [counts_top - _BLOCK["counts"] * height, counts_top]
+    fig.update_yaxes(domain=diagram, row=2 * r + 1, col=col)
+    fig.update_yaxes(domain=counts, row=2 * r + 2, col=col)
+    x0, x1 = fig.get_subplot(2 * r + 1, col).xaxis.domain
+    fig.add_annotation(x=(x0 + x1) / 2, y=diagram[1], xref="paper", yref="paper", yanchor="bottom",
+                       text=wrap_title(title or ""), showarrow=False, font=dict(size=_TITLE_SIZE),
+                       name="panel-title")
 
 
 def confidence_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib"):

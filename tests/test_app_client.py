@@ -1,8 +1,10 @@
 """The app launched for real (``python app.py`` on a free local port) and driven through its API
 with gradio_client: every public endpoint answers with the right types and plausible values, bad
 input gets a clear message, and the server keeps serving afterwards."""
+import html
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -104,17 +106,25 @@ def test_explore_temperature_matches_metrics_of_the_shipped_logits(client):
     assert "ECE" in text and "12 bins" in text
 
 
-def _check_label(label, k=5):
-    confs = [c["confidence"] for c in label["confidences"]]
+def _check_label(page, k=5):
+    """A block of confidence bars (HTML): k rows, highest first, probabilities (data-confidence)
+    summing to at most 1, each shown as a percentage with one decimal; returns the top class."""
+    assert isinstance(page, str) and page.startswith('<div class="nctv-confidences"'), page
+    rows = re.findall(r'data-class="([^"]*)" data-confidence="([^"]*)"', page)
+    confs = [float(p) for _, p in rows]
     assert len(confs) == k and confs == sorted(confs, reverse=True)
     assert all(0.0 <= c <= 1.0 for c in confs) and sum(confs) <= 1.0 + 1e-9
-    assert label["label"] == label["confidences"][0]["label"]
-    return label["label"]
+    shown = [html.unescape(t) for t in re.findall(r">((?:&lt; |&gt; )?\d{1,3}\.\d %)<", page)]
+    assert len(shown) == k
+    for c, text in zip(confs, shown):
+        assert text[0] in "<>" or float(text[:-2]) == pytest.approx(100 * c, abs=0.05)
+    return html.unescape(rows[0][0])
 
 
 def test_classify_an_example(client):
     note, fig, raw, ts, nc = client.predict(handle_file(example_images()[0]), api_name="/classify")
     assert state.PRECOMPUTED_LABEL in note and fig["type"] == "plotly"
+    assert "This model knows 10 classes" in note and "passes the out-of-distribution check" in note
     # Temperature scaling never changes the predicted class.
     assert _check_label(raw) == _check_label(ts)
     _check_label(nc)

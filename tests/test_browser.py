@@ -1,10 +1,15 @@
-"""What a person sees, in headless Chromium: the first screen, a live calibration run, a picture
-in "Try your own image", the Learn tab's slider. Screenshots go to test-artifacts/ (gitignored)."""
+"""What a person sees, in headless Chromium: the first screen, a live calibration run, an error
+that keeps the last result, a picture in "Try your own image", the Learn tab's slider, and the
+layouts of a phone and a projector. Screenshots go to test-artifacts/ (gitignored); the tests read
+positions, text and colours off the page and its screenshots."""
+import io
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from nctv.ui.try_image import example_images
 
@@ -29,20 +34,60 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        pg.set_default_timeout(60_000)
-        start = time.monotonic()
-        pg.goto(server)
-        pg.wait_for_selector("#reliability-plot .js-plotly-plot")
-        print(f"\npage open → default reliability diagrams: {time.monotonic() - start:.1f} s")
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def open_app(browser, url: str, width: int, height: int, phone: bool = False):
+    """A fresh page of the app at this viewport, once the first screen's diagrams are drawn."""
+    context = browser.new_context(viewport={"width": width, "height": height}, is_mobile=phone, has_touch=phone)
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    pg.goto(url)
+    pg.wait_for_selector("#reliability-plot .js-plotly-plot")
+    return pg
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    start = time.monotonic()
+    pg = open_app(browser, server, 1400, 1000)
+    print(f"\npage open → default reliability diagrams: {time.monotonic() - start:.1f} s")
+    yield pg
+    pg.context.close()
+
+
+def open_panel(page) -> None:
+    """Open the shared "Model and data" panel (closed by default) when it is closed."""
+    if not page.locator("#calibration-size input").is_visible():
+        page.locator("#shared-panel").get_by_role("button").first.click()
+        page.locator("#calibration-size input").wait_for(state="visible")
+
+
+def boxes_overlap(a: dict, b: dict) -> bool:
+    return (a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"]
+            and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
+
+
+def main_colour(element) -> tuple[int, int, int]:
+    """The most common coloured pixel of ``element``'s screenshot (white, greys and black left out):
+    a legend entry's swatch colour, say, whose text is dark grey."""
+    element.scroll_into_view_if_needed()
+    pixels = list(Image.open(io.BytesIO(element.screenshot())).convert("RGB").getdata())
+    coloured = [px for px in pixels if max(px) - min(px) > 40]
+    return max(set(coloured), key=coloured.count)
+
+
+def hex_rgb(css: str) -> tuple[int, int, int]:
+    if css.startswith("#"):
+        return tuple(int(css[i:i + 2], 16) for i in (1, 3, 5))
+    return tuple(int(v) for v in re.findall(r"\d+", css)[:3])
 
 
 def shot(page, name: str) -> None:
@@ -61,7 +106,18 @@ def _status(page) -> str:
     return page.locator("#calibrate-status").inner_text()
 
 
+def test_the_panel_says_which_tabs_it_drives(page):
+    panel = page.locator("#shared-panel")
+    assert "for Calibrate, γ sweep and Initialisation" in panel.inner_text()
+    open_panel(page)
+    assert "Learn and Try your own image use the latest calibration" in panel.inner_text()
+    page.locator("#calibration-size input").fill("300")
+    page.locator("#calibration-size input").press("Tab")
+    page.wait_for_function("document.querySelector('#shared-panel').innerText.includes('300 calibration images')")
+
+
 def test_stop_ends_a_run(page):
+    open_panel(page)
     page.locator("#calibration-size input").fill("300")
     page.locator("#test-size input").fill("1000")
     page.get_by_label("paper recipe (SGD + momentum").check()
@@ -83,6 +139,55 @@ def test_a_live_calibration_run(page):
     shot(page, "2-after-run")
 
 
+def test_an_error_says_so_in_the_status_line_and_keeps_the_last_result(page):
+    open_panel(page)
+    before = page.locator("#results-table").inner_text()
+    page.locator("#calibration-size input").fill("5")
+    page.get_by_role("button", name="Run calibration").click()
+    page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Error')")
+    status = _status(page)
+    assert "Calibration size must be at least 10" in status and "Running" not in status
+    assert page.locator("#results-table").inner_text() == before  # the last good result stays
+    assert "your run of" in before
+    shot(page, "2b-error-keeps-result")
+    page.locator("#calibration-size input").fill("300")
+
+
+def test_many_methods_titles_apart_and_live_colours_match_the_legend(page):
+    for name in ("Temperature Scaling (FL)", "Matrix Scaling", "MS-ODIR", "Dir-ODIR", "Neural Clamping (CE)",
+                 "NC (Eff.)", "NC input only", "NC output only", "NC δ frozen at 0"):
+        page.get_by_label(name, exact=True).check()
+    page.get_by_role("button", name="Run calibration").click()
+    page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Done')", timeout=400_000)
+    shot(page, "2c-many-methods")
+    for width in (1400, 1280, 390):
+        page.set_viewport_size({"width": width, "height": 1000})
+        page.wait_for_timeout(800)  # plotly redraws on resize
+        titles = page.locator("#reliability-plot .annotation-text").all()
+        boxes = [t.bounding_box() for t in titles if not (t.text_content() or "").startswith("ECE")]
+        assert len(boxes) == 14
+        for i, a in enumerate(boxes):
+            assert not any(boxes_overlap(a, b) for b in boxes[i + 1:]), f"titles collide at {width} px"
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.wait_for_timeout(800)
+    # The live plot: each legend entry's colour (read off the screenshot) is its lines' colour in both panels.
+    legend = page.locator("#live-plot .legend .traces")
+    assert legend.count() >= 2  # Neural Clamping (CE), (FL), and the variants that train live
+    lines = page.locator("#live-plot .scatterlayer .trace")
+    for i in range(legend.count()):
+        entry = legend.nth(i)
+        swatch = main_colour(entry)
+        name = entry.text_content().strip()
+        strokes = {hex_rgb(lines.nth(j).locator("path.js-line").evaluate("e => getComputedStyle(e).stroke"))
+                   for j in range(lines.count()) if j % legend.count() == i}
+        assert len(strokes) == 1, f"{name}: its lines differ in colour"
+        assert max(abs(a - b) for a, b in zip(swatch, strokes.pop())) <= 8, f"{name}: legend and lines differ"
+    shot(page, "2d-live-plot")
+    for name in ("Temperature Scaling (FL)", "Matrix Scaling", "MS-ODIR", "Dir-ODIR", "Neural Clamping (CE)",
+                 "NC (Eff.)", "NC input only", "NC output only", "NC δ frozen at 0"):
+        page.get_by_label(name, exact=True).uncheck()
+
+
 def test_try_your_own_image(page):
     page.get_by_role("tab", name="Try your own image").click()
     page.locator("#try-image input[type=file]").set_input_files(example_images()[2])
@@ -90,9 +195,39 @@ def test_try_your_own_image(page):
         "document.querySelector('#try-note') && document.querySelector('#try-note').innerText.includes('your run')",
         timeout=60_000)
     for label in ("#label-raw", "#label-ts", "#label-nc"):
-        assert "%" in page.locator(label).inner_text()
+        rows = page.locator(f"{label} [data-confidence]")
+        shown = [rows.nth(i).inner_text() for i in range(rows.count())]
+        probs = [float(rows.nth(i).get_attribute("data-confidence")) for i in range(rows.count())]
+        assert len(probs) == 5 and probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-9
+        for text, p in zip(shown, probs):  # one decimal, as the probability says
+            value = re.search(r"([<>]?) ?(\d+\.\d) %", text)
+            assert value, text
+            sign, number = value.group(1), float(value.group(2))
+            if sign == ">":  # "> 99.9 %": not rounded up to a certainty it is not
+                assert number == 99.9 and 0.999 <= p < 1
+            elif sign == "<":
+                assert number == 0.1 and 0 < p < 0.001
+            else:
+                assert abs(number - 100 * p) <= 0.05 + 1e-9, (text, p)
+    note = page.locator("#try-note").inner_text()
+    assert "This model knows 10 classes: T-shirt/top, Trouser" in note
+    assert "Mahalanobis distance" in note and "passes the out-of-distribution check" in note
     assert page.locator("#try-delta .js-plotly-plot").count() == 1
     shot(page, "3-try-image")
+
+
+def test_a_picture_unlike_the_training_data_is_flagged(page, tmp_path):
+    import numpy as np
+
+    yy, xx = np.mgrid[0:240, 0:320] / 240.0  # a colourful photo-like gradient, nothing like clothing on black
+    picture = np.stack([np.sin(3 * xx) * 0.5 + 0.5, yy, np.cos(2 * xx * yy) * 0.5 + 0.5], axis=-1)
+    path = tmp_path / "sunset.png"
+    Image.fromarray((255 * picture).astype("uint8")).save(path)
+    page.locator("#try-image input[type=file]").set_input_files(str(path))
+    page.wait_for_function("document.querySelector('#try-note').innerText.includes('320 × 240')", timeout=60_000)
+    note = page.locator("#try-note").inner_text()
+    assert "looks unlike the images the model was made for" in note
+    shot(page, "3b-try-foreign")
 
 
 def test_draw_and_classify(page):
@@ -121,3 +256,42 @@ def test_learn_slider_redraws(page):
     page.wait_for_function("document.body.innerText.includes('T = 2.00 (slider)')", timeout=30_000)
     assert page.locator("#learn-plot .js-plotly-plot").count() == 1
     shot(page, "5-learn")
+
+
+def test_phone_shows_every_tab_at_the_top(browser, server):
+    pg = open_app(browser, server, 390, 844, phone=True)
+    try:
+        tabs = pg.get_by_role("tab")
+        names = [tabs.nth(i).inner_text().strip() for i in range(tabs.count())]
+        assert names == ["Calibrate", "γ sweep", "Initialisation", "Try your own image", "Learn"]
+        for i in range(tabs.count()):
+            box = tabs.nth(i).bounding_box()
+            assert box["y"] + box["height"] <= 844 / 2 and box["x"] + box["width"] <= 390  # in the first half-screen
+        shot(pg, "6-phone")
+        pg.get_by_role("tab", name="Learn").click()
+        pg.wait_for_selector("#learn-plot .js-plotly-plot")
+    finally:
+        pg.context.close()
+
+
+def test_projector_shows_the_learn_diagram_without_scrolling(browser, server):
+    pg = open_app(browser, server, 1280, 720)
+    try:
+        pg.get_by_role("tab", name="Learn").click()
+        plot = pg.locator("#learn-plot .js-plotly-plot")
+        plot.wait_for()
+        pg.wait_for_timeout(500)
+        box = plot.bounding_box()
+        assert box["y"] >= 0 and box["y"] + box["height"] <= 720, box
+        assert pg.evaluate("window.scrollY") == 0
+        # The slider sits beside it, also on screen.
+        slider = pg.locator("#learn-temperature").bounding_box()
+        assert slider["y"] + slider["height"] <= 720 and slider["x"] + slider["width"] <= box["x"]
+        shot(pg, "7-projector-learn")
+        png = Image.open(io.BytesIO(pg.screenshot()))  # the viewport only: what the room sees
+        strip = png.convert("RGB").crop((int(box["x"]), int(box["y"]), int(box["x"] + box["width"]),
+                                         int(box["y"] + box["height"])))
+        blue = sum(1 for px in strip.getdata() if px[2] > 150 and px[0] < 80)  # the accuracy bars
+        assert blue > 2000
+    finally:
+        pg.context.close()

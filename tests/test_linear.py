@@ -297,7 +297,7 @@ def test_bad_odir_settings_are_refused(kwargs, match):
 def test_separable_data_stop_at_max_iter_with_a_warning():
     z = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).repeat(10, 1)
     y = torch.tensor([0, 1]).repeat(10)
-    with pytest.warns(UserWarning, match="max_iter=5"):
+    with pytest.warns(UserWarning, match="stopped after 5 iterations"):
         ms = MatrixScaling(max_iter=5).fit(z, y)
     assert not ms.converged_ and ms.n_iter_ == 5
     assert nll(ms.transform(z), y) < nll(z, y)

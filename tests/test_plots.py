@@ -151,6 +151,34 @@ def test_reliability_hover_shows_bin_numbers():
     assert any("ECE = 45.00%" in a.text for a in fig.layout.annotations)
 
 
+def test_wrap_title_breaks_at_spaces_within_the_width():
+    assert plots.wrap_title("Neural Clamping (FL)", 14) == "Neural<br>Clamping (FL)"
+    assert plots.wrap_title("Dir-ODIR", 14) == "Dir-ODIR"
+    assert plots.wrap_title("a b c d e f", 1, lines=3) == "a<br>b<br>c d e f"  # the last line takes the rest
+    assert plots.wrap_title("", 14) == ""
+
+
+def test_interactive_panel_titles_sit_over_their_own_panels():
+    z, y = _hand_case()
+    names = ["Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Matrix Scaling",
+             "MS-ODIR", "Dir-ODIR", "Neural Clamping (FL)", "NC δ frozen at 0"]
+    fig = plots.reliability_figure([plots.reliability_data(z, y, 5, n) for n in names], backend="plotly")
+    titles = [a for a in fig.layout.annotations if a.name == "panel-title"]
+    assert [t.text.replace("<br>", " ") for t in titles] == names
+    assert all(len(line) <= 14 for t in titles for line in t.text.split("<br>") if " " in line)
+    per_row = plots.PLOTLY_PER_ROW
+    for k, t in enumerate(titles):
+        r, c = divmod(k, per_row)
+        diagram = fig.get_subplot(2 * r + 1, c + 1)
+        x0, x1 = diagram.xaxis.domain
+        assert x0 < t.x < x1 and t.y == pytest.approx(diagram.yaxis.domain[1])  # centred on, and just above, it
+        counts = fig.get_subplot(2 * r + 2, c + 1).yaxis.domain
+        assert counts[1] < diagram.yaxis.domain[0]  # the count histogram below, apart
+        if r:  # clear of the row above: its counts end well below this title's room
+            above = fig.get_subplot(2 * r, c + 1).yaxis.domain
+            assert above[0] - diagram.yaxis.domain[1] > 0.15 / 3
+
+
 def test_save_figure_errors(tmp_path):
     z, y = _hand_case()
     d = plots.reliability_data(z, y, 5)

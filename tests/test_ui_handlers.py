@@ -5,6 +5,8 @@ softmax, metrics by nctv.metrics on those logits, temperature scaling refitted o
 Splits are small (300 calibration and 1,000 test images) so that every fit takes seconds.
 """
 import csv
+import dataclasses
+import html
 import io
 import json
 import os
@@ -18,7 +20,7 @@ import gradio as gr
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from nctv import metrics
 from nctv.calibration import METHODS
@@ -32,7 +34,7 @@ from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn, state, try_image
-from nctv.ui.common import SERVER_PATH, Worker, parse_number_or_auto, parse_whole, user_errors
+from nctv.ui.common import SERVER_PATH, Worker, parse_gamma, parse_weight_decay, parse_whole, user_errors
 from nctv.ui.images import MAX_PIXELS, CheckedImage, ImageError, match_channels, to_pil
 from nctv.zoo import DEFAULT_MODEL, load_model, train_classifier
 
@@ -109,6 +111,21 @@ def test_run_reports_progress_and_live_loss_and_temperature(run):
     assert all(np.isfinite(i[2]["loss"]) and i[2]["temperature"] > 0 for i in live)
     # The last live temperature is the learned one (the fast fitter reports every evaluation).
     assert any(i[2]["temperature"] == pytest.approx(calibration.nc_temperature, rel=1e-3) for i in live[-5:])
+
+
+def test_live_plot_gives_each_method_one_colour_in_both_panels():
+    live = cal_tab.LiveTrace()
+    for step in range(3):
+        for method in ("Neural Clamping (FL)", "Neural Clamping (CE)"):
+            live.add(method, {"loss": 1.0 / (step + 1), "temperature": 1.0 + step, "total_passes": step})
+    fig = live.figure()
+    colours = {}
+    for trace in fig.data:
+        assert trace.line.color == trace.marker.color
+        colours.setdefault(trace.name, set()).add(trace.line.color)
+    assert all(len(c) == 1 for c in colours.values())  # the legend's colour is the line's in both panels
+    assert len({next(iter(c)) for c in colours.values()}) == 2  # and the methods differ
+    assert [t.name for t in fig.data if t.showlegend] == ["Neural Clamping (FL)", "Neural Clamping (CE)"]
 
 
 def test_app_run_is_the_library_run(run, default_model):
@@ -224,6 +241,9 @@ def test_stop_ends_a_model_pass_between_chunks():
 
 @pytest.mark.parametrize("args, words", [
     (dict(gamma="-1"), "γ"),
+    (dict(gamma="1e308"), "from 0 to 10"),
+    (dict(weight_decay="1e9"), "from 0 to 1000"),
+    (dict(epochs=10**6), "at most 1000"),
     (dict(weight_decay="lots"), "λ"),
     (dict(size=0), "Calibration size"),
     (dict(size=10**6), "holds only"),
@@ -245,10 +265,15 @@ def test_calibrate_handler_refuses_bad_settings_in_words(args, words):
 
 
 def test_parsing_helpers():
-    assert parse_number_or_auto(" Auto ", "γ", "γ") == "auto" and parse_number_or_auto("0.5", "γ", "γ") == 0.5
-    for bad in ("-1", "nan", "inf", "x"):
-        with pytest.raises(ValueError, match="≥ 0"):
-            parse_number_or_auto(bad, "Focal-loss gamma", "γ")
+    assert parse_gamma(" Auto ") == "auto" and parse_gamma("0.5") == 0.5 and parse_gamma("10") == 10
+    for bad in ("-1", "nan", "inf", "x", "1e308", "10.5"):
+        with pytest.raises(ValueError, match="from 0 to 10"):
+            parse_gamma(bad)
+    assert parse_weight_decay("default") is None and parse_weight_decay(" Strong ") == "strong"
+    assert parse_weight_decay("1000") == 1000
+    for bad in ("-0.1", "1e6", "lots"):
+        with pytest.raises(ValueError, match="from 0 to 1000"):
+            parse_weight_decay(bad)
     assert parse_whole("12", "n") == 12 and parse_whole(3.0, "n") == 3
     for bad in (2.5, "x", 0):
         with pytest.raises(ValueError):
@@ -292,6 +317,22 @@ def test_user_errors_turn_exceptions_into_messages():
     g = gen()
     assert next(g) == 1
     with pytest.raises(gr.Error, match="stopped in the middle"):
+        next(g)
+
+
+def test_a_failed_run_says_so_in_its_status_line_and_keeps_the_rest():
+    @user_errors(status_of=3)
+    def run(size):
+        yield "**Running** — loading the splits", gr.skip(), gr.skip()
+        raise ValueError(f"Calibration size must be at least 10; got {size}.")
+
+    g = run(0)
+    assert next(g)[0].startswith("**Running**")
+    status, *rest = next(g)
+    assert status.startswith("**Error** — Calibration size must be at least 10; got 0.")
+    assert "Running" not in status
+    assert all(isinstance(r, dict) and r.get("__type__") == "update" and len(r) == 1 for r in rest)
+    with pytest.raises(gr.Error, match="at least 10; got 0"):
         next(g)
 
 
@@ -491,8 +532,26 @@ def _softmax_top(z: torch.Tensor, names, k=5):
     return {names[int(i)]: float(v) for v, i in zip(top.values, top.indices)}
 
 
+_BAR = re.compile(r'<div class="nctv-confidence" data-class="([^"]*)" data-confidence="([^"]*)".*?'
+                  r'<span[^>]*>[^<]*</span><span[^>]*>([^<]*)</span>')
+
+
+def bars(page: str) -> dict[str, float]:
+    """{class: probability} read from the data attributes of a confidence_html block, after
+    checking that each row shows its probability as a percentage with one decimal."""
+    out = {}
+    for name, p, shown in _BAR.findall(page):
+        p = float(p)
+        assert re.fullmatch(r"(< |> )?\d{1,3}\.\d %", html.unescape(shown)), shown
+        if html.unescape(shown)[0] not in "<>":
+            assert float(html.unescape(shown)[:-2]) == pytest.approx(100 * p, abs=0.05)
+        out[html.unescape(name)] = p
+    return out
+
+
 def _assert_three_calibrations(model, picture, cal, raw, ts, nc):
     """The top-5 of the uncalibrated, TS and NC outputs equal those computed here from the model."""
+    raw, ts, nc = bars(raw), bars(ts), bars(nc)
     x = model.preprocess(picture)
     z = model_logits(model.model, x[None])
     names = model.class_names
@@ -507,8 +566,11 @@ def test_classify_shows_three_calibrations_of_the_same_picture(run, default_mode
     example = try_image.example_images()[0]
     note, fig, raw, ts, nc = try_image.classify(example, calibration)
     _assert_three_calibrations(default_model, Image.open(example), calibration, raw, ts, nc)
-    assert list(raw.values()) == sorted(raw.values(), reverse=True) and len(raw) == 5
+    confs = list(bars(raw).values())
+    assert confs == sorted(confs, reverse=True) and len(confs) == 5 and sum(confs) <= 1 + 1e-9
     assert "your run" in note and [t.name for t in fig.data][:2] == ["Input", "Input + δ"]
+    # The run's own splits (300 calibration images) feed the out-of-distribution check.
+    assert "This model knows 10 classes: T-shirt/top, Trouser" in note and "300 calibration images" in note
 
 
 def test_classify_without_a_run_uses_the_shipped_calibration_and_converts_colour(tmp_path, default_model):
@@ -535,11 +597,12 @@ def test_grey_picture_for_a_colour_model(tmp_path):
     Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(grey)
     note, fig, raw, ts, nc = try_image.classify(str(grey), cal)
     assert "three colour channels" in note and "was not part of this run" in note
+    assert "knows 3 classes: a, b, c" in note and "check is unavailable: this calibration came without its images" in note
     loaded = state.get_model(name)
     z = model_logits(loaded.model, loaded.preprocess(Image.open(grey).convert("RGB"))[None])
-    assert raw == pytest.approx(_softmax_top(z, ["a", "b", "c"], 3))
-    assert ts == pytest.approx(_softmax_top(z / 2.0, ["a", "b", "c"], 3))
-    assert nc == {} and fig is None
+    assert bars(raw) == pytest.approx(_softmax_top(z, ["a", "b", "c"], 3))
+    assert bars(ts) == pytest.approx(_softmax_top(z / 2.0, ["a", "b", "c"], 3))
+    assert bars(nc) == {} and "Neural Clamping was not part of this run" in nc and fig is None
 
 
 def test_drawings_are_classified_and_empty_ones_refused():
@@ -549,7 +612,51 @@ def test_drawings_are_classified_and_empty_ones_refused():
     drawn = canvas.copy()
     drawn[60:220, 100:180] = 255  # a bright block: something trouser-like
     note, _, raw, ts, nc = try_image.classify_drawing({"background": canvas, "layers": [], "composite": drawn}, None)
-    assert "280 × 280" in note and len(raw) == len(ts) == len(nc) == 5
+    assert "280 × 280" in note and len(bars(raw)) == len(bars(ts)) == len(bars(nc)) == 5
+
+
+def _text_page() -> Image.Image:
+    """A white page with dark strokes like lines of text: nothing like Fashion-MNIST."""
+    page = Image.new("L", (300, 400), 255)
+    draw = ImageDraw.Draw(page)
+    for y in range(20, 380, 30):
+        for x in range(20, 260, 45):
+            draw.line([(x, y), (x + 35, y)], fill=30, width=3)
+    return page
+
+
+def test_the_note_flags_foreign_pictures_and_says_how(tmp_path):
+    page = tmp_path / "page.png"
+    _text_page().save(page)
+    note, *_ = try_image.classify(str(page), None)
+    assert "⚠ **This picture looks unlike the images the model was made for**" in note
+    assert "the 99th percentile on 1,000 test images" in note and "suspicion" in note
+    assert "Mahalanobis distance" in note and "2,000 calibration images" in note
+    passed, *_ = try_image.classify(try_image.example_images()[0], None)
+    assert "⚠" not in passed and "passes the out-of-distribution check" in passed and "Mahalanobis" in passed
+    # The shipped calibration's images are the page's default splits: the check fits on exactly them.
+    pre = state.load_precomputed()
+    assert state.get_splits(pre.split)[0].fingerprint == pre.result.calibration["fingerprint"]
+
+
+def test_the_ood_check_is_unavailable_rather_than_failing(tmp_path):
+    cal = dataclasses.replace(state.load_precomputed().calibration, source="a test calibration",
+                              split=state.SplitSpec(DEFAULT_MODEL, "folder:/no/such/folder", 20, 0, 20))
+    note, _, raw, *_ = try_image.classify(try_image.example_images()[0], cal)
+    assert "check is unavailable: its images could not be loaded" in note and len(bars(raw)) == 5
+
+
+def test_confidence_bars_show_one_decimal_and_escape_names():
+    page = try_image.confidence_html({"<b>bag</b>": 0.8734, 'a "quoted" & name': 0.12, "tiny": 0.00001, "none": 0.0})
+    assert "<b>" not in page and bars(page) == {"<b>bag</b>": 0.8734, 'a "quoted" & name': 0.12, "tiny": 0.00001,
+                                                 "none": 0.0}
+    assert ">87.3 %<" in page and ">12.0 %<" in page and ">&lt; 0.1 %<" in page and ">0.0 %<" in page
+    assert try_image.percent(0.99996) == "> 99.9 %" and try_image.percent(1.0) == "100.0 %"
+    assert "nothing here" in try_image.confidence_html({}, empty="nothing here") and not bars(try_image.confidence_html({}))
+    with pytest.raises(ValueError, match="from 0 to 1"):
+        try_image.confidence_html({"x": 1.5})
+    many = try_image.classes_sentence([f"class {i}" for i in range(1000)])
+    assert many.startswith("This model knows 1,000 classes, among them class 0, class 1") and "class 999" not in many
 
 
 # --------------------------------------------------------------------------- learn
@@ -587,7 +694,7 @@ def test_gamma_grid():
     assert gamma_tab.gamma_grid(0, 1, 0.05)[-1] == 1.0 and len(gamma_tab.gamma_grid(0, 1, 0.05)) == 21
     assert gamma_tab.gamma_grid(2, 2, 1) == [2.0]
     for args, words in [((-1, 1, 0.1), "≥ 0"), ((1, 0, 0.1), "end at or above"), ((0, 1, 0), "positive"),
-                        ((0, 10, 0.01), "at most")]:
+                        ((0, 10, 0.01), "at most"), ((0, 1e308, 1e306), "at most 10")]:
         with pytest.raises(ValueError, match=words):
             gamma_tab.gamma_grid(*args)
 

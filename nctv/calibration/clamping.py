@@ -53,7 +53,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import check_nonnegative, check_positive, check_whole
+from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_gamma, check_nonnegative,
+                         check_positive, check_whole)
 from nctv.calibration.clamping_fit import (
     FitResult,
     LBFGSMemory,
@@ -397,11 +398,11 @@ class NeuralClamping(_InputCalibrator):
             if self.gamma != "auto":
                 raise ValueError(f"gamma must be a number >= 0 or 'auto'; got {self.gamma!r}.")
             cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
-            cands = sorted({check_nonnegative(c, "each of gamma_candidates") for c in cands})
+            cands = sorted({check_gamma(c, "each of gamma_candidates") for c in cands})
             if not cands:
                 raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
             return cands
-        return [check_nonnegative(self.gamma, "gamma")]
+        return [check_gamma(self.gamma)]
 
     def _recipe(self) -> Recipe | None:
         return RECIPES.get(self.fitter)
@@ -438,16 +439,18 @@ class NeuralClamping(_InputCalibrator):
                 raise ValueError(f"weight_decay must be a number >= 0 or one of {tuple(WEIGHT_DECAY_RULES)}; "
                                  f"got {weight_decay!r}.")
         else:
-            check_nonnegative(weight_decay, "weight_decay")
+            check_at_most(weight_decay, "weight_decay", WEIGHT_DECAY_MAX, "larger holds δ at 0")
         if self._setting("temperature") not in TEMPERATURE_RULES:
             raise ValueError(f"temperature must be one of {TEMPERATURE_RULES}; got {self.temperature!r}.")
         if self.init not in _INITS:
             raise ValueError(f"init must be one of {_INITS}; got {self.init!r}.")
         # SGD settings are checked whenever they are given, even to a fitter that does not use them.
         if self._setting("epochs") is not None:
-            check_whole(self._setting("epochs"), "epochs")
+            if check_whole(self._setting("epochs"), "epochs") > EPOCHS_MAX:
+                raise ValueError(f"epochs must be at most {EPOCHS_MAX:,} (the recipes use 100); got {self.epochs!r}.")
         if self._setting("lr") is not None:
             check_positive(self._setting("lr"), "lr")
+            check_at_most(self._setting("lr"), "lr", LR_MAX, "the recipes use 0.001 and 0.01")
         if self._setting("momentum") is not None:
             momentum = check_nonnegative(self._setting("momentum"), "momentum")
             if momentum >= 1:
@@ -673,7 +676,7 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
     nc = NeuralClamping(model, gamma=1.0, **settings)
     nc._validate()
-    gammas = [check_nonnegative(g, "each of gammas") for g in gammas]
+    gammas = [check_gamma(g, "each of gammas") for g in gammas]
     if not gammas:
         raise ValueError("gammas is empty; give at least one γ >= 0.")
     check_positive(passes_per_gamma, "passes_per_gamma")

@@ -500,9 +500,10 @@ class _AffineCalibrator(Calibrator):
         self.converged_ = result.converged
         if not result.converged:
             warnings.warn(
-                f"{type(self).__name__}: the fit stopped after max_iter={result.n_iter} iterations before "
-                "converging (separable calibration data have no finite unregularised optimum); the result "
-                "is usable but not the exact optimum. Raise max_iter or use a regularised method.",
+                f"{type(self).__name__}: the fit stopped after {result.n_iter} iterations before converging "
+                "(separable calibration data have no finite unregularised optimum); the result is usable but "
+                "not the exact optimum. The regularised MS-ODIR and Dir-ODIR avoid this; in Python, max_iter "
+                "sets the limit.",
                 stacklevel=3,
             )
 
@@ -594,8 +595,8 @@ class _ODIR(_AffineCalibrator):
         if not self.cv_converged_[best]:
             warnings.warn(
                 f"{type(self).__name__}: some cross-validation fits at the chosen lambda={self.lambda_:g}, "
-                f"mu={self.mu_:g} stopped at cv_max_iter={cv_max_iter} before converging; raise cv_max_iter "
-                "for an exact selection.",
+                f"mu={self.mu_:g} stopped after {cv_max_iter} iterations before converging, so the selection "
+                "may be slightly off (in Python, cv_max_iter sets the limit).",
                 stacklevel=2,
             )
         problem = _AffineProblem(x, y, diagonal=False)

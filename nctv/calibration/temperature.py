@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 import nctv.metrics as metrics
 from nctv.calibration.base import Calibrator, focal_loss
-from nctv.checks import check_bins, check_logits, check_logits_labels, check_nonnegative, check_positive
+from nctv.checks import check_bins, check_logits, check_gamma, check_logits_labels, check_positive
 
 #: Temperatures are searched within these bounds (a model worse than chance, or separable data,
 #: would otherwise send T to infinity or zero).
@@ -384,7 +384,7 @@ class GridSearchTemperature(Calibrator):
 
 def fit_focal_temperature(logits: Any, labels: Any, gamma: float = 1.0) -> float:
     """The temperature minimising the mean focal loss FL_γ of softmax(z / T), searched on log T."""
-    gamma = check_nonnegative(gamma, "gamma")
+    gamma = check_gamma(gamma)
     z, y = check_logits_labels(logits, labels)
     z64 = z.to(torch.float64)
 

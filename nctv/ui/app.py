@@ -15,11 +15,13 @@ from typing import Any
 
 import gradio as gr
 
+from nctv.checks import GAMMA_MAX, WEIGHT_DECAY_MAX
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
+from nctv.plots import MIN_PLOT_WIDTH
 from nctv.ui.common import HEAVY, on_gpu
 from nctv.ui.images import MAX_FILE_SIZE, CheckedImage
 from nctv.ui.state import (
@@ -31,6 +33,8 @@ from nctv.ui.state import (
     dataset_hint,
     examples_dir,
     get_logits,
+    get_ood_detector,
+    load_precomputed,
     max_model_bytes,
     model_choices,
 )
@@ -38,12 +42,16 @@ from nctv.ui.state import (
 log = logging.getLogger("nctv.ui")
 
 TITLE = "NCTV — Neural Clamping Toolkit & Visualizer"
-INTRO = f"""# {TITLE}
-Is a classifier's confidence trustworthy? **Calibration** makes a model's predicted probabilities match how
-often it is right. This app compares **Neural Clamping** (Tang, Chen & Ho, TMLR 2024: one learned input
-perturbation δ plus a temperature T, on a frozen model) with temperature scaling and the other post-hoc
-methods. The first tab already shows a result pre-computed for the default model; press **Run calibration**
-for a live run with your own settings."""
+INTRO = f"""## {TITLE}
+**Calibration** makes a classifier's confidence match how often it is right. Compare **Neural Clamping**
+(Tang, Chen & Ho, TMLR 2024: a learned input perturbation δ plus a temperature T on a frozen model) with
+temperature scaling and the other post-hoc methods. The first tab opens on a pre-computed result."""
+#: Page styles: diagrams keep a readable width (they scroll sideways on a phone, rather than
+#: squeezing their titles together); the tab bar wraps instead of hiding tabs behind a menu.
+APP_CSS = f"""
+#reliability-plot, #learn-plot {{ overflow-x: auto; }}
+#reliability-plot .js-plotly-plot {{ min-width: {MIN_PLOT_WIDTH}px; }}
+"""
 #: Light handlers (a single image, a redraw) may run side by side; heavy ones take turns.
 LIGHT_CONCURRENCY = 4
 QUEUE_SIZE = 32
@@ -114,10 +122,28 @@ def describe_model(choice: str | None, hub_id: str | None) -> str:
     return f"**{entry.name}** — {entry.description} ({where}; dataset: {', '.join(entry.datasets)})"
 
 
+#: The tabs the shared panel drives; Learn and Try follow the latest calibration instead.
+PANEL_TABS = "Calibrate, γ sweep and Initialisation"
+
+
+def panel_label(model: str | None, hub_id: str | None, dataset: str | None, size: Any) -> str:
+    """The shared panel's title: what is chosen, and which tabs use it (shown while it is closed)."""
+    name = (hub_id or "").strip() or model or "no model"
+    try:
+        images = f"{int(size):,} calibration images"
+    except (TypeError, ValueError):
+        images = "calibration size not set"
+    return f"Model and data: {name} · {dataset or DEFAULT_DATASET_CHOICE} · {images} (for {PANEL_TABS})"
+
+
 def _shared_panel() -> Shared:
     from nctv.zoo import DEFAULT_MODEL
 
-    with gr.Accordion("Model and data (used by every tab)", open=True):
+    label = panel_label(DEFAULT_MODEL, "", DEFAULT_DATASET_CHOICE, DEFAULT_CALIBRATION_SIZE)
+    # Closed by default, so that the tabs come first on a phone and the Learn diagram fits a projector.
+    with gr.Accordion(label, open=False, elem_id="shared-panel") as panel:
+        gr.Markdown(f"These settings drive the {PANEL_TABS} tabs. **Learn** and **Try your own image** use "
+                    "the latest calibration you ran (at first, the pre-computed one).")
         with gr.Row():
             model = gr.Dropdown(model_choices(), value=DEFAULT_MODEL, label="Model", scale=2)
             hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
@@ -127,15 +153,18 @@ def _shared_panel() -> Shared:
         with gr.Row():
             size = gr.Number(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
                              elem_id="calibration-size",
-                             info=f"Drawn from the pool; {DEFAULT_CALIBRATION_SIZE} keeps a live run under a "
+                             info=f"10 up to the pool's size; {DEFAULT_CALIBRATION_SIZE} keeps a live run under a "
                                   "minute on a CPU")
             test_size = gr.Number(0, precision=0, label="Test size (images)", elem_id="test-size",
-                                  info="0: the whole test split (10,000 images for Fashion-MNIST)")
-            seed = gr.Number(0, precision=0, label="Seed", info="Draws the calibration split and seeds δ")
+                                  info="0: the whole test split (10,000 images for Fashion-MNIST); else at least 10")
+            seed = gr.Number(0, precision=0, label="Seed", info="0 to 2³¹ − 1; draws the calibration split and seeds δ")
             bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins (ECE, AECE, SCE)")
         info = gr.Markdown(describe_model(DEFAULT_MODEL, ""))
     for box in (model, hub_id):
         box.change(describe_model, [model, hub_id], info, queue=False, show_progress="hidden", api_visibility="private")
+    for box in (model, hub_id, dataset, size):
+        box.change(lambda *v: gr.update(label=panel_label(*v)), [model, hub_id, dataset, size], panel, queue=False,
+                   show_progress="hidden", api_visibility="private")
     return Shared(model, hub_id, dataset, size, test_size, seed, bins)
 
 
@@ -145,16 +174,18 @@ def _nc_controls(gamma: bool = True, init: bool = True):
     with gr.Row():
         if gamma:
             out["gamma"] = gr.Dropdown(cal_tab.GAMMA_CHOICES, value="1", allow_custom_value=True, label="Focal-loss γ",
-                                       info="0 = cross entropy; auto tries 0, 0.5, 1, 2, 3 (lowest calibration ECE)")
+                                       info=f"0 to {GAMMA_MAX:g}; 0 = cross entropy; auto tries 0, 0.5, 1, 2, 3 (lowest "
+                                            "calibration ECE)")
         out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="default", allow_custom_value=True,
                                           label="Weight decay λ",
-                                          info="default = the fitter's own (fast: strong = 1 × the unperturbed "
-                                               "model's loss; recipes: theirs); auto = 0.1 × that loss (the paper)")
+                                          info=f"0 to {WEIGHT_DECAY_MAX:g}; default = the fitter's own (fast: "
+                                               "strong = 1 × the unperturbed model's loss; recipes: theirs); auto = "
+                                               "0.1 × that loss (the paper)")
     with gr.Row():
         if init:
             out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
         out["fitter"] = gr.Radio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
-        out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)")
+        out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
     return out
 
 
@@ -184,7 +215,7 @@ def _study_run(button: str, plot_label: str, plot_id: str, handler, inputs: list
     table = gr.Markdown()
     files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
-                      api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY)
+                      api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status])
     _stop(stop, event, status)
 
 
@@ -212,8 +243,9 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                             file_count="multiple", interactive=False, height=140)
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state]
+    # Progress (and, after a failure, the error mark) on the status line only: the result below stays readable.
     event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
-                      concurrency_limit=1, concurrency_id=HEAVY)
+                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status])
     _stop(stop, event, status)
     return event
 
@@ -223,9 +255,9 @@ def _gamma_tab(shared: Shared):
                 "The chosen γ has the lowest ECE on the calibration split.")
     with gr.Row():
         # Range checks live in the handler, whose messages name γ.
-        g_from = gr.Number(0.0, label="γ from")
-        g_to = gr.Number(1.0, label="γ to")
-        g_step = gr.Number(0.1, label="γ step")
+        g_from = gr.Number(0.0, label="γ from", info=f"0 to {GAMMA_MAX:g}")
+        g_to = gr.Number(1.0, label="γ to", info=f"up to {GAMMA_MAX:g}")
+        g_step = gr.Number(0.1, label="γ step", info=f"> 0; at most {gamma_tab.MAX_GAMMAS} values")
     nc = _nc_controls(gamma=False)
     inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
     _study_run("Run γ sweep", "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
@@ -265,10 +297,11 @@ def _try_tab(state: gr.State):
         with gr.Column(scale=2):
             note = gr.Markdown(elem_id="try-note")
             figure = gr.Plot(label="Input, input + δ, and δ", elem_id="try-delta")
+            # HTML bars, not gr.Label, which rounds to whole percent and so hides calibration's effect.
             with gr.Row():
-                raw = gr.Label(num_top_classes=try_tab.TOP_CLASSES, label="Uncalibrated", elem_id="label-raw")
-                ts = gr.Label(num_top_classes=try_tab.TOP_CLASSES, label="Temperature scaling", elem_id="label-ts")
-                nc = gr.Label(num_top_classes=try_tab.TOP_CLASSES, label="Neural Clamping", elem_id="label-nc")
+                raw = gr.HTML(label="Uncalibrated", show_label=True, container=True, elem_id="label-raw", padding=True)
+                ts = gr.HTML(label="Temperature scaling", show_label=True, container=True, elem_id="label-ts", padding=True)
+                nc = gr.HTML(label="Neural Clamping", show_label=True, container=True, elem_id="label-nc", padding=True)
     outputs = [note, figure, raw, ts, nc]
     image.change(_plots_fit(try_tab.classify), [image, state], outputs, api_name="classify",
                  concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
@@ -285,13 +318,17 @@ def _black_canvas():
 
 def _learn_tab(state: gr.State):
     fig0, table0, text0 = _initial_learn()
-    gr.Markdown("Move the temperature: the probabilities are softmax(z / T) of the test logits, recomputed at once.")
+    # Controls beside the diagram, so that both fit a 1280 × 720 projector without scrolling.
     with gr.Row():
-        temperature = gr.Slider(learn_tab.T_MIN, learn_tab.T_MAX, 1.0, step=learn_tab.T_STEP, label="Temperature T",
-                                elem_id="learn-temperature", scale=3)
-        bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins", scale=2)
-        fitted = gr.Button("Set T to the temperature-scaling fit", scale=1)
-    fig = gr.Plot(fit_width(fig0), label="Reliability diagrams", elem_id="learn-plot")
+        with gr.Column(scale=1, min_width=260):
+            gr.Markdown("Move the temperature: the probabilities are softmax(z / T) of the test logits of the "
+                        "latest calibration, recomputed at once.")
+            temperature = gr.Slider(learn_tab.T_MIN, learn_tab.T_MAX, 1.0, step=learn_tab.T_STEP,
+                                    label="Temperature T", elem_id="learn-temperature")
+            bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins")
+            fitted = gr.Button("Set T to the temperature-scaling fit")
+        with gr.Column(scale=3):
+            fig = gr.Plot(fit_width(fig0), label="Reliability diagrams", elem_id="learn-plot")
     table = gr.Markdown(table0)
     text = gr.Markdown(text0)
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
@@ -320,7 +357,7 @@ def build_app() -> gr.Blocks:
         state = gr.State(None)  # this visitor's latest Calibration
         gr.Markdown(INTRO)
         shared = _shared_panel()
-        with gr.Tabs():
+        with gr.Tabs(overflow_behavior="wrap"):
             with gr.Tab("Calibrate", id="calibrate"):
                 run_event = _calibrate_tab(shared, state)
             with gr.Tab("γ sweep", id="gamma"):
@@ -342,13 +379,17 @@ def build_app() -> gr.Blocks:
 
 
 def warm_up() -> None:
-    """Load the default model and its default splits' logits, so the first live run starts at once."""
+    """Load the default model, its default splits' logits and the shipped calibration's
+    out-of-distribution check, so the first live run and the first picture start at once."""
     from nctv.zoo import DEFAULT_MODEL
 
     try:
         spec = SplitSpec(DEFAULT_MODEL, None, DEFAULT_CALIBRATION_SIZE, 0)
         get_logits(spec, "calibration")
         get_logits(spec, "test")
+        pre = load_precomputed()
+        if pre is not None:
+            get_ood_detector(pre.split)  # the Try tab's first picture then pays nothing for its check
     except Exception:  # noqa: BLE001 - a failed warm-up only costs time later, where errors are shown
         log.exception("warming up the default model failed")
 
@@ -366,6 +407,7 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         max_file_size=MAX_FILE_SIZE,
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
+        css=APP_CSS,
     )
     settings.update(overrides)
     return demo.launch(**settings)

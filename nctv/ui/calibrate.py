@@ -16,7 +16,7 @@ import gradio as gr
 import torch
 
 from nctv.settings import FITTERS
-from nctv.ui.common import (Worker, export_dir, parse_number_or_auto, parse_weight_decay, parse_whole, user_errors,
+from nctv.ui.common import (Worker, export_dir, parse_gamma, parse_weight_decay, parse_whole, user_errors,
                              with_warnings)
 from nctv.ui.state import (
     NC_METHODS,
@@ -227,6 +227,10 @@ def show(result: Any, calibration: Calibration, n_bins: int) -> tuple:
 # --------------------------------------------------------------------------- live view
 
 
+#: Line colours of the live plot, one per Neural Clamping method (plotly's default cycle).
+LIVE_COLOURS = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3")
+
+
 class LiveTrace:
     """Loss and T of the Neural Clamping fits as they run, drawn as two small line plots."""
 
@@ -244,10 +248,14 @@ class LiveTrace:
         from plotly.subplots import make_subplots
 
         fig = make_subplots(rows=1, cols=2, subplot_titles=["Loss (objective)", "Temperature T"])
-        for name, s in self.series.items():
+        for i, (name, s) in enumerate(self.series.items()):
+            # One colour per method in both panels, the one its legend entry shows (plotly would
+            # otherwise give every trace the next colour of its cycle).
+            colour = LIVE_COLOURS[i % len(LIVE_COLOURS)]
             for col, key in ((1, "loss"), (2, "temperature")):
-                fig.add_trace(go.Scatter(x=s["x"], y=s[key], mode="lines+markers", marker=dict(size=4), name=name,
-                                         legendgroup=name, showlegend=col == 1), row=1, col=col)
+                fig.add_trace(go.Scatter(x=s["x"], y=s[key], mode="lines+markers", name=name, legendgroup=name,
+                                         line=dict(color=colour), marker=dict(size=4, color=colour),
+                                         showlegend=col == 1), row=1, col=col)
         fig.update_xaxes(title_text="passes over the calibration split")
         fig.update_layout(height=280, margin=dict(t=40, b=40, l=50, r=20), template="plotly_white",
                           legend=dict(orientation="h", y=-0.35))
@@ -262,7 +270,7 @@ def parse_nc_settings(gamma: Any, weight_decay: Any, init: Any, fitter: Any, epo
         raise ValueError(f"Initialisation must be 'random' or 'data'; got {init!r}.")
     if fitter not in FITTERS:
         raise ValueError(f"The fitter must be one of {', '.join(FITTERS)}; got {fitter!r}.")
-    return NCSettings(parse_number_or_auto(gamma, "Focal-loss gamma", "γ"),
+    return NCSettings(parse_gamma(gamma),
                       parse_weight_decay(weight_decay), init, fitter,
                       parse_whole(epochs, "Epochs", 1, 1000))
 
@@ -275,7 +283,7 @@ def parse_split(model: Any, hub_id: Any, dataset: Any, calibration_size: Any, te
                      None if empty else parse_whole(test_size, "Test size", 10))
 
 
-@user_errors
+@user_errors(status_of=9)
 def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, methods, gamma, weight_decay, init,
               fitter, epochs, progress=gr.Progress()):
     """Run the chosen methods; streams (status, live panel visibility, live plot, table, diagrams, parameters,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import number_or_word
+from nctv.checks import GAMMA_MAX, WEIGHT_DECAY_MAX, number_or_word
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -76,8 +76,14 @@ def _message(exc: BaseException) -> gr.Error:
                            "Please try other settings."))
 
 
-def user_errors(fn: Callable) -> Callable:
-    """Wrap a handler (plain function or generator) so that errors reach the page as messages."""
+def user_errors(fn: Callable | None = None, *, status_of: int | None = None) -> Callable:
+    """Wrap a handler (plain function or generator) so that errors reach the page as messages.
+
+    ``status_of=n`` is for a streaming handler with ``n`` outputs, the first a status line: an error
+    is first written there in plain words (the other outputs are left as they were, so the last good
+    result stays on screen), then raised, so that a toast shows it and an API caller gets it."""
+    if fn is None:
+        return functools.partial(user_errors, status_of=status_of)
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)
         def gen_wrapper(*args, **kwargs):
@@ -86,7 +92,10 @@ def user_errors(fn: Callable) -> Callable:
             except GeneratorExit:
                 raise
             except Exception as e:  # noqa: BLE001 - every error becomes a message
-                raise _message(e) from None
+                error = _message(e)
+                if status_of:
+                    yield (error_status(str(error.message)),) + (gr.skip(),) * (status_of - 1)
+                raise error from None
 
         return gen_wrapper
 
@@ -98,6 +107,11 @@ def user_errors(fn: Callable) -> Callable:
             raise _message(e) from None
 
     return wrapper
+
+
+def error_status(message: str) -> str:
+    """The status line after a failed run: the message, and that what is shown below is older."""
+    return f"**Error** — {message}\n\nNothing below changed: it is still the last result that finished."
 
 
 def on_gpu(duration: int = 120) -> Callable[[Callable], Callable]:
@@ -243,22 +257,24 @@ def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = N
     return n
 
 
-def parse_number_or_auto(value: Any, name: str, symbol: str) -> float | str:
-    """``"auto"`` or a finite number >= 0 from a form field (γ and λ take either)."""
+def parse_gamma(value: Any, name: str = "Focal-loss gamma") -> float | str:
+    """``"auto"`` or a γ in [0, GAMMA_MAX] from a form field."""
     parsed = "auto" if value is None else number_or_word(value, ("", "auto"))
-    if parsed is None:
-        raise ValueError(f"{name} ({symbol}) must be a number ≥ 0 or 'auto'; got {value!r}.")
+    if parsed is None or (isinstance(parsed, float) and parsed > GAMMA_MAX):
+        raise ValueError(f"{name} (γ) must be a number from 0 to {GAMMA_MAX:g} (the paper uses 0 to 5) or 'auto'; "
+                         f"got {value!r}.")
     return "auto" if parsed == "" else parsed
 
 
 def parse_weight_decay(value: Any) -> float | str | None:
-    """λ from the form: None for "default" (the fitter's own), a rule name ("auto", "strong"), or a number ≥ 0."""
+    """λ from the form: None for "default" (the fitter's own), a rule name ("auto", "strong"), or a
+    number from 0 to WEIGHT_DECAY_MAX."""
     from nctv.calibration.clamping import WEIGHT_DECAY_RULES
 
     parsed = None if value is None else number_or_word(value, ("", "default", *WEIGHT_DECAY_RULES))
     if value is None or parsed in ("", "default"):
         return None
-    if parsed is None:
-        raise ValueError(f"Weight decay (λ) must be a number ≥ 0, 'default', or one of "
+    if parsed is None or (isinstance(parsed, float) and parsed > WEIGHT_DECAY_MAX):
+        raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:g}, 'default', or one of "
                          f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {value!r}.")
     return parsed

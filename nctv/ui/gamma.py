@@ -9,6 +9,7 @@ from typing import Any
 import gradio as gr
 import numpy as np
 
+from nctv.checks import GAMMA_MAX
 from nctv.ui.calibrate import parse_nc_settings, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
@@ -27,6 +28,8 @@ def gamma_grid(start: Any, stop: Any, step: Any) -> list[float]:
         raise ValueError("γ from, to and step must be finite numbers.")
     if a < 0:
         raise ValueError(f"γ must be ≥ 0 (focal loss is undefined below 0); the sweep starts at {a:g}.")
+    if b > GAMMA_MAX:
+        raise ValueError(f"γ must be at most {GAMMA_MAX:g} (the paper uses 0 to 5); the sweep ends at {b:g}.")
     if b < a:
         raise ValueError(f"The sweep must end at or above its start; got from {a:g} to {b:g}.")
     if s <= 0:
@@ -66,7 +69,7 @@ def sweep_table(result: Any) -> str:
     return "\n".join(lines)
 
 
-@user_errors
+@user_errors(status_of=4)
 def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, gamma_from, gamma_to,
                 gamma_step, weight_decay, init, fitter, epochs, progress=gr.Progress()):
     """Sweep γ; streams (status, figure, table, files)."""

@@ -48,7 +48,7 @@ def study_table(result: Any) -> str:
     return "\n".join(lines)
 
 
-@user_errors
+@user_errors(status_of=4)
 def init_study(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, runs, gamma, weight_decay, fitter,
                epochs, progress=gr.Progress()):
     """Random vs data-driven δ; streams (status, box plots, table, files)."""

@@ -115,7 +115,8 @@ def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
     data = [plots.reliability_data(z, y, n_bins, "T = 1 (uncalibrated)"),
             plots.reliability_data(z / t, y, n_bins, f"T = {t:.2f}")]
     fig = plots.reliability_figure(data, backend="plotly")
-    fig.update_layout(title=f"Reliability diagrams — {where}")
+    # Short enough to sit whole beside the slider on a 1280 × 720 projector.
+    fig.update_layout(title=f"Reliability diagrams — {where}", height=440, margin=dict(t=90, b=50))
     k = int(z.shape[1])
     table = _metrics_table(rows, k, n_bins)
     return fig, table, explanations(t, int(z.shape[0]), k, n_bins, now, ts_t, cal)

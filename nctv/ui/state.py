@@ -110,6 +110,7 @@ _models = Memo(int(_env_number("NCTV_MAX_MODELS", DEFAULT_MAX_MODELS, 1, whole=T
 _splits = Memo(6)
 _logits = Memo(8)
 _hashes = Memo(8)
+_detectors = Memo(4)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,18 @@ def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]
         return cached.logits, cached.labels
 
     return _logits.get(key, make)
+
+
+def get_ood_detector(spec: SplitSpec):
+    """The out-of-distribution detector (:mod:`nctv.ood`) of ``spec``'s model: fitted on its
+    calibration split, threshold set on its test split, once per server."""
+    from nctv.ood import fit_on_splits
+
+    def make():
+        cal, test = get_splits(spec)
+        return fit_on_splits(get_model(spec.model).model, cal, test)
+
+    return _detectors.get(spec, make)
 
 
 def model_choices() -> list[tuple[str, str]]:
@@ -252,6 +265,13 @@ class Precomputed:
 
     result: Any
     calibration: Calibration
+
+    @property
+    def split(self) -> SplitSpec:
+        """The splits the shipped result was made on (``scripts/make_precomputed.py`` uses one seed
+        for the calibration draw and the run; the whole test pool)."""
+        r = self.result
+        return SplitSpec(r.model["name"], r.settings.get("dataset"), int(r.calibration["size"]), int(r.seeds[0]))
 
 
 @lru_cache(maxsize=1)

@@ -108,8 +108,9 @@ def number_or_word(text: Any, words: tuple[str, ...] = ()) -> float | str | None
 #: Largest focal-loss γ accepted anywhere (the paper's appendix sweeps 0.01–5). Far above that the
 #: loss of every confident prediction is ~0, the fit learns nothing, and the result only looks calibrated.
 GAMMA_MAX = 10.0
-#: Largest numeric weight decay λ (the paper's appendix sweeps 0.001–10): beyond it δ is held at 0.
-WEIGHT_DECAY_MAX = 1000.0
+#: Largest numeric weight decay λ (the paper's appendix sweeps 0.001–10). Far smaller values already
+#: hold δ at 0 (Neural Clamping becomes temperature scaling); the bound only refuses typing slips.
+WEIGHT_DECAY_MAX = 1e6
 #: Largest SGD learning rate of the recipes (theirs are 0.001 and 0.01).
 LR_MAX = 10.0
 #: Most epochs of a recipe (theirs: 100).
@@ -120,7 +121,8 @@ def check_at_most(value: Any, name: str, maximum: float, why: str = "") -> float
     """A finite number in [0, ``maximum``]; ``why`` (a clause) says where the bound comes from."""
     v = check_nonnegative(value, name)
     if v > maximum:
-        raise ValueError(f"{name} must be at most {maximum:g}{f' ({why})' if why else ''}; got {value!r}.")
+        shown = f"{maximum:,.0f}" if maximum == int(maximum) else f"{maximum:g}"
+        raise ValueError(f"{name} must be at most {shown}{f' ({why})' if why else ''}; got {value!r}.")
     return v
 
 

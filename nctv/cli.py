@@ -3,7 +3,9 @@
 Every command loads a model (default: the embedded one), draws its calibration and test splits,
 runs, and writes into ``--out`` (default ``./out/<command>``): ``results.json`` (schema in
 docs/results-schema.md), tables (``table.md``, ``.csv``, ``.tex``, ``.json``) and figures
-(``figures/*.png``, ``.pdf`` and interactive ``.html``). It ends with one summary line on stdout.
+(``figures/*.png``, ``.pdf`` and interactive ``.html``). ``apply`` instead prints the calibrated
+top-k classes of image files with a calibrator saved by ``save_pretrained``. Every command ends
+with one summary line on stdout.
 Errors are one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ examples:
   nctv sweep-gamma --gammas 0 0.25 0.5 0.75 1   Figure 2: ECE, entropy, loss against gamma
   nctv init-study --seeds 5                     Figure 3: random vs data-driven delta init
   nctv train --dataset bloodmnist --epochs 5    train a classifier, then: nctv run --model local-dir:out/train
+  nctv apply --calibrator out/ts IMAGE.png      calibrated top-5 classes of images with a saved calibrator
 
 method names for --methods (full names or short ones):
   uncal, ts, ts-grid, ts-fl, vs, ms, ms-odir, dir-odir, nc-ce, nc-fl, nc-eff
@@ -71,6 +74,8 @@ COMMAND_EXAMPLES = {
               "nctv train --dataset bloodmnist --arch resnet18 --epochs 5 --out out/blood",
               "nctv run --model local-dir:out/blood --dataset bloodmnist"],
     "models": ["nctv models", "nctv models --json"],
+    "apply": ["nctv apply --calibrator out/ts assets/precomputed/examples/0000-ankle-boot.png",
+              "nctv apply --calibrator hf-hub:<org>/<name> --model fmnist-resnet --top-k 3 shoe.png shirt.jpg"],
 }
 
 
@@ -263,6 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "models", "list the model zoo", "List the models nctv knows by name.")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
+
+    p = _command(sub, "apply", "calibrated top-k classes of image files with a saved calibrator",
+                 "Load a calibrator saved with save_pretrained (a folder, or hf-hub:<org>/<name>) and the model it "
+                 "was fitted for, and print each image's calibrated top-k classes with their confidences. Images "
+                 "go through the model's own preprocessing (colour or grey as the model reads them, resize, "
+                 "normalisation).")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, WebP, BMP, GIF, ...)")
+    p.add_argument("--calibrator", required=True, metavar="DIR",
+                   help="folder written by save_pretrained, or hf-hub:<org>/<name>")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="zoo name, hf-hub:<org>/<name> or local-dir:<folder> (default: the model the calibrator "
+                        "was saved for)")
+    p.add_argument("--top-k", type=_positive_int, default=5, metavar="K", help="classes shown per image (default 5)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default auto)")
     return parser
 
 
@@ -531,9 +550,88 @@ def cmd_models(args: argparse.Namespace) -> str:
             f"({zoo.DEFAULT_MODEL}). Any timm model works as --model hf-hub:<org>/<name> or local-dir:<folder>.")
 
 
+def cmd_apply(args: argparse.Namespace) -> str:
+    import torch
+
+    from nctv import zoo
+    from nctv.calibration import CalibratedModel, load_calibrator
+    from nctv.calibration.saving import calibrator_folder, read_config
+
+    paths = [_image_file(text) for text in args.images]  # before anything loads: a typo fails at once
+    folder = calibrator_folder(args.calibrator)
+    config = read_config(folder)
+    name = args.model or (config.get("model") or {}).get("name")
+    if not name:
+        raise CLIError(f"The calibrator {args.calibrator} does not record which model it was fitted for; "
+                       "name the model with --model.")
+    device = _device(args.device)
+    loaded = zoo.load_model(name, device=device)
+    _check_saved_for(config, loaded, args.calibrator)
+    calibrated = CalibratedModel(loaded, load_calibrator(folder, model=loaded))
+    k = min(args.top_k, loaded.num_classes)
+    for path in paths:
+        x = _image_input(path, loaded).to(device)
+        with torch.no_grad():
+            _print_top(path, torch.softmax(calibrated(x[None]).double(), dim=1)[0], loaded.class_names, k)
+    return (f"apply: {config['method']} from {args.calibrator} on {len(paths)} image{'s' * (len(paths) != 1)} "
+            f"with {loaded.name} (top {k}, calibrated confidences)")
+
+
+def _print_top(path: Path, probabilities, class_names: Sequence[str], k: int) -> None:
+    import torch
+
+    top = torch.topk(probabilities, k)
+    names = [class_names[int(i)] for i in top.indices]
+    width = max(len(n) for n in names)
+    print(path)
+    for name, p in zip(names, top.values):
+        print(f"  {name:<{width}}  {100 * float(p):5.1f} %")
+
+
+def _image_file(text: str) -> Path:
+    """An image path that exists and that PIL recognises (its header is read, not its pixels)."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise CLIError(f"{path} does not exist{' (it is a folder)' if path.is_dir() else ''}; give image files.")
+    try:
+        with Image.open(path):
+            pass
+    except UnidentifiedImageError:
+        raise CLIError(f"{path} is not an image nctv can read; give PNG, JPEG, WebP, BMP or GIF files.") from None
+    except (OSError, Image.DecompressionBombError):
+        pass  # damaged or too large: reading the pixels (_image_input) says which, in its words
+    return path
+
+
+def _image_input(path: Path, loaded) -> Any:
+    """One preprocessed model input (C, H, W), converted to grey or colour as the model reads images."""
+    from nctv.ui.images import ImageError, match_channels, open_image_file
+
+    try:
+        image, _ = match_channels(open_image_file(path), int(loaded.data_config["input_size"][0]))
+    except ImageError as e:
+        raise CLIError(f"{path}: {e}") from None
+    return loaded.preprocess(image)
+
+
+def _check_saved_for(config: dict, loaded, calibrator: str) -> None:
+    """Refuse a calibrator fitted for other weights: its δ or T would calibrate the wrong model."""
+    from nctv.cache import model_fingerprint
+    from nctv.calibration.saving import saved_for
+
+    fingerprint = (config.get("model") or {}).get("fingerprint")
+    if fingerprint and fingerprint != model_fingerprint(loaded.model):
+        saved_name = (config.get("model") or {}).get("name")
+        hint = f"use --model {saved_name}" if saved_name else "use the model it was saved for"
+        raise CLIError(f"The calibrator {calibrator} was saved for {saved_for(config)}, not for {loaded.name!r} (the "
+                       f"weights differ): {hint}, or a calibrator fitted for this model.")
+
+
 COMMANDS = {
     "run": cmd_run, "ablation": cmd_ablation, "timing": cmd_timing, "sweep-gamma": cmd_sweep_gamma,
-    "init-study": cmd_init_study, "train": cmd_train, "models": cmd_models,
+    "init-study": cmd_init_study, "train": cmd_train, "models": cmd_models, "apply": cmd_apply,
 }
 
 

@@ -424,7 +424,6 @@ class Pools:
     calibration: tuple[Any, np.ndarray] | None = None
     test: tuple[Any, np.ndarray] | None = None
     whole: tuple[Any, np.ndarray] | None = None
-    train: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
@@ -477,23 +476,19 @@ def _fashion_mnist_pools() -> Pools:
     return Pools("fashion-mnist", FASHION_MNIST_CLASSES, calibration=parts["calibration"], test=parts["test"])
 
 
-def _bloodmnist_pools(token: str | None, with_train: bool = False) -> Pools:
+def _bloodmnist_pools(token: str | None) -> Pools:
     from huggingface_hub import hf_hub_download
 
     repo, filename = BLOODMNIST_HUB
     path = _hub_file(lambda offline: hf_hub_download(repo, filename, repo_type="dataset", token=token,
                                                      local_files_only=offline),
                      f"BloodMNIST ({repo}, {filename})")
-    keys = ["val_images", "val_labels", "test_images", "test_labels"] + (["train_images", "train_labels"] if with_train else [])
-    z = _load_npz(Path(path), keys)
-    pools = Pools(
+    z = _load_npz(Path(path), ["val_images", "val_labels", "test_images", "test_labels"])
+    return Pools(
         "bloodmnist", BLOODMNIST_CLASSES,
         calibration=(ArrayImages(z["val_images"], "bloodmnist/val"), z["val_labels"].reshape(-1)),
         test=(ArrayImages(z["test_images"], "bloodmnist/test"), z["test_labels"].reshape(-1)),
     )
-    if with_train:
-        pools.train = (z["train_images"], z["train_labels"].reshape(-1).astype(np.int64))
-    return pools
 
 
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
@@ -661,42 +656,6 @@ def _hub_dataset_pools(spec: str, token: str | None, model_class_names: Sequence
     labels = np.asarray(ds[label_key], dtype=np.int64)
     return Pools(f"hf-dataset:{spec}", tuple(model_class_names),
                  whole=(HubDatasetImages(ds, image_key, f"hf-dataset:{spec}"), labels))
-
-
-@dataclass
-class TrainingData:
-    """Raw arrays for training a model on a dataset (uint8 images, int64 labels)."""
-
-    name: str
-    class_names: tuple[str, ...]
-    train: tuple[np.ndarray, np.ndarray]
-    test: tuple[np.ndarray, np.ndarray]
-
-
-def training_data(dataset: str, cache: str | os.PathLike | None = None, token: str | None = None,
-                  fashion_mnist_dir: str | os.PathLike = FASHION_MNIST_SYSTEM_DIR) -> TrainingData:
-    """Training and test arrays that keep the calibration pool of ``dataset`` unseen.
-
-    ``"fashion-mnist"``: training images 0–54,999 from the IDX files (the embedded calibration pool is
-    55,000–59,999); ``"bloodmnist"``: the official training split; ``"cifar100-train-tail"``: CIFAR-100
-    training images 0–44,999. Feed the result to :func:`nctv.zoo.train_classifier`.
-    """
-    if dataset == "fashion-mnist":
-        full = load_fashion_mnist_idx(fashion_mnist_dir)
-        return TrainingData(dataset, FASHION_MNIST_CLASSES,
-                            (full["train_images"][:55000], full["train_labels"][:55000].astype(np.int64)),
-                            (full["test_images"], full["test_labels"].astype(np.int64)))
-    if dataset == "bloodmnist":
-        pools = _bloodmnist_pools(token, with_train=True)
-        return TrainingData(dataset, BLOODMNIST_CLASSES, pools.train,
-                            (pools.test[0].images, pools.test[1].astype(np.int64)))
-    if dataset == "cifar100-train-tail":
-        root = cache_dir(cache)
-        train, test = _cifar100(root, train=True), _cifar100(root, train=False)
-        return TrainingData(dataset, tuple(train.classes),
-                            (np.asarray(train.data)[:45000], np.asarray(train.targets, dtype=np.int64)[:45000]),
-                            (np.asarray(test.data), np.asarray(test.targets, dtype=np.int64)))
-    raise ValueError(f"No training recipe for {dataset!r}; use fashion-mnist, bloodmnist or cifar100-train-tail.")
 
 
 DATASETS = {

@@ -84,8 +84,6 @@ class MethodPlan:
 def _registry():
     from nctv import calibration
 
-    if not hasattr(calibration, "METHODS"):  # pragma: no cover - guards a partial install
-        raise RuntimeError("nctv.calibration.METHODS is missing; the calibration registry is not installed.")
     return calibration.METHODS
 
 
@@ -290,14 +288,10 @@ def _nc_callback(ctx: _Context, label: str, seed: int, holder: dict):
         loss, temp = info.get("loss"), info.get("temperature")
         tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
         tail += f", T {temp:.4f}" if isinstance(temp, (int, float)) else ""
-        passes = float(info.get("passes", 0.0))
+        passes = float(info["passes"])
         msg = f"{label} (seed {seed}): pass {passes:.1f}{tail}"
-        method = holder.get("method")
-        expected = method.expected_passes() if hasattr(method, "expected_passes") else 0.0
-        if expected > 0:
-            ctx.progress.within(passes / expected, msg)
-        else:
-            ctx.progress.message(msg)
+        # Only Neural Clamping (the stochastic methods) gets this callback; it is built before it fits.
+        ctx.progress.within(passes / holder["method"].expected_passes(), msg)
         if ctx.on_fit_step is not None:
             ctx.on_fit_step(label, dict(info))
 
@@ -321,8 +315,10 @@ def _learned_params(method: Any) -> dict[str, Any]:
     return params
 
 
-def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tensor, float, dict, torch.Tensor | None]:
-    """Calibrated test logits, fit seconds, learned params, δ (or None) of one method and seed."""
+def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tensor, float, dict, torch.Tensor | None,
+                                                                      Any]:
+    """Calibrated test logits, fit seconds, learned params, δ (or None) and the fitted calibrator
+    (None for an ablation row, which is not a method of its own) of one method and seed."""
     if plan.variant is not None:
         nc, seconds = _nc_fit(ctx, plan, seed)
         if plan.variant == "input":
@@ -334,22 +330,22 @@ def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tens
         params["shares_fit_with"] = plan.name
         if plan.variant == "output":
             params.pop("delta_l2", None), params.pop("delta_linf", None), params.pop("delta_shape", None)
-            return z, seconds, params, None
+            return z, seconds, params, None, None
         params["temperature"] = 1.0
-        return z, seconds, params, nc.delta_.detach().float().cpu()
+        return z, seconds, params, nc.delta_.detach().float().cpu(), None
     spec = _registry()[plan.name]
     if spec.needs_model:
         nc, seconds = _nc_fit(ctx, plan, seed)
         z = nc.predict_logits(ctx.test.loader(batch_size=ctx.batch_size))
         delta = getattr(nc, "delta_", None)
-        return z, seconds, _learned_params(nc), (None if delta is None else delta.detach().float().cpu())
+        return z, seconds, _learned_params(nc), (None if delta is None else delta.detach().float().cpu()), nc
     _seed_everything(seed)
     m = _make(ctx, plan, seed)
     t0 = time.perf_counter()
     m.fit(ctx.cal_z, ctx.cal_y)
     seconds = time.perf_counter() - t0
     z = m.transform(ctx.test_z)
-    return z, seconds, _learned_params(m), None
+    return z, seconds, _learned_params(m), None, m
 
 
 def _nc_fit(ctx: _Context, plan: MethodPlan, seed: int):
@@ -370,20 +366,20 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
     seconds, first = [], None
     for s in seeds:
         ctx.progress.message(f"{plan.label} (seed {s})")
-        z, sec, params, delta = _fit_predict(ctx, plan, s)
+        z, sec, params, delta, fitted = _fit_predict(ctx, plan, s)
         z = z.detach().float().cpu()
         seconds.append(sec)
         for b in bins:
             for k, v in evaluate(z, ctx.test_y, n_bins=b).items():
                 per_bin[b][k].append(v)
         if first is None:
-            first = (z, dict(params, **dict(plan.overrides)), delta)
+            first = (z, dict(params, **dict(plan.overrides)), delta, fitted)
         ctx.progress.step(f"{plan.label} (seed {s}) done")
     spec = _registry()[plan.name]
     return MethodResult(
         plan.label, bool(spec.stochastic), bool(spec.needs_model), list(seeds),
         {b: {k: MetricStats.from_runs(v) for k, v in per.items()} for b, per in per_bin.items()},
-        seconds, first[1], first[0], first[2],
+        seconds, first[1], first[0], first[2], calibrator=first[3],
     )
 
 
@@ -567,26 +563,18 @@ def run_timing(
     return result
 
 
-# --------------------------------------------------------------------------- Welch's t-test
-
-
 # --------------------------------------------------------------------------- γ sweep and init study
 
 
 def _passes_callback(total: float, what: str, bar: Any, callback: ProgressCallback | None):
     """Turn Neural Clamping's per-step ``info`` into a fraction of about ``total`` passes.
 
-    The fast fitter counts passes per fit (the count restarts), the paper fitter over the whole
-    split (it only grows); a drop therefore starts a new fit whose passes add to the earlier ones.
+    A sweep or study fits on one calibration split whose pass count both fitters only add to, so
+    ``info["passes"]`` is already the running total of the whole sweep or study.
     """
-    state = {"before": 0.0, "last": 0.0}
 
     def report(info: dict) -> None:
-        passes = float(info.get("passes", state["last"]))
-        if passes < state["last"]:
-            state["before"] += state["last"]
-        state["last"] = passes
-        now = state["before"] + passes
+        now = float(info["passes"])
         bar.n = round(min(now, total), 2)
         bar.refresh()
         if callback is not None:

@@ -6,7 +6,7 @@ unless a caller asks for gradients, keeps the model in eval mode and never touch
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 

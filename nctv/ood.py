@@ -156,6 +156,9 @@ class _Penultimate(torch.nn.Module):
         super().__init__()
         self.model = model
         self.split = all(hasattr(model, a) for a in ("forward_features", "forward_head"))
+        # model_logits restores the mode it finds on the module it is given: that must be the
+        # model's, or a new wrapper (training=True) leaves the shared model training afterwards.
+        self.train(model.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.split:

@@ -26,17 +26,15 @@ import math
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from nctv.metrics import METRIC_NAMES, Column, metric_column, sce_exponent
+from nctv.metrics import Column, metric_column
 from nctv.results import COMPARED_METHOD, REFERENCE_METHOD, RunResult
 
 #: The columns of the paper's tables, in order.
 TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce")
-#: Every metric a table can show.
-ALL_METRICS = METRIC_NAMES
 
 
 @dataclass
@@ -72,7 +70,9 @@ def _fmt(v: float, decimals: int) -> str:
 class Table:
     """Rows × columns of cells plus what a reader needs to know (``notes``).
 
-    ``rules_before`` lists row indices preceded by a horizontal rule (the Neural Clamping group).
+    ``rules_before`` lists row indices preceded by a horizontal rule (the Neural Clamping group);
+    ``bold_rows`` the rows shown bold throughout (a chosen setting, which no column's ranking shows).
+    An empty ``title`` is left out of the Markdown (a page that has its own heading).
     """
 
     title: str
@@ -83,6 +83,7 @@ class Table:
     rules_before: list[int] = field(default_factory=list)
     n_bins: int | None = None
     first_column: str = "Method"
+    bold_rows: list[int] = field(default_factory=list)
 
 
 def _mark_ranks(cells: list[Cell], col: Column) -> None:
@@ -112,6 +113,18 @@ def _notes(result: RunResult, n_bins: int) -> list[str]:
         f"(n={result.calibration['size']}), scored on '{result.test['name']}' (n={result.test['size']}).",
         f"{n_bins} bins; {spread}; Neural Clamping fitter: {result.fitter}.",
     ]
+
+
+def metrics_table(rows: Sequence[tuple[str, Mapping[str, float]]], n_classes: int,
+                  metrics: Sequence[str] = TABLE_METRICS, notes: Sequence[str] = (), title: str = "",
+                  first_column: str = "") -> Table:
+    """Named rows of metric values (fractions, as ``nctv.metrics`` returns them) in the paper's units.
+
+    Unranked: the rows are views of one model (say, at several temperatures), not rival methods.
+    """
+    columns = [metric_column(m, n_classes) for m in metrics]
+    cells = [[Cell(float(values[c.key]) * c.scale) for c in columns] for _, values in rows]
+    return Table(title, columns, [name for name, _ in rows], cells, list(notes), first_column=first_column)
 
 
 def results_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = TABLE_METRICS) -> Table:
@@ -214,23 +227,32 @@ def _fmt_p(p: float) -> str:
 def to_markdown(table: Table) -> str:
     """A GitHub-flavoured Markdown table with the title above and the notes below."""
     head = [table.first_column] + [c.label() for c in table.columns]
-    lines = [f"**{table.title}**", "", "| " + " | ".join(head) + " |",
-             "| " + " | ".join([":--"] + ["--:" if _numeric(table, j) else ":--" for j in range(len(table.columns))]) + " |"]
-    for name, row in zip(table.rows, table.cells):
-        parts = [_md_escape(name)]
-        for cell, col in zip(row, table.columns):
-            s = _md_escape(cell.format(col.decimals))
-            if cell.rank == 1:
-                s = f"**{s}**"
-            elif cell.rank == 2:
-                s = f"_{s}_"
-            parts.append(s)
+    lines = [f"**{table.title}**", ""] if table.title else []
+    align = [":--"] + ["--:" if _numeric(table, j) else ":--" for j in range(len(table.columns))]
+    lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    for i, (name, row) in enumerate(zip(table.rows, table.cells)):
+        bold = i in table.bold_rows
+        parts = [_marked(_md_escape(name), None, bold, _MD_MARKS)]
+        parts += [_marked(_md_escape(cell.format(col.decimals)), cell.rank, bold, _MD_MARKS)
+                  for cell, col in zip(row, table.columns)]
         lines.append("| " + " | ".join(parts) + " |")
     lines.append("")
     lines += table.notes
     if _has_marks(table):
         lines.append("Best per column in **bold**, second best in _italics_.")
     return "\n".join(lines) + "\n"
+
+
+_MD_MARKS = ("**{}**", "_{}_")
+_LATEX_MARKS = (r"\textbf{{{}}}", r"\underline{{{}}}")
+
+
+def _marked(s: str, rank: int | None, bold_row: bool, marks: tuple[str, str]) -> str:
+    """``s`` marked as best (or in a bold row) and/or second best; bold is applied once even when both."""
+    bold, second = marks
+    if rank == 2:
+        s = second.format(s)
+    return bold.format(s) if rank == 1 or bold_row else s
 
 
 def _numeric(table: Table, j: int) -> bool:
@@ -322,7 +344,7 @@ def to_latex(table: Table, label: str | None = None) -> str:
     spec = "l" + "".join("c" if c.higher_is_better is not None or c.key in ("seconds",) else "l" for c in table.columns)
     head = " & ".join([latex_escape(table.first_column)] + [latex_escape(c.label()) for c in table.columns])
     out = [r"\begin{table}[t]", r"\centering",
-           r"\caption{" + latex_escape(" ".join([table.title + "."] + table.notes + (
+           r"\caption{" + latex_escape(" ".join([table.title + "."] * bool(table.title) + table.notes + (
                ["Best per column in bold, second best underlined."] if _has_marks(table) else []))) + "}"]
     if label:
         out.append(r"\label{" + label + "}")
@@ -330,14 +352,11 @@ def to_latex(table: Table, label: str | None = None) -> str:
     for i, (name, row) in enumerate(zip(table.rows, table.cells)):
         if i in table.rules_before:
             out.append(r"\midrule")
-        parts = [latex_escape(name)]
+        bold = i in table.bold_rows
+        parts = [_marked(latex_escape(name), None, bold, _LATEX_MARKS)]
         for cell, col in zip(row, table.columns):
             s = cell.format(col.decimals, pm=r" $\pm$ ") if cell.text is None else latex_escape(cell.text)
-            if cell.rank == 1:
-                s = r"\textbf{" + s + "}"
-            elif cell.rank == 2:
-                s = r"\underline{" + s + "}"
-            parts.append(s)
+            parts.append(_marked(s, cell.rank, bold, _LATEX_MARKS))
         out.append(" & ".join(parts) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
     return "\n".join(out) + "\n"
@@ -475,9 +494,10 @@ def gamma_table(result: Any) -> Table:
             row += [Cell(100.0 * float(values["ece"][i])), Cell(float(values["entropy"][i])), Cell(float(values["loss"][i]))]
         rows.append(f"{g:g}" + (" (chosen)" if g == s.chosen_gamma else ""))
         cells.append(row)
-    notes = [f"Model {result.model.get('name')}; {s.n_bins} bins; chosen γ = {s.chosen_gamma:g} (lowest calibration ECE); "
-             f"Neural Clamping fitter: {s.fitter}."]
-    return Table("Neural Clamping against γ", columns, rows, cells, notes, [], s.n_bins, "γ")
+    notes = [f"Model {result.model.get('name')}; {s.n_bins} bins; chosen γ = {s.chosen_gamma:g} (lowest calibration "
+             f"ECE; row in bold); Neural Clamping fitter: {s.fitter}."]
+    chosen = [i for i, g in enumerate(s.gammas) if g == s.chosen_gamma]
+    return Table("Neural Clamping against γ", columns, rows, cells, notes, [], s.n_bins, "γ", chosen)
 
 
 def init_study_table(result: Any, metrics: Sequence[str] = TABLE_METRICS) -> Table:

@@ -70,7 +70,8 @@ class MethodResult:
     included). ``params`` are the learned values of the first seed (``temperature``; for Neural
     Clamping also ``delta_l2``, ``delta_linf``, ``gamma``, ``weight_decay``). ``test_logits`` (the
     calibrated test logits of the first seed) and ``delta`` (NC's δ of the first seed, in the
-    model's normalised input space) are kept in memory and saved beside the JSON, not in it.
+    model's normalised input space) are kept in memory and saved beside the JSON, not in it;
+    ``calibrator`` is the first seed's fitted calibrator (``save_pretrained`` saves it), in memory only.
     """
 
     name: str
@@ -82,6 +83,7 @@ class MethodResult:
     params: dict[str, Any] = field(default_factory=dict)
     test_logits: torch.Tensor | None = field(default=None, repr=False)
     delta: torch.Tensor | None = field(default=None, repr=False)
+    calibrator: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_reference(self) -> bool:

@@ -11,7 +11,6 @@ import importlib.util
 #: two published SGD recipes run exactly, "paper" (the paper's text with the authors' momentum) and
 #: "toolkit" (the authors' released demo).
 FITTERS = ("fast", "paper", "toolkit")
-DEFAULT_FITTER = "fast"
 
 #: The rows of a paper-style table (Tables 1–3), in order.
 DEFAULT_METHODS = (

@@ -695,7 +695,7 @@ def _write_card(folder: Path, info: dict, class_names: Sequence[str], card: dict
     lines = [f"# {title}", "", card.get("summary", ""), ""]
     if test:
         lines += ["## Results (uncalibrated)", "",
-                  f"| test images | accuracy | ECE (15 bins) | NLL |", "| --- | --- | --- | --- |",
+                  "| test images | accuracy | ECE (15 bins) | NLL |", "| --- | --- | --- | --- |",
                   f"| {test['n']} | {100 * test['accuracy']:.2f} % | {100 * test['ece_15']:.2f} % | {test['nll']:.4f} |", ""]
     lines += ["## Model", "",
               f"- architecture: timm `{r['architecture']}` with model_args `{json.dumps(r['model_args'])}`",

@@ -1,7 +1,22 @@
+"""Fixtures shared by the test modules: torch settings, the default model and the launched app.
+
+The expensive parts are session-scoped: the default model is loaded once (it is frozen: eval mode, no
+gradients, so no test can change it for another), and one ``python app.py`` serves both the client
+tests and the browser tests (each gradio_client and each browser page is its own visitor with its
+own state on the server, so one module's runs never show up in another's).
+"""
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The suite runs on small CPUs; two threads are plenty and keep runs repeatable.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -20,3 +35,54 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from nctv.zoo import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(tmp: Path, timeout: float = 180.0):
+    """Start ``python app.py`` offline on a free port; returns (process, url) once it answers."""
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1", NCTV_CACHE_DIR=str(tmp / "cache"),
+               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", MPLCONFIGDIR=str(tmp / "mpl"))
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app.py exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"app.py did not answer within {timeout:.0f} s:\n{(tmp / 'server.log').read_text()[-3000:]}")
+
+
+def stop_app(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The URL of the one app server of the session (started on first use)."""
+    proc, url = start_app(tmp_path_factory.mktemp("app"))
+    yield url
+    stop_app(proc)

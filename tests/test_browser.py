@@ -25,15 +25,6 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from test_app_client import start_app, stop_app
-
-    proc, url = start_app(tmp_path_factory.mktemp("browser-app"))
-    yield url
-    stop_app(proc)
-
-
-@pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
 
@@ -214,6 +205,22 @@ def test_try_your_own_image(page):
     assert "Mahalanobis distance" in note and "passes the out-of-distribution check" in note
     assert page.locator("#try-delta .js-plotly-plot").count() == 1
     shot(page, "3-try-image")
+
+
+def test_the_try_tab_loads_the_downloaded_calibrators(page, tmp_path):
+    from urllib.parse import urljoin
+
+    page.get_by_role("tab", name="Calibrate").click()
+    link = page.locator("#calibrate-files tr:has(td[aria-label='calibrators.zip']) a").first
+    archive = tmp_path / "calibrators.zip"
+    archive.write_bytes(page.request.get(urljoin(page.url, link.get_attribute("href"))).body())
+    page.get_by_role("tab", name="Try your own image").click()
+    page.locator("input[type=file][accept*='.zip']").set_input_files(str(archive))
+    page.wait_for_function("document.querySelector('#try-loaded').innerText.includes('Loaded')", timeout=60_000)
+    assert "Neural Clamping (FL)" in page.locator("#try-loaded").inner_text()
+    page.wait_for_function("document.querySelector('#try-note').innerText.includes('loaded from calibrators.zip')",
+                           timeout=60_000)
+    shot(page, "3c-try-loaded-calibrators")
 
 
 def test_a_picture_unlike_the_training_data_is_flagged(page, tmp_path):

@@ -466,7 +466,7 @@ def test_callback_can_stop_the_fit(problem):
         ({"gamma": 1e308}, "gamma must be at most 10"),
         ({"gamma": "auto", "gamma_candidates": [1, 11]}, "gamma_candidates must be at most 10"),
         ({"weight_decay": -0.1}, "weight_decay"),
-        ({"weight_decay": 1e4}, "weight_decay must be at most 1000"),
+        ({"weight_decay": 1e7}, "weight_decay must be at most 1,000,000"),
         ({"lr": 0}, "lr"),
         ({"fitter": "paper", "lr": 100}, "lr must be at most 10"),
         ({"epochs": 0}, "epochs"),

@@ -128,9 +128,10 @@ def test_train_writes_a_loadable_model(tmp_path):
     assert loaded.class_names == ["a", "b", "c"] and loaded.input_shape == (1, 8, 8)
 
 
-def test_run_takes_every_neural_clamping_setting(tmp_path):
+def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
     """λ, the δ initialisation, the learning rate, γ = auto and the calibration seed reach the fit."""
-    from nctv import data, zoo
+    from nctv import data
+    from nctv.calibration.clamping import NeuralClamping
 
     out = tmp_path / "res"
     nctv("run", "--seeds", "1", "--bins", "15", "--calibration-size", "200", "--test-size", "200",
@@ -139,10 +140,14 @@ def test_run_takes_every_neural_clamping_setting(tmp_path):
          cwd=tmp_path)
     res = json.loads((out / "results.json").read_text())
     nc = res["methods"]["Neural Clamping (FL)"]["params"]
-    assert nc["weight_decay"] == 0.05 and nc["gamma"] in (0.0, 0.5, 1.0, 2.0, 3.0)
     assert res["settings"]["nc"] == {"weight_decay": 0.05, "init": "data", "lr": 0.02} and res["fitter"] == "toolkit"
-    cal, _ = data.get_splits(zoo.load_model(zoo.DEFAULT_MODEL), calibration_size=200, calibration_seed=3,
-                             test_size=200)
+    cal, _ = data.get_splits(default_model, calibration_size=200, calibration_seed=3, test_size=200)
     assert res["calibration"]["fingerprint"] == cal.fingerprint
+    # The library fitted with these settings chooses the same γ and learns the same T: every setting arrived.
+    lib = NeuralClamping(default_model.model, gamma="auto", fitter="toolkit", epochs=1, weight_decay=0.05, init="data",
+                         lr=0.02, seed=0, input_range=default_model.input_range, progress=False)
+    lib.fit(cal.loader(batch_size=512))
+    assert nc["weight_decay"] == 0.05 and nc["gamma"] == lib.gamma_
+    assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
     bad = nctv("run", "--weight-decay", "lots", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "expected a number ≥ 0 or auto / strong" in bad.stderr

@@ -1,6 +1,6 @@
 """nctv.data: IDX reading, the embedded Fashion-MNIST splits, preprocessing, split selection."""
 import gzip
-import importlib.util
+import importlib.metadata
 import struct
 
 import numpy as np
@@ -10,7 +10,6 @@ from PIL import Image
 
 import nctv.data as d
 import nctv.settings as settings
-import nctv.zoo as z
 
 FMNIST_CFG = {"input_size": (1, 28, 28), "interpolation": "bilinear", "mean": (0.2861,), "std": (0.3544,),
               "crop_pct": 1.0, "crop_mode": "center"}
@@ -166,13 +165,8 @@ def test_split_in_half_is_a_seeded_partition():
         d.split_in_half(s.subset(np.arange(1)))
 
 
-@pytest.fixture(scope="module")
-def fmnist_model():
-    return z.load_model(z.DEFAULT_MODEL)
-
-
-def test_get_splits_embedded_defaults(fmnist_model):
-    cal, test = d.get_splits(fmnist_model)
+def test_get_splits_embedded_defaults(default_model):
+    cal, test = d.get_splits(default_model)
     assert (len(cal), len(test)) == (5000, 10000)
     assert cal.class_names == list(d.FASHION_MNIST_CLASSES)
     # the calibration split comes from the training-set tail, the test split from the test set
@@ -180,29 +174,35 @@ def test_get_splits_embedded_defaults(fmnist_model):
     assert cal.fingerprint != test.fingerprint
 
 
-def test_get_splits_sizes_and_seeds(fmnist_model):
-    cal, test = d.get_splits(fmnist_model, calibration_size=1000, calibration_seed=3, test_size=2000)
+def test_get_splits_sizes_and_seeds(default_model):
+    cal, test = d.get_splits(default_model, calibration_size=1000, calibration_seed=3, test_size=2000)
     assert (len(cal), len(test)) == (1000, 2000)
-    cal2, test2 = d.get_splits(fmnist_model, calibration_size=1000, calibration_seed=3, test_size=2000)
+    cal2, test2 = d.get_splits(default_model, calibration_size=1000, calibration_seed=3, test_size=2000)
     assert cal.fingerprint == cal2.fingerprint and test.fingerprint == test2.fingerprint
-    cal3, test3 = d.get_splits(fmnist_model, calibration_size=1000, calibration_seed=4, test_size=2000)
+    cal3, test3 = d.get_splits(default_model, calibration_size=1000, calibration_seed=4, test_size=2000)
     assert cal3.fingerprint != cal.fingerprint
     assert test3.fingerprint == test.fingerprint  # the calibration seed never moves the test split
     with pytest.raises(ValueError, match="holds only 5000"):
-        d.get_splits(fmnist_model, calibration_size=6000)
+        d.get_splits(default_model, calibration_size=6000)
 
 
-def test_get_splits_rejects_unknown_and_unfit_datasets(fmnist_model):
+def test_get_splits_rejects_unknown_and_unfit_datasets(default_model):
     with pytest.raises(ValueError, match="Unknown dataset"):
-        d.get_splits(fmnist_model, dataset="mnist-ish")
+        d.get_splits(default_model, dataset="mnist-ish")
     with pytest.raises(ValueError, match="folder:"):
-        d.get_splits(fmnist_model, dataset="imagenet")
+        d.get_splits(default_model, dataset="imagenet")
     with pytest.raises(ValueError, match="does not exist"):
-        d.get_splits(fmnist_model, dataset="folder:/no/such/folder")
+        d.get_splits(default_model, dataset="folder:/no/such/folder")
 
 
 def test_hf_dataset_is_offered_only_with_the_datasets_package(monkeypatch):
-    assert settings.hub_datasets_available() is (importlib.util.find_spec("datasets") is not None)
+    # Installed means a distribution's metadata is there (found independently of the import system).
+    try:
+        importlib.metadata.distribution("datasets")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    assert settings.hub_datasets_available() is installed
     monkeypatch.setattr(d, "hub_datasets_available", lambda: False)
     assert "folder:<path>" in d.dataset_names() and not any(n.startswith("hf-dataset:") for n in d.dataset_names())
     with pytest.raises(ValueError, match="needs the optional 'datasets' package.*pip install datasets"):
@@ -227,7 +227,7 @@ def test_folder_label_mapping_rules():
         d.folder_label_mapping(["3", "12"], d.FASHION_MNIST_CLASSES, 10)
 
 
-def test_image_folder_dataset_split_in_halves(tmp_path, fmnist_model):
+def test_image_folder_dataset_split_in_halves(tmp_path, default_model):
     rng = np.random.default_rng(6)
     expected = {}
     for cls in ("Sneaker", "Bag", "Trouser"):
@@ -236,7 +236,7 @@ def test_image_folder_dataset_split_in_halves(tmp_path, fmnist_model):
             arr = rng.integers(0, 256, (28, 28), dtype=np.uint8)
             Image.fromarray(arr).save(tmp_path / cls / f"{i}.png")
             expected[f"{cls}/{i}.png"] = (arr, d.FASHION_MNIST_CLASSES.index(cls))
-    cal, test = d.get_splits(fmnist_model, dataset=f"folder:{tmp_path}", calibration_size=None)
+    cal, test = d.get_splits(default_model, dataset=f"folder:{tmp_path}", calibration_size=None)
     assert (len(cal), len(test)) == (7, 8)
     seen = set()
     for split in (cal, test):
@@ -245,14 +245,14 @@ def test_image_folder_dataset_split_in_halves(tmp_path, fmnist_model):
             path = split.source.paths[split.indices[j]]
             arr, label = expected[f"{path.parent.name}/{path.name}"]
             assert int(y[j]) == label
-            assert torch.equal(x[j], fmnist_model.preprocess(Image.fromarray(arr)))
+            assert torch.equal(x[j], default_model.preprocess(Image.fromarray(arr)))
             seen.add(path)
     assert len(seen) == 15
-    again = d.get_splits(fmnist_model, dataset=f"folder:{tmp_path}", calibration_size=None)
+    again = d.get_splits(default_model, dataset=f"folder:{tmp_path}", calibration_size=None)
     assert again[0].fingerprint == cal.fingerprint
 
 
-def test_folder_roots_allow_only_folders_inside_them(tmp_path, fmnist_model):
+def test_folder_roots_allow_only_folders_inside_them(tmp_path, default_model):
     root, outside = tmp_path / "data", tmp_path / "private"
     for cls in ("Bag", "Trouser"):
         (root / "set" / cls).mkdir(parents=True)
@@ -276,7 +276,7 @@ def test_folder_roots_allow_only_folders_inside_them(tmp_path, fmnist_model):
         d.allowed_folder(f"{root}/set", [])
     # The library and the command line (no roots) read any folder, as before.
     assert d.allowed_folder(str(outside), None) == outside
-    cal, test = d.get_splits(fmnist_model, dataset=f"folder:{root}/set", calibration_size=None, folder_roots=roots)
+    cal, test = d.get_splits(default_model, dataset=f"folder:{root}/set", calibration_size=None, folder_roots=roots)
     assert len(cal) + len(test) == 4 and cal.name == f"folder:{root}/set calibration"
     with pytest.raises(ValueError, match="not among them"):
-        d.get_splits(fmnist_model, dataset=f"folder:{root}/link", folder_roots=roots)
+        d.get_splits(default_model, dataset=f"folder:{root}/link", folder_roots=roots)

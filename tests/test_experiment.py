@@ -1,9 +1,9 @@
 """Paper-style runs on a small synthetic model: logit cache, aggregation, seeds, ablation, timing,
 γ sweep and initialisation study wrappers, and the saved results."""
 import json
-import math
 import os
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -197,16 +197,20 @@ def test_ablation_rows_share_the_nc_fit(splits, tmp_path):
 
 def test_timing_rows(splits):
     cal, test = splits
+    start = time.perf_counter()
     r = experiment.run_timing(CountingMatchedFilter(), cal, test, resolutions=(0.1, 0.01), input_range=RANGE,
                               cache_dir=False, progress=False)
+    wall = time.perf_counter() - start
     assert list(r.methods) == ["Uncalibrated", "TS-Grid (0.1)", "TS-Grid (0.01)", "NC (Eff.) (0.1)", "NC (Eff.) (0.01)",
                                "Neural Clamping (FL)"]
     assert r.methods["TS-Grid (0.01)"].params["resolution"] == 0.01
     # A grid temperature is a multiple of its step.
     t = r.methods["TS-Grid (0.1)"].params["temperature"]
     assert abs(t / 0.1 - round(t / 0.1)) < 1e-6
-    # Every fit is timed (one run each, a measured duration, not a placeholder).
-    assert all(len(m.fit_seconds) == 1 and 0 < m.fit_seconds[0] < math.inf for m in r.methods.values())
+    # Every fit is timed once, and the fits are parts of the run: together no longer than the wall time
+    # this test measured around it.
+    seconds = [m.fit_seconds for m in r.methods.values()]
+    assert all(len(s) == 1 and s[0] > 0 for s in seconds) and sum(s[0] for s in seconds) <= r.seconds <= wall
     with pytest.raises(ValueError, match="between 0 and 5"):
         experiment.run_timing(CountingMatchedFilter(), cal, test, resolutions=(0,), progress=False)
 
@@ -220,7 +224,7 @@ def test_gamma_sweep_and_init_study(splits):
     assert list(s.gammas) == [0.0, 1.0] and g.fitter == "fast"
     # The chosen γ is the one with the lowest calibration ECE (ties: the smaller).
     assert s.chosen_gamma == s.gammas[int(np.argmin(s.cal["ece"]))]
-    assert seen[-1] == 1.0 and all(0 <= f <= 1 for f in seen)
+    assert seen[-1] == 1.0 and seen == sorted(seen)  # the sweep's pass count only grows: progress never goes back
     data = json.loads(g.to_json())
     assert data["kind"] == "gamma-sweep" and data["splits"]["test"]["ece"] == list(s.test["ece"])
     i = experiment.run_init_study(model, cal, test, runs=2, input_range=RANGE, progress=False)

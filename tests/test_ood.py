@@ -18,7 +18,6 @@ from nctv.data import get_splits
 from nctv.inference import model_logits
 from nctv.ood import (LEDOIT_WOLF, MahalanobisDetector, fit_on_splits, ledoit_wolf_shrinkage,
                       penultimate_features)
-from nctv.zoo import DEFAULT_MODEL, load_model
 
 MEANS = np.array([[0.0, 0.0, 0.0], [40.0, 0.0, 0.0], [0.0, 40.0, 10.0]])
 COV = np.array([[4.0, 1.0, 0.5], [1.0, 2.0, 0.3], [0.5, 0.3, 1.0]])
@@ -71,21 +70,29 @@ def test_in_distribution_flag_rate_and_threshold_match_the_chi_distribution():
     assert det.is_outlier(MEANS + 30.0).all()
 
 
+def _ledoit_wolf_by_definition(x: np.ndarray) -> float:
+    """Ledoit & Wolf's weight for centred rows ``x``, written out from the paper's formulas."""
+    s = x.T @ x / len(x)
+    m = np.trace(s) / x.shape[1]
+    d2 = ((s - m * np.eye(x.shape[1])) ** 2).sum()
+    b2 = sum(((np.outer(r, r) - s) ** 2).sum() for r in x) / len(x) ** 2
+    return min(b2, d2) / d2
+
+
 def test_ledoit_wolf_weight_by_its_definition():
     x = np.random.default_rng(0).normal(0, 1, (40, 6)) * np.array([1, 2, 3, 1, 1, 5])
     x -= x.mean(0)
-    s = x.T @ x / len(x)
-    m = np.trace(s) / 6
-    d2 = ((s - m * np.eye(6)) ** 2).sum()
-    b2 = sum(((np.outer(r, r) - s) ** 2).sum() for r in x) / len(x) ** 2
-    assert ledoit_wolf_shrinkage(torch.from_numpy(x)) == pytest.approx(min(b2, d2) / d2, rel=1e-9)
+    assert ledoit_wolf_shrinkage(torch.from_numpy(x)) == pytest.approx(_ledoit_wolf_by_definition(x), rel=1e-9)
 
 
 def test_fewer_images_than_dimensions_need_shrinkage():
     rng = np.random.default_rng(0)
     f, y = rng.normal(0, 1, (20, 50)), np.arange(20) % 2
     det = MahalanobisDetector().fit(f, y, rng.normal(0, 1, (30, 50)))
-    assert 0 < det.shrinkage_ <= 1 and torch.isfinite(det.score(rng.normal(0, 1, (5, 50)))).all()
+    # The weight is Ledoit-Wolf's on the features centred within their classes (strictly inside (0, 1) here).
+    centred = f - np.stack([f[y == c].mean(0) for c in (0, 1)])[y]
+    assert det.shrinkage_ == pytest.approx(_ledoit_wolf_by_definition(centred), rel=1e-9) and det.shrinkage_ < 1
+    assert torch.isfinite(det.score(rng.normal(0, 1, (5, 50)))).all()
     with pytest.raises(ValueError, match="singular"):
         MahalanobisDetector(shrinkage=0.0).fit(f, y, f)
 
@@ -113,18 +120,16 @@ def test_clear_errors():
 # --------------------------------------------------------------------------- on a real model
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model(DEFAULT_MODEL)
-
-
-def test_penultimate_features_are_what_the_classifier_reads(model):
-    x = torch.randn(7, *model.input_shape)
-    f = penultimate_features(model.model, x)
-    assert f.shape == (7, model.model.num_features)
+def test_penultimate_features_are_what_the_classifier_reads(default_model):
+    x = torch.randn(7, *default_model.input_shape)
+    f = penultimate_features(default_model.model, x)
+    assert f.shape == (7, default_model.model.num_features)
+    # Left in eval mode as found: a model left training would move its BatchNorm statistics on every
+    # later forward (the app's shared model, computing its check beside a live run, did).
+    assert not default_model.model.training
     # The classifier of the model applied to these features gives the model's logits.
-    logits = model.model.get_classifier()(f)
-    assert torch.allclose(logits, model_logits(model.model, x), atol=1e-4)
+    logits = default_model.model.get_classifier()(f)
+    assert torch.allclose(logits, model_logits(default_model.model, x), atol=1e-4)
     plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 4))
     assert torch.equal(penultimate_features(plain, x), model_logits(plain, x))
 
@@ -189,27 +194,27 @@ FOREIGN = {"colour gradient": _gradient, "colour noise": _noise, "checkerboard":
 
 
 @pytest.fixture(scope="module")
-def fitted(model):
-    cal, test = get_splits(model)
+def fitted(default_model):
+    cal, test = get_splits(default_model)
     half = len(test) // 2
     # The threshold comes from the first half of the test split; the second half stays unseen.
-    det = fit_on_splits(model.model, cal, test.subset(np.arange(half)), seed=0)
+    det = fit_on_splits(default_model.model, cal, test.subset(np.arange(half)), seed=0)
     return det, test.subset(np.arange(half, len(test)))
 
 
-def test_default_model_flags_about_one_percent_of_unseen_test_images(model, fitted):
+def test_default_model_flags_about_one_percent_of_unseen_test_images(default_model, fitted):
     det, unseen = fitted
     assert det.n_samples_fit_ == 2000 and det.held_out_scores_.numel() == 1000
     x, _ = unseen.tensors()
-    rate = det.is_outlier(penultimate_features(model.model, x)).double().mean().item()
+    rate = det.is_outlier(penultimate_features(default_model.model, x)).double().mean().item()
     assert 0.003 <= rate <= 0.025, f"{rate:.2%} of unseen test images flagged; the threshold promises about 1 %"
 
 
 @pytest.mark.parametrize("kind", list(FOREIGN))
-def test_default_model_flags_foreign_pictures(model, fitted, kind):
+def test_default_model_flags_foreign_pictures(default_model, fitted, kind):
     det, _ = fitted
     rng = np.random.default_rng(0)
     # As the app does: a colour picture becomes grey for the grey model, then the model's preprocessing.
-    x = torch.stack([model.preprocess(FOREIGN[kind](rng).convert("L")) for _ in range(10)])
-    flagged = det.is_outlier(penultimate_features(model.model, x))
+    x = torch.stack([default_model.preprocess(FOREIGN[kind](rng).convert("L")) for _ in range(10)])
+    flagged = det.is_outlier(penultimate_features(default_model.model, x))
     assert flagged.double().mean().item() >= 0.8, f"only {int(flagged.sum())} of 10 {kind} pictures flagged"

@@ -16,14 +16,15 @@ from scipy import stats as sps
 
 from nctv import metrics
 from nctv.calibration.clamping import GammaSweep, InitStudy
+from nctv.metrics import sce_exponent
 from nctv.results import MethodResult, MetricStats, RunResult, WelchTest, welch_test, welch_tests
 from nctv.report import (
     gamma_table,
     init_study_table,
     latex_escape,
     metric_column,
+    metrics_table,
     results_table,
-    sce_exponent,
     summary_line,
     timing_table,
     to_csv,
@@ -286,6 +287,23 @@ def _figure_results(case):
     gamma = SimpleNamespace(sweep=sweep, model=result.model)
     init = SimpleNamespace(study=study, model=result.model, test=result.test, n_classes=result.n_classes)
     return gamma_table(gamma), init_study_table(init)
+
+
+def test_gamma_table_shows_the_chosen_row_in_bold(case):
+    gamma, _ = _figure_results(case)
+    md, tex = to_markdown(gamma).splitlines(), to_latex(gamma)
+    assert "| **0.5 (chosen)** | **1.0000** | **1.0000** | **1.00** |" in "\n".join(md)
+    assert "| 0 | 1.0000 | 1.0000 | 3.00 |" in "\n".join(md) and "Best per column" not in "\n".join(md)
+    assert r"\textbf{0.5 (chosen)} & \textbf{1.0000}" in tex and r"\textbf{0 " not in tex
+
+
+def test_metrics_table_shows_named_rows_in_the_paper_units():
+    values = {"accuracy": 0.91234, "entropy": 0.25, "ece": 0.0345, "aece": 0.04, "sce": 0.00612}
+    md = to_markdown(metrics_table([("T = 2.00", values)], n_classes=10, notes=["15 bins."]))
+    # No title line; percentages for accuracy and the ECEs, SCE in units of 10⁻² for 10 classes; no marks.
+    assert md.splitlines()[0] == "|  | Accuracy (%) ↑ | Entropy ↑ | ECE (%) ↓ | AECE (%) ↓ | SCE (×10⁻²) ↓ |"
+    assert "| T = 2.00 | 91.23 | 0.2500 | 3.45 | 4.00 | 0.6120 |" in md and "**" not in md
+    assert md.endswith("\n15 bins.\n")
 
 
 def test_init_study_shows_no_spread_for_a_fit_computed_once(case):

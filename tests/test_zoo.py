@@ -126,14 +126,14 @@ def test_folders_need_config_and_safetensors(tmp_path):
         z.load_model(f"local-dir:{tmp_path}")
 
 
-def test_a_pickle_beside_the_safetensors_is_never_loaded(tmp_path):
+def test_a_pickle_beside_the_safetensors_is_never_loaded(tmp_path, default_model):
     # timm before 1.0.29 took the last checkpoint it found in a local-dir folder (a .bin over
     # model.safetensors); the timm lower bound keeps weights coming from safetensors only.
     src = d.assets_dir() / z.get_entry(z.DEFAULT_MODEL).source[len("local-dir:"):]
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint: reading it fails")
-    m, ref = z.load_model(f"local-dir:{tmp_path}"), z.load_model(z.DEFAULT_MODEL)
+    m, ref = z.load_model(f"local-dir:{tmp_path}"), default_model
     x = torch.randn(3, *ref.input_shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(m.model(x), ref.model(x))
@@ -195,7 +195,11 @@ OFFLINE_SCRIPT = textwrap.dedent("""
     out["blood_sizes"] = [len(cal), len(test)]
     out["blood_labels"] = [cal.labels.tolist(), test.labels.tolist()]
     out["blood_x"] = bool(torch.equal(test.tensors()[0], ref["blood_test_x"]))
-    out["blood_train"] = list(d.training_data("bloodmnist").train[0].shape)
+    # What `nctv train --dataset bloodmnist` trains on, read offline from the same cached file.
+    from argparse import Namespace
+    from nctv.cli import _training_data
+    train, test, names = _training_data(Namespace(dataset="bloodmnist", class_names=None))
+    out["blood_train"] = [list(train[0].shape), list(test[0].shape), names == list(d.BLOODMNIST_CLASSES)]
     try:
         z.load_model("hf-hub:nctv-test/never-downloaded")
         out["uncached"] = "loaded"
@@ -256,7 +260,7 @@ def test_hub_models_and_data_load_offline_from_the_cache(tmp_path):
     assert "needs the network" in out["uncached"] and "nctv-test/tiny-resnet" in out["uncached"]
     assert "fmnist-resnet" in out["uncached"]  # points to what works offline
     assert "needs the network" in out["paper"]
-    assert out["blood_sizes"] == [6, 4] and out["blood_x"] and out["blood_train"] == [9, 28, 28, 3]
+    assert out["blood_sizes"] == [6, 4] and out["blood_x"] and out["blood_train"] == [[9, 28, 28, 3], [4, 28, 28, 3], True]
     assert out["blood_labels"] == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3]]
 
 

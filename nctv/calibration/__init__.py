@@ -1,13 +1,17 @@
 """Post-hoc calibrators and the registry of the paper's methods.
 
-Logit-space calibrators: ``fit(logits, labels) -> self``, ``transform(logits) -> logits``.
-Input-space ones (Neural Clamping): ``fit(inputs_or_loader, labels=None) -> self``,
-``predict_logits(inputs_or_loader)``. ``METHODS`` maps the paper's method names to a
-:class:`MethodSpec` whose ``factory`` builds a ready-to-fit object::
+Every calibrator derives from :class:`BaseCalibrator` (``get_params``, ``set_params``, ``clone``,
+``save_pretrained``). Logit-space calibrators: ``fit(logits, labels) -> self``,
+``transform(logits) -> logits``. Input-space ones (Neural Clamping): ``fit(inputs_or_loader,
+labels=None) -> self``, ``predict_logits(inputs_or_loader)``. ``METHODS`` maps the paper's method
+names to a :class:`MethodSpec` whose ``factory`` builds a ready-to-fit object::
 
     from nctv.calibration import METHODS, make_method
     ts = make_method("Temperature Scaling").fit(cal_logits, cal_labels)
     nc = make_method("Neural Clamping (FL)", model=my_model, seed=1).fit(cal_x, cal_y)
+
+Saved calibrators come back with ``load_calibrator(folder or "hf-hub:org/name", model=None)``;
+``CalibratedModel(model, calibrator)`` is the deployable ``nn.Module`` (docs/calibrators.md).
 """
 from __future__ import annotations
 
@@ -15,11 +19,12 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nctv.calibration.base import Calibrator, NotFittedError, Uncalibrated, focal_loss
+from nctv.calibration.base import BaseCalibrator, Calibrator, NotFittedError, focal_loss
 
 # Classes are imported on first use so that `import nctv.calibration` stays light (the app and
 # the CLI import it at start-up) and a module is loaded only when one of its methods is asked for.
 _CLASSES = {
+    "Uncalibrated": "base",
     "TemperatureScaling": "temperature",
     "GridSearchTemperature": "temperature",
     "FocalTemperatureScaling": "temperature",
@@ -33,6 +38,9 @@ _CLASSES = {
     "data_driven_delta": "clamping",
     "gamma_sweep": "clamping",
     "init_study": "clamping",
+    "load_calibrator": "saving",
+    "ModelMismatchWarning": "saving",
+    "CalibratedModel": "deploy",
 }
 
 
@@ -57,7 +65,7 @@ class MethodSpec:
     def factory(self, model: Any = None, **overrides: Any) -> Any:
         """A fresh, unfitted object; ``overrides`` replace the method's default settings."""
         kwargs = {**self.defaults, **overrides}
-        cls: Callable[..., Any] = Uncalibrated if self.cls == "Uncalibrated" else __getattr__(self.cls)
+        cls: Callable[..., Any] = __getattr__(self.cls)
         if self.needs_model:
             if model is None:
                 raise ValueError(f"{self.name} works on the model's inputs: pass the model (model=...).")
@@ -101,5 +109,5 @@ def make_method(name: str, model: Any = None, **overrides: Any) -> Any:
     return METHODS[key].factory(model, **overrides)
 
 
-__all__ = ["Calibrator", "NotFittedError", "Uncalibrated", "focal_loss", "METHODS", "MethodSpec", "make_method",
+__all__ = ["BaseCalibrator", "Calibrator", "NotFittedError", "focal_loss", "METHODS", "MethodSpec", "make_method",
            *_CLASSES]

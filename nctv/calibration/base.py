@@ -1,4 +1,4 @@
-"""Shared pieces of every calibrator: the focal loss, the fitted-state guard, the base class.
+"""Shared pieces of every calibrator: the focal loss, the fitted-state guard, the base classes.
 
 Conventions: calibrators take *logits* (N, K), never probabilities; labels are
 integers in [0, K); K comes from the logits. Inputs may be numpy arrays or torch tensors on any
@@ -6,11 +6,14 @@ device; outputs are torch tensors on the device of the input.
 """
 from __future__ import annotations
 
+import copy
+import inspect
+import os
 from typing import Any
 
 import torch
 
-from nctv.checks import as_tensor, check_logits, check_logits_labels, check_nonnegative  # noqa: F401 (linear.py)
+from nctv.checks import check_logits, check_logits_labels
 
 
 class NotFittedError(RuntimeError):
@@ -33,15 +36,93 @@ def focal_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float = 0.0, r
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}.")
 
 
-class Calibrator:
-    """Base of the logit-space calibrators (scikit-learn shape).
+class BaseCalibrator:
+    """Base of every calibrator, logit-space or input-space (scikit-learn's estimator contract).
 
-    The constructor only stores settings; ``fit(logits, labels)`` learns and returns ``self``;
-    learned state ends in ``_``; ``transform(logits)`` maps logits to calibrated logits.
+    The constructor only stores each argument under its own name; ``fit`` learns and returns
+    ``self``; learned state ends in ``_``. ``get_params`` / ``set_params`` read and change the
+    settings by the constructor's argument names, ``clone`` gives a fresh unfitted copy, and
+    ``save_pretrained`` writes a fitted calibrator in the Hub's layout (see
+    :mod:`nctv.calibration.saving`).
     """
 
     #: True when repeated fits with different seeds can differ (reported as mean ± std).
     stochastic: bool = False
+    #: What ``fit`` takes, for the message of a calibrator used before ``fit``.
+    _fit_arguments = "logits, labels"
+
+    @classmethod
+    def _param_names(cls) -> tuple[str, ...]:
+        """The constructor's argument names: the settings (none when it takes no arguments)."""
+        if cls.__init__ is object.__init__:
+            return ()
+        args = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        return tuple(a.name for a in args if a.kind not in (a.VAR_POSITIONAL, a.VAR_KEYWORD))
+
+    def get_params(self, deep: bool = False) -> dict[str, Any]:
+        """The settings as ``{argument name: value}``, in the constructor's order.
+
+        ``deep`` is accepted for scikit-learn compatibility; no calibrator holds another estimator.
+        """
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    def set_params(self, **params: Any) -> "BaseCalibrator":
+        """Change settings by name (takes effect at the next ``fit``); returns ``self``."""
+        valid = self._param_names()
+        unknown = [name for name in params if name not in valid]
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no setting {', '.join(map(repr, unknown))}; "
+                             f"its settings are: {', '.join(valid) or 'none'}.")
+        for name, value in params.items():
+            setattr(self, name, value)
+        return self
+
+    def clone(self) -> "BaseCalibrator":
+        """A new, unfitted calibrator with the same settings. Settings are copied, except models
+        and callbacks: a clone calibrates the same model and reports to the same function."""
+        params = {name: value if isinstance(value, torch.nn.Module) or callable(value) else copy.deepcopy(value)
+                  for name, value in self.get_params().items()}
+        return type(self)(**params)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, model: Any = None, data_config: dict | None = None):
+        """Write the fitted calibrator to ``save_directory`` as ``config.json`` + ``calibrator.safetensors``.
+
+        ``model``: the model it was fitted for (an ``nctv.zoo.LoadedModel`` gives its name and data
+        config, an ``nn.Module`` its fingerprint; Neural Clamping records its own model).
+        ``data_config`` (input_size, mean, std, …) overrides the model's. Returns the folder.
+        """
+        from nctv.calibration.saving import save_calibrator
+
+        return save_calibrator(self, save_directory, model=model, data_config=data_config)
+
+    def _check_fitted(self, *attrs: str) -> None:
+        for a in attrs:
+            if getattr(self, a, None) is None:
+                raise NotFittedError(f"{type(self).__name__} is not fitted yet: call fit({self._fit_arguments}) first.")
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={_short_repr(value)}" for name, value in self.get_params().items())
+        return f"{type(self).__name__}({inner})"
+
+
+def _short_repr(value: Any) -> str:
+    # A model or an input range of tensors would fill the screen; their kind is what a reader needs.
+    if isinstance(value, torch.nn.Module):
+        return type(value).__name__
+    if isinstance(value, torch.Tensor) and value.ndim > 0:
+        return f"tensor(shape={tuple(value.shape)})"
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        inner = ", ".join(_short_repr(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    return repr(value)
+
+
+class Calibrator(BaseCalibrator):
+    """Base of the logit-space calibrators.
+
+    ``fit(logits, labels)`` learns and returns ``self``; ``transform(logits)`` maps logits to
+    calibrated logits; ``as_module()`` gives that map as a ``torch.nn.Module`` for deployment.
+    """
 
     def fit(self, logits: Any, labels: Any) -> "Calibrator":  # pragma: no cover - interface
         raise NotImplementedError
@@ -49,18 +130,12 @@ class Calibrator:
     def transform(self, logits: Any) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def as_module(self) -> torch.nn.Module:  # pragma: no cover - interface
+        """The fitted map logits → calibrated logits as a module (traceable; see ``CalibratedModel``)."""
+        raise NotImplementedError
+
     def fit_transform(self, logits: Any, labels: Any) -> torch.Tensor:
         return self.fit(logits, labels).transform(logits)
-
-    def _check_fitted(self, *attrs: str) -> None:
-        for a in attrs:
-            if getattr(self, a, None) is None:
-                raise NotFittedError(f"{type(self).__name__} is not fitted yet: call fit(logits, labels) first.")
-
-    def __repr__(self) -> str:
-        params = {k: v for k, v in vars(self).items() if not k.endswith("_") and not k.startswith("_")}
-        inner = ", ".join(f"{k}={v!r}" for k, v in params.items())
-        return f"{type(self).__name__}({inner})"
 
 
 class Uncalibrated(Calibrator):
@@ -73,3 +148,6 @@ class Uncalibrated(Calibrator):
 
     def transform(self, logits: Any) -> torch.Tensor:
         return check_logits(logits)
+
+    def as_module(self) -> torch.nn.Module:
+        return torch.nn.Identity()

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nctv.calibration.base import NotFittedError
+from nctv.calibration.base import BaseCalibrator
 from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_gamma, check_nonnegative,
                          check_positive, check_whole)
 from nctv.calibration.clamping_fit import (
@@ -178,15 +178,11 @@ def _ece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> float:
     return ece(logits, labels, n_bins=n_bins)
 
 
-class _InputCalibrator:
-    """Common surface of the input-space calibrators: fitted state, prediction, repr."""
+class _InputCalibrator(BaseCalibrator):
+    """Common surface of the input-space calibrators: prediction f(x + δ)/T on the model's inputs."""
 
-    stochastic: bool = False
     model: torch.nn.Module
-
-    def _check_fitted(self) -> None:
-        if getattr(self, "delta_", None) is None:
-            raise NotFittedError(f"{type(self).__name__} is not fitted yet: call fit(inputs, labels) first.")
+    _fit_arguments = "inputs, labels"
 
     def _clamp_range(self, shape: tuple[int, ...], device: torch.device):
         return _range_tensors(self.input_range, shape, device) if getattr(self, "clamp", False) else None
@@ -199,7 +195,7 @@ class _InputCalibrator:
         drops T (the "input only" ablation: f(x + δ)). ``labels`` are optional and only checked
         against the number of inputs (a loader's labels are ignored).
         """
-        self._check_fitted()
+        self._check_fitted("delta_")
         batch_size = check_whole(batch_size, "batch_size")
         device = _compute_device(self.model, getattr(self, "device", None))
         with frozen(self.model):
@@ -214,11 +210,6 @@ class _InputCalibrator:
         if use_temperature:
             z = z / self.temperature_
         return z.float().cpu()
-
-    def __repr__(self) -> str:
-        params = {k: v for k, v in vars(self).items() if not k.endswith("_") and not k.startswith("_") and k != "model"}
-        inner = ", ".join([type(self.model).__name__] + [f"{k}={v!r}" for k, v in params.items()])
-        return f"{type(self).__name__}({inner})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,9 +340,9 @@ class NeuralClamping(_InputCalibrator):
     seed: makes a run repeat exactly on the same device (a local generator; global RNG untouched).
     device: None = the model's device. The model is never moved.
     gamma_candidates: candidates for gamma="auto" (default ``GAMMA_CANDIDATES``).
-    progress: show a tqdm bar. callback: called with a dict (step, loss, temperature, passes; the
-        paper fitter adds epoch) after every evaluation (fast) or SGD step (paper); "loss" is the
-        objective (fast) or the batch loss (paper). Raising ``StopFitting`` in it ends the fit early.
+    progress: show a tqdm bar (default off). callback: called with a dict (step, loss, temperature,
+        passes; the paper fitter adds epoch) after every evaluation (fast) or SGD step (paper); "loss" is
+        the objective (fast) or the batch loss (paper). Raising ``StopFitting`` in it ends the fit early.
     max_passes, tol: the fast fitter's budget in passes and its relative-change stopping rule.
 
     Learned state: ``delta_`` (CPU float32, one input's shape), ``temperature_`` (the T used),
@@ -367,7 +358,7 @@ class NeuralClamping(_InputCalibrator):
                  init: str = "random", fitter: str = "fast", epochs: int | None = None, lr: float | None = None,
                  momentum: float | None = None, batch_size: int | None = None, init_std: float | None = None,
                  learn_delta: bool = True, temperature: str | None = None, clamp: bool = False, input_range: Any = None, seed: int = 0,
-                 device: Any = None, gamma_candidates: Sequence[float] | None = None, progress: bool = True,
+                 device: Any = None, gamma_candidates: Sequence[float] | None = None, progress: bool = False,
                  callback: Callable[[dict], Any] | None = None, max_passes: float = 20, tol: float = 1e-3):
         self.model = model
         self.gamma = gamma

@@ -50,7 +50,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nctv.calibration.base import Calibrator, as_tensor, check_logits, check_logits_labels, check_nonnegative
+from nctv.calibration.base import Calibrator
+from nctv.checks import as_tensor, check_logits, check_logits_labels, check_nonnegative
+from nctv.calibration.deploy import AffineHead
 
 #: The ODIR grid of the paper and of Kull et al. (2019): 1e-2, 1e-1, …, 1e4.
 ODIR_GRID = (1e-2, 1e-1, 1e0, 1e1, 1e2, 1e3, 1e4)
@@ -517,6 +519,10 @@ class _AffineCalibrator(Calibrator):
         w, b = self.weight_.to(z.device), self.bias_.to(z.device)
         return torch.addmm(b, self._features(z), w.T).to(torch.float32)
 
+    def as_module(self) -> torch.nn.Module:
+        self._check_fitted("weight_", "bias_")
+        return AffineHead(self.weight_, self.bias_, dirichlet=self._dirichlet)
+
 
 class _UnregularisedAffine(_AffineCalibrator):
     def __init__(self, max_iter: int = 1000):
@@ -560,7 +566,7 @@ class _ODIR(_AffineCalibrator):
         seed: int = 0,
         max_iter: int = 1000,
         cv_max_iter: int = 100,
-        progress: bool = True,
+        progress: bool = False,
         screen: bool | str = "auto",
     ):
         self.lambdas = lambdas

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 import nctv.metrics as metrics
 from nctv.calibration.base import Calibrator, focal_loss
+from nctv.calibration.deploy import TemperatureHead
 from nctv.checks import check_bins, check_logits, check_gamma, check_logits_labels, check_positive
 
 #: Temperatures are searched within these bounds (a model worse than chance, or separable data,
@@ -117,7 +118,20 @@ def fit_nll_temperature(logits: Any, labels: Any) -> float:
     return 1.0 / a
 
 
-class TemperatureScaling(Calibrator):
+class _Temperature(Calibrator):
+    """The map shared by the three flavours: z / T with the fitted ``temperature_``."""
+
+    def transform(self, logits: Any) -> torch.Tensor:
+        """Calibrated logits z / T (float32, on the device of ``logits``)."""
+        self._check_fitted("temperature_")
+        return _scaled(logits, self.temperature_)
+
+    def as_module(self) -> torch.nn.Module:
+        self._check_fitted("temperature_")
+        return TemperatureHead(self.temperature_)
+
+
+class TemperatureScaling(_Temperature):
     """Temperature scaling (Guo et al. 2017): z / T with T minimising the calibration-set mean NLL.
 
     Learned: ``temperature_`` (float).
@@ -126,11 +140,6 @@ class TemperatureScaling(Calibrator):
     def fit(self, logits: Any, labels: Any) -> "TemperatureScaling":
         self.temperature_ = fit_nll_temperature(logits, labels)
         return self
-
-    def transform(self, logits: Any) -> torch.Tensor:
-        """Calibrated logits z / T (float32, on the device of ``logits``)."""
-        self._check_fitted("temperature_")
-        return _scaled(logits, self.temperature_)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +355,7 @@ def grid_search_temperature(
     return float(temps[best]), eces
 
 
-class GridSearchTemperature(Calibrator):
+class GridSearchTemperature(_Temperature):
     """TS by grid search: z / T with T in {step, 2·step, …, t_max} minimising calibration-set ECE.
 
     Defaults follow the paper: step 0.001, t_max 5.0 (5000 temperatures), 15 bins. Learned:
@@ -356,7 +365,7 @@ class GridSearchTemperature(Calibrator):
     either way. See :func:`grid_search_temperature`.
     """
 
-    def __init__(self, grid_step: float = 0.001, t_max: float = 5.0, n_bins: int = 15, progress: bool = True,
+    def __init__(self, grid_step: float = 0.001, t_max: float = 5.0, n_bins: int = 15, progress: bool = False,
                  full_curve: bool = False):
         self.grid_step = grid_step
         self.t_max = t_max
@@ -370,11 +379,6 @@ class GridSearchTemperature(Calibrator):
                                           full_curve=bool(self.full_curve))
         self.temperature_, self.grid_, self.ece_grid_ = t, grid, eces
         return self
-
-    def transform(self, logits: Any) -> torch.Tensor:
-        """Calibrated logits z / T (float32, on the device of ``logits``)."""
-        self._check_fitted("temperature_")
-        return _scaled(logits, self.temperature_)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,7 +429,7 @@ def fit_focal_temperature(logits: Any, labels: Any, gamma: float = 1.0) -> float
     return math.exp(u)
 
 
-class FocalTemperatureScaling(Calibrator):
+class FocalTemperatureScaling(_Temperature):
     """TS (FL): z / T with T minimising the calibration-set mean focal loss with parameter γ.
 
     γ = 0 is the cross entropy, i.e. plain temperature scaling. Learned: ``temperature_`` (float).
@@ -437,8 +441,3 @@ class FocalTemperatureScaling(Calibrator):
     def fit(self, logits: Any, labels: Any) -> "FocalTemperatureScaling":
         self.temperature_ = fit_focal_temperature(logits, labels, self.gamma)
         return self
-
-    def transform(self, logits: Any) -> torch.Tensor:
-        """Calibrated logits z / T (float32, on the device of ``logits``)."""
-        self._check_fitted("temperature_")
-        return _scaled(logits, self.temperature_)

@@ -24,6 +24,7 @@ from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.ui.common import HEAVY, on_gpu
 from nctv.ui.images import MAX_FILE_SIZE, CheckedImage
+from nctv.ui.upload_calibrator import load_calibrators
 from nctv.ui.state import (
     DEFAULT_BINS,
     DEFAULT_CALIBRATION_SIZE,
@@ -178,7 +179,7 @@ def _nc_controls(gamma: bool = True, init: bool = True):
                                             "calibration ECE)")
         out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="default", allow_custom_value=True,
                                           label="Weight decay λ",
-                                          info=f"0 to {WEIGHT_DECAY_MAX:g}; default = the fitter's own (fast: "
+                                          info=f"0 to {WEIGHT_DECAY_MAX:,.0f}; default = the fitter's own (fast: "
                                                "strong = 1 × the unperturbed model's loss; recipes: theirs); auto = "
                                                "0.1 × that loss (the paper)")
     with gr.Row():
@@ -239,8 +240,9 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             with gr.Row():
                 params = gr.Markdown(params0)
                 delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)")
-            files = gr.File(files0, label="Download this result (JSON, CSV, Markdown, LaTeX, figures, δ)",
-                            file_count="multiple", interactive=False, height=140)
+            files = gr.File(files0, label="Download this result (JSON, CSV, Markdown, LaTeX, figures, δ, "
+                                          "calibrators.zip)", file_count="multiple", interactive=False, height=140,
+                            elem_id="calibrate-files")
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state]
     # Progress (and, after a failure, the error mark) on the status line only: the result below stays readable.
@@ -294,6 +296,10 @@ def _try_tab(state: gr.State):
                                       brush=gr.Brush(colors=["#ffffff", "#bbbbbb", "#777777"], default_color="#ffffff",
                                                      default_size=14), height=320, elem_id="try-sketch")
                 draw_btn = gr.Button("Classify the drawing", variant="primary")
+            upload = gr.UploadButton("Load saved calibrators (.zip)", file_types=[".zip"], file_count="single",
+                                     size="sm", elem_id="try-load-calibrator")
+            loaded_note = gr.Markdown("Or load the calibrators.zip that the Calibrate tab offers for download.",
+                                      elem_id="try-loaded")
         with gr.Column(scale=2):
             note = gr.Markdown(elem_id="try-note")
             figure = gr.Plot(label="Input, input + δ, and δ", elem_id="try-delta")
@@ -307,6 +313,10 @@ def _try_tab(state: gr.State):
                  concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
     draw_btn.click(_plots_fit(try_tab.classify_drawing), [sketch, state], outputs, api_name="classify_drawing",
                    concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+    upload.upload(load_calibrators, [upload, state], [state, loaded_note], api_visibility="private",
+                  concurrency_limit=LIGHT_CONCURRENCY).success(
+        _plots_fit(try_tab.classify), [image, state], outputs, api_visibility="private",
+        concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
     return image, outputs
 
 

@@ -87,10 +87,9 @@ def user_errors(fn: Callable | None = None, *, status_of: int | None = None) -> 
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)
         def gen_wrapper(*args, **kwargs):
+            # A Stop closes the generator with GeneratorExit, a BaseException: it passes through.
             try:
                 yield from fn(*args, **kwargs)
-            except GeneratorExit:
-                raise
             except Exception as e:  # noqa: BLE001 - every error becomes a message
                 error = _message(e)
                 if status_of:
@@ -275,6 +274,6 @@ def parse_weight_decay(value: Any) -> float | str | None:
     if value is None or parsed in ("", "default"):
         return None
     if parsed is None or (isinstance(parsed, float) and parsed > WEIGHT_DECAY_MAX):
-        raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:g}, 'default', or one of "
+        raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:,.0f}, 'default', or one of "
                          f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {value!r}.")
     return parsed

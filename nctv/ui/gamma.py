@@ -4,12 +4,13 @@ calibration ECE) marked."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import gradio as gr
 import numpy as np
 
 from nctv.checks import GAMMA_MAX
+from nctv.report import gamma_table, to_markdown
 from nctv.ui.calibrate import parse_nc_settings, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
@@ -40,33 +41,23 @@ def gamma_grid(start: Any, stop: Any, step: Any) -> list[float]:
     return [round(a + i * s, 4) for i in range(count)]
 
 
-def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, settings: dict, report=None):
+def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, settings: dict, report: Callable[[Any], None]):
     """``nctv.experiment.run_gamma_sweep`` on the spec's splits; ``report`` gets ("progress", f, msg)."""
     from nctv.experiment import run_gamma_sweep
 
-    say = report or (lambda item: None)
-    say(("progress", 0.0, f"loading {spec.model} and its splits"))
+    report(("progress", 0.0, f"loading {spec.model} and its splits"))
     loaded = get_model(spec.model)
     cal, test = get_splits(spec)
     return run_gamma_sweep(loaded, cal, test, gammas=gammas, n_bins=n_bins, seed=spec.calibration_seed,
-                           progress=False, callback=lambda f, m: say(("progress", f, m)), **settings)
+                           progress=False, callback=lambda f, m: report(("progress", f, m)), **settings)
 
 
 def sweep_table(result: Any) -> str:
+    """The CLI's γ table, plus the cost of the run (the page's answer to "why did it take this long")."""
     s = result.sweep
-    splits = [("calibration", s.cal)] + ([("test", s.test)] if s.test is not None else [])
-    head = ["γ", "T", "λ"] + [f"{m} ({name})" for name, _ in splits for m in ("ECE %", "entropy", "loss")]
-    lines = ["| " + " | ".join(head) + " |", "|" + "--:|" * len(head)]
-    for i, g in enumerate(s.gammas):
-        cells = [f"{g:g}", f"{s.temperature[i]:.4f}", f"{s.weight_decay[i]:.3g}"]
-        for _, vals in splits:
-            cells += [f"{100 * vals['ece'][i]:.2f}", f"{vals['entropy'][i]:.4f}", f"{vals['loss'][i]:.4f}"]
-        if g == s.chosen_gamma:
-            cells = [f"**{c}**" for c in cells]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"\n**Chosen γ = {s.chosen_gamma:g}** (lowest calibration ECE, {s.n_bins} bins; row in bold). "
-                 f"Fitter: {s.fitter}; {s.n_passes:.0f} passes over the calibration split in {result.seconds:.1f} s.")
-    return "\n".join(lines)
+    return (to_markdown(gamma_table(result))
+            + f"\n**Chosen γ = {s.chosen_gamma:g}**; {s.n_passes:.0f} passes over the calibration split in "
+              f"{result.seconds:.1f} s.")
 
 
 @user_errors(status_of=4)

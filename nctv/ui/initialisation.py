@@ -3,10 +3,11 @@ the data-driven δ̃ of Theorem 1, several runs each, scored on the test split a
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import gradio as gr
 
+from nctv.report import init_study_table, to_markdown
 from nctv.ui.calibrate import parse_nc_settings, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
@@ -15,37 +16,22 @@ METRICS_SHOWN = ("entropy", "ece", "aece", "sce")
 MAX_RUNS = 20
 
 
-def run_study(spec: SplitSpec, runs: int, n_bins: int, settings: dict, report=None):
+def run_study(spec: SplitSpec, runs: int, n_bins: int, settings: dict, report: Callable[[Any], None]):
     """``nctv.experiment.run_init_study`` on the spec's splits; ``report`` gets ("progress", f, msg)."""
     from nctv.experiment import run_init_study
 
-    say = report or (lambda item: None)
-    say(("progress", 0.0, f"loading {spec.model} and its splits"))
+    report(("progress", 0.0, f"loading {spec.model} and its splits"))
     loaded = get_model(spec.model)
     cal, test = get_splits(spec)
     return run_init_study(loaded, cal, test, runs=runs, n_bins=n_bins, seed=spec.calibration_seed, progress=False,
-                          callback=lambda f, m: say(("progress", f, m)), **settings)
+                          callback=lambda f, m: report(("progress", f, m)), **settings)
 
 
 def study_table(result: Any) -> str:
-    """Mean ± std per initialisation and metric, in the paper's table units."""
-    from nctv.metrics import metric_column
-
-    names = {"random": "random", "data": "data-driven (Theorem 1)"}
-    cols = [metric_column(m, result.n_classes) for m in METRICS_SHOWN]
-    lines = ["| δ initialisation | " + " | ".join(c.label() for c in cols) + " |", "|:--|" + "--:|" * len(cols)]
-    for init in result.study.runs:
-        cells = []
-        for c in cols:
-            s = result.summary(c.key)[init]
-            cells.append(f"{s.mean * c.scale:.{c.decimals}f} ± {s.std * c.scale:.{c.decimals}f}")
-        lines.append(f"| {names.get(init, init)} | " + " | ".join(cells) + " |")
+    """The CLI's initialisation table (mean ± std, paper units), plus the seeds and time of the run."""
     s = result.study
-    note = (" With the fast fitter the data-driven start is deterministic, so its runs coincide (zero spread)."
-            if s.shared_data_fit else "")
-    lines.append(f"\n{len(s.seeds)} runs per initialisation (seeds {s.seeds[0]}–{s.seeds[-1]}), test split, "
-                 f"{s.n_bins} bins, fitter {s.fitter}, {result.seconds:.1f} s.{note}")
-    return "\n".join(lines)
+    return (to_markdown(init_study_table(result, METRICS_SHOWN))
+            + f"Seeds {s.seeds[0]}–{s.seeds[-1]}; {result.seconds:.1f} s.")
 
 
 @user_errors(status_of=4)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from nctv import metrics
+from nctv import metrics, report
 from nctv.ui.common import parse_whole, user_errors
 from nctv.ui.state import Calibration, load_precomputed, test_logits_of
 
@@ -34,19 +34,7 @@ def _scores(z: torch.Tensor, y: torch.Tensor, n_bins: int) -> dict[str, float]:
             "aece": metrics.aece(z, y, n_bins), "sce": metrics.sce(z, y, n_bins)}
 
 
-def _metrics_table(rows: list[tuple[str, dict[str, float]]], n_classes: int, n_bins: int) -> str:
-    from nctv.metrics import metric_column
-
-    cols = [metric_column(m, n_classes) for m in ("accuracy", "entropy", "ece", "aece", "sce")]
-    lines = ["| | " + " | ".join(c.label() for c in cols) + " |", "|:--|" + "--:|" * len(cols)]
-    for name, s in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{s[c.key] * c.scale:.{c.decimals}f}" for c in cols) + " |")
-    lines.append(f"\n{n_bins} bins; test split.")
-    return "\n".join(lines)
-
-
-def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], ts_t: float | None,
-                 cal: Calibration | None) -> str:
+def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], cal: Calibration) -> str:
     """Short explanations of ECE, AECE, SCE, temperature scaling and Neural Clamping with numbers."""
     from nctv.metrics import metric_column
 
@@ -74,10 +62,10 @@ def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], t
         "**Temperature scaling** divides the logits by one number T > 0 before the softmax. T > 1 softens the "
         "probabilities (lower confidence, higher entropy), T < 1 sharpens them; the predicted class never changes, "
         f"so the accuracy stays {100 * now['accuracy']:.2f}% whatever the slider says. T is fitted by minimising the "
-        "negative log-likelihood on the calibration split"
-        + (f"; for this model that gives **T = {ts_t:.3f}**." if ts_t is not None else "."),
+        "negative log-likelihood on the calibration split; for this model that gives "
+        f"**T = {cal.ts_temperature:.3f}**.",
     ]
-    nc = None if cal is None else cal.nc_method
+    nc = cal.nc_method
     nc_text = ("**Neural Clamping** adds one learned perturbation δ, the shape of one preprocessed input, to "
                "every input and divides the logits by a temperature: f(x + δ)/T. δ and T are learned together on "
                "the calibration split by minimising the focal loss plus λ‖δ‖². Temperature scaling is the "
@@ -106,20 +94,20 @@ def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
         raise ValueError(f"The temperature must lie between {T_MIN} and {T_MAX}; got {temperature!r}.")
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     z, y, where = test_logits_of(state)
-    cal = state if state is not None else (load_precomputed().calibration if load_precomputed() else None)
-    ts_t = cal.ts_temperature if cal is not None else None
+    # test_logits_of answered from the visitor's run or from the shipped result: either has a calibration.
+    cal = state if state is not None else load_precomputed().calibration
+    ts_t = cal.ts_temperature
     now = _scores(z / t, y, n_bins)
-    rows = [("T = 1 (uncalibrated)", _scores(z, y, n_bins)), (f"T = {t:.2f} (slider)", now)]
-    if ts_t is not None:
-        rows.append((f"T = {ts_t:.3f} (temperature scaling)", _scores(z / ts_t, y, n_bins)))
+    rows = [("T = 1 (uncalibrated)", _scores(z, y, n_bins)), (f"T = {t:.2f} (slider)", now),
+            (f"T = {ts_t:.3f} (temperature scaling)", _scores(z / ts_t, y, n_bins))]
     data = [plots.reliability_data(z, y, n_bins, "T = 1 (uncalibrated)"),
             plots.reliability_data(z / t, y, n_bins, f"T = {t:.2f}")]
     fig = plots.reliability_figure(data, backend="plotly")
     # Short enough to sit whole beside the slider on a 1280 × 720 projector.
     fig.update_layout(title=f"Reliability diagrams — {where}", height=440, margin=dict(t=90, b=50))
     k = int(z.shape[1])
-    table = _metrics_table(rows, k, n_bins)
-    return fig, table, explanations(t, int(z.shape[0]), k, n_bins, now, ts_t, cal)
+    table = report.to_markdown(report.metrics_table(rows, k, notes=[f"{n_bins} bins; test split."]))
+    return fig, table, explanations(t, int(z.shape[0]), k, n_bins, now, cal)
 
 
 @user_errors

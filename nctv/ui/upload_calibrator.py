@@ -1,0 +1,128 @@
+"""Loading a saved calibrator into the Try tab: a ``calibrators.zip`` from the Calibrate tab's
+download (or any zip of folders written by ``save_pretrained``) becomes the visitor's calibration.
+
+A visitor's zip is untrusted: it is read member by member (no ``extractall``), only the two files
+of a saved calibrator are accepted, names may not leave the folder, and sizes are capped before
+anything is written. The model a calibrator names must be one of the app's own (its model menu) or
+the model of the visitor's current calibration, so that a zip cannot make the server download one.
+"""
+from __future__ import annotations
+
+import tempfile
+import warnings
+import zipfile
+from datetime import datetime
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import gradio as gr
+
+from nctv.calibration.saving import CONFIG_NAME, TENSORS_NAME, ModelMismatchWarning, load_calibrator, read_config
+from nctv.settings import DEFAULT_CALIBRATION_SIZE
+from nctv.ui.common import user_errors
+from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_logits, get_model
+
+#: Caps on a visitor's zip: its size, its unpacked size and its number of files.
+MAX_ZIP_BYTES = 50 * 2**20
+MAX_UNPACKED_BYTES = 200 * 2**20
+MAX_MEMBERS = 64
+_NAMES = (CONFIG_NAME, TENSORS_NAME)
+
+
+def unpack(path: str | Path, into: Path) -> list[Path]:
+    """The calibrator folders of a zip, written under ``into``; ValueError for anything else."""
+    path = Path(path)
+    if path.stat().st_size > MAX_ZIP_BYTES:
+        raise ValueError(f"The zip is larger than {MAX_ZIP_BYTES // 2**20} MB; a saved calibrator is far smaller.")
+    if not zipfile.is_zipfile(path):
+        raise ValueError("That file is not a zip. Load the calibrators.zip that the Calibrate tab offers for "
+                         "download (or a zip of folders written by save_pretrained).")
+    with zipfile.ZipFile(path) as archive:
+        members = [m for m in archive.infolist() if not m.is_dir()]
+        _check_members(members)
+        for m in members:
+            target = into.joinpath(*PurePosixPath(m.filename).parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(archive.read(m))
+    folders = sorted({into.joinpath(*PurePosixPath(m.filename).parts).parent for m in members
+                      if PurePosixPath(m.filename).name == CONFIG_NAME})
+    if not folders:
+        raise ValueError(f"The zip holds no saved calibrator (a folder with {CONFIG_NAME} and {TENSORS_NAME}).")
+    return folders
+
+
+def _check_members(members: list[zipfile.ZipInfo]) -> None:
+    if len(members) > MAX_MEMBERS:
+        raise ValueError(f"The zip holds {len(members)} files; a zip of saved calibrators holds at most "
+                         f"{MAX_MEMBERS}.")
+    if sum(m.file_size for m in members) > MAX_UNPACKED_BYTES:
+        raise ValueError(f"The zip unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MB; that is no saved "
+                         "calibrator.")
+    for m in members:
+        name = PurePosixPath(m.filename)
+        if name.is_absolute() or ".." in name.parts or "\\" in m.filename or len(name.parts) > 3:
+            raise ValueError(f"The zip holds a file outside its folders ({m.filename!r}); it was not made by NCTV.")
+        if name.name not in _NAMES:
+            raise ValueError(f"The zip holds {name.name!r}; a saved calibrator has only {CONFIG_NAME} and "
+                             f"{TENSORS_NAME}.")
+
+
+def _model_of(configs: dict[Path, dict], state: Calibration | None) -> str:
+    from nctv.zoo import ENTRIES
+
+    names = {(c.get("model") or {}).get("name") for c in configs.values()}
+    if len(names) != 1 or None in names:
+        raise ValueError("The calibrators in the zip must all name the one model they were fitted for.")
+    name = names.pop()
+    if name not in ENTRIES and (state is None or name != state.model):
+        raise ValueError(f"The calibrators were fitted for {name!r}, which this app does not offer; calibrate that "
+                         "model in the Calibrate tab first, or use `nctv apply` on your own machine.")
+    return name
+
+
+def _load(folder: Path, loaded: Any) -> Any:
+    """``load_calibrator``, refusing (as ``nctv apply`` does) a calibrator saved for other weights."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelMismatchWarning)
+        try:
+            return load_calibrator(folder, model=loaded)
+        except ModelMismatchWarning as w:
+            raise ValueError(str(w)) from None
+
+
+def calibration_from_zip(path: str | Path, state: Calibration | None) -> Calibration:
+    """The visitor's new calibration from a zip: Neural Clamping's δ and T from its Neural Clamping
+    calibrator, and the temperature-scaling T from its Temperature Scaling one (fitted on the
+    model's default calibration split when the zip has none)."""
+    with tempfile.TemporaryDirectory(prefix="nctv-upload-") as tmp:
+        configs = {f: read_config(f) for f in unpack(path, Path(tmp))}
+        model = _model_of(configs, state)
+        loaded = get_model(model)
+        by_method = {c["method"]: f for f, c in configs.items()}
+        nc_name = next((n for n in NC_METHODS if n in by_method), None)
+        if nc_name is None:
+            raise ValueError(f"The zip holds no Neural Clamping calibrator (it has: {', '.join(sorted(by_method))}); "
+                             "tick Neural Clamping in the Calibrate tab, run, and download again.")
+        nc = _load(by_method[nc_name], loaded)
+        split = SplitSpec(model, None, DEFAULT_CALIBRATION_SIZE, 0)
+        if TS_METHOD in by_method:
+            ts_t = float(_load(by_method[TS_METHOD], loaded).temperature_)
+        else:
+            from nctv.calibration import METHODS
+
+            ts_t = float(METHODS[TS_METHOD].factory().fit(*get_logits(split, "calibration")).temperature_)
+    when = datetime.now().strftime("%H:%M:%S")
+    return Calibration(split=split, model=model, ts_temperature=ts_t, nc_temperature=float(nc.temperature_),
+                       delta=nc.delta_.detach().float().cpu(), nc_method=nc_name,
+                       source=f"loaded from {Path(path).name} at {when}")
+
+
+@user_errors
+def load_calibrators(file: Any, state: Calibration | None = None):
+    """(the visitor's new calibration, a line saying what was loaded) from an uploaded zip."""
+    if file is None:
+        return gr.skip(), "Choose the calibrators.zip that the Calibrate tab's download offers."
+    path = file if isinstance(file, (str, Path)) else getattr(file, "name", None)
+    cal = calibration_from_zip(path, state)
+    return cal, (f"Loaded **{cal.nc_method}** (T = {cal.nc_temperature:.3f}) and temperature scaling "
+                 f"(T = {cal.ts_temperature:.3f}) for model {cal.model}; the Try and Learn tabs use them now.")

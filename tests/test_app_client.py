@@ -38,7 +38,9 @@ def test_exactly_the_public_endpoints_are_listed(client):
     assert not api["unnamed_endpoints"]
     params = [p["parameter_name"] for p in api["named_endpoints"]["/calibrate"]["parameters"]]
     assert params == ["model", "hub_id", "dataset", "calibration_size", "test_size", "seed", "n_bins", "methods",
-                      "gamma", "weight_decay", "init", "fitter", "epochs"]
+                      "gamma", "weight_decay", "init", "fitter", "epochs", "lr"]
+    lr = api["named_endpoints"]["/calibrate"]["parameters"][-1]
+    assert lr["parameter_has_default"] and lr["parameter_default"] == "default"  # older calls still work
 
 
 def test_queue_settings(server):

@@ -255,14 +255,35 @@ def test_stop_ends_a_model_pass_between_chunks():
     (dict(methods=["Uncalibrated"]), "at least one"),
     (dict(methods=["Platt"]), "Unknown method"),
     (dict(epochs=0), "Epochs"),
+    (dict(lr="0"), "learning rate must be 'default'"),
+    (dict(lr="100"), "at most 10"),
+    (dict(lr="fast"), "learning rate"),
 ])
 def test_calibrate_handler_refuses_bad_settings_in_words(args, words):
     a = dict(model=DEFAULT_MODEL, hub_id="", size=300, test_size=1000, methods=["Temperature Scaling"], gamma="1",
-             weight_decay="auto", epochs=100)
+             weight_decay="auto", epochs=100, lr="default")
     a.update(args)
     with pytest.raises(gr.Error, match=re.escape(words)):
         list(cal_tab.calibrate(a["model"], a["hub_id"], state.DEFAULT_DATASET_CHOICE, a["size"], a["test_size"], 0, 15,
-                               a["methods"], a["gamma"], a["weight_decay"], "random", "fast", a["epochs"]))
+                               a["methods"], a["gamma"], a["weight_decay"], "random", "fast", a["epochs"], a["lr"]))
+
+
+def test_the_learning_rate_box_reaches_the_recipe(default_model):
+    """A typed learning rate is the recipe's: the app's paper-recipe run equals the library's fit with that lr,
+    and differs from the recipe's own lr."""
+    from nctv.calibration import NeuralClamping
+
+    nc = cal_tab.parse_nc_settings("1", "default", "random", "paper", 2, " 0.05 ")
+    assert nc.lr == 0.05 and cal_tab.parse_nc_settings("1", "default", "random", "paper", 2, "default").lr is None
+    result, _ = cal_tab.run_calibration(SMALL, ["Neural Clamping (FL)"], 15, nc)
+    cal, _ = data_splits(default_model, calibration_size=SMALL.calibration_size, calibration_seed=0,
+                         test_size=SMALL.test_size)
+    x, y = cal.tensors()
+    t = result.methods["Neural Clamping (FL)"].params["temperature"]
+    typed = NeuralClamping(default_model.model, gamma=1.0, fitter="paper", epochs=2, lr=0.05, seed=0).fit(x, y)
+    own = NeuralClamping(default_model.model, gamma=1.0, fitter="paper", epochs=2, seed=0).fit(x, y)
+    assert t == pytest.approx(typed.temperature_, rel=1e-6)
+    assert abs(t - own.temperature_) > 1e-3
 
 
 def test_parsing_helpers():

@@ -187,6 +187,8 @@ def _nc_controls(gamma: bool = True, init: bool = True):
             out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
         out["fitter"] = gr.Radio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
         out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
+        out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)",
+                               info="default = the recipe's own (paper 0.001, toolkit 0.01); or above 0, at most 10")
     return out
 
 
@@ -243,7 +245,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             files = gr.File(files0, label="Download this result (JSON, CSV, Markdown, LaTeX, figures, δ, "
                                           "calibrators.zip)", file_count="multiple", interactive=False, height=140,
                             elem_id="calibrate-files")
-    inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
+    inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"]]
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state]
     # Progress (and, after a failure, the error mark) on the status line only: the result below stays readable.
     event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
@@ -261,7 +263,8 @@ def _gamma_tab(shared: Shared):
         g_to = gr.Number(1.0, label="γ to", info=f"up to {GAMMA_MAX:g}")
         g_step = gr.Number(0.1, label="γ step", info=f"> 0; at most {gamma_tab.MAX_GAMMAS} values")
     nc = _nc_controls(gamma=False)
-    inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"]]
+    inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"],
+                              nc["lr"]]
     _study_run("Run γ sweep", "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
                "gamma_sweep")
 
@@ -271,7 +274,7 @@ def _init_tab(shared: Shared):
                 "each, scored on the test split.")
     runs = gr.Slider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
     nc = _nc_controls(init=False)
-    inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"]]
+    inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"], nc["lr"]]
     _study_run("Run initialisation study", "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
                "init_study")
 

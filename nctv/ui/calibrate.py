@@ -18,7 +18,7 @@ import gradio as gr
 import torch
 
 from nctv.settings import FITTERS
-from nctv.ui.common import (Worker, export_dir, parse_gamma, parse_weight_decay, parse_whole, user_errors,
+from nctv.ui.common import (Worker, export_dir, parse_gamma, parse_lr, parse_weight_decay, parse_whole, user_errors,
                              with_warnings)
 from nctv.ui.state import (
     NC_METHODS,
@@ -66,6 +66,13 @@ class NCSettings:
     init: str = "random"
     fitter: str = "fast"
     epochs: int = 100
+    #: The recipes' SGD learning rate; None: the recipe's own (the fast fitter has none).
+    lr: float | None = None
+
+    def nc_kwargs(self) -> dict[str, Any]:
+        """The settings a run passes on to NeuralClamping, leaving out those left at the fitter's own."""
+        return {"init": self.init, **{k: v for k, v in (("weight_decay", self.weight_decay), ("lr", self.lr))
+                                      if v is not None}}
 
 
 def method_choices() -> list[str]:
@@ -115,13 +122,13 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
             message += " (cross-validates its regularisation: this takes minutes on a CPU)"
         say(("progress", min(0.02 + 0.97 * fraction, 0.99), message))
 
-    nc_settings = {"init": nc.init, **({} if nc.weight_decay is None else {"weight_decay": nc.weight_decay})}
+    nc_settings = nc.nc_kwargs()
     result = run_experiment(
         loaded, cal, test, names, seeds=[spec.calibration_seed], bins=[n_bins], fitter=nc.fitter, gamma=nc.gamma,
         epochs=None if nc.fitter == "fast" else nc.epochs, progress=False, callback=progress,
         nc_settings=nc_settings, on_fit_step=lambda row, info: say(("nc", row, info)))
     result.settings.update(
-        init=nc.init, weight_decay=nc.weight_decay, dataset=spec.dataset,
+        init=nc.init, weight_decay=nc.weight_decay, lr=nc.lr, dataset=spec.dataset,
         mean=[float(v) for v in loaded.data_config["mean"]], std=[float(v) for v in loaded.data_config["std"]])
     say(("progress", 1.0, f"done in {result.seconds:.1f} s"))
     return result, _calibration_of(result, spec, n_bins)
@@ -292,14 +299,14 @@ class LiveTrace:
 # --------------------------------------------------------------------------- the handler
 
 
-def parse_nc_settings(gamma: Any, weight_decay: Any, init: Any, fitter: Any, epochs: Any) -> NCSettings:
+def parse_nc_settings(gamma: Any, weight_decay: Any, init: Any, fitter: Any, epochs: Any, lr: Any = None) -> NCSettings:
     if init not in ("random", "data"):
         raise ValueError(f"Initialisation must be 'random' or 'data'; got {init!r}.")
     if fitter not in FITTERS:
         raise ValueError(f"The fitter must be one of {', '.join(FITTERS)}; got {fitter!r}.")
     return NCSettings(parse_gamma(gamma),
                       parse_weight_decay(weight_decay), init, fitter,
-                      parse_whole(epochs, "Epochs", 1, 1000))
+                      parse_whole(epochs, "Epochs", 1, 1000), parse_lr(lr))
 
 
 def parse_split(model: Any, hub_id: Any, dataset: Any, calibration_size: Any, test_size: Any, seed: Any) -> SplitSpec:
@@ -312,12 +319,12 @@ def parse_split(model: Any, hub_id: Any, dataset: Any, calibration_size: Any, te
 
 @user_errors(status_of=9)
 def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, methods, gamma, weight_decay, init,
-              fitter, epochs, progress=gr.Progress()):
+              fitter, epochs, lr="default", progress=gr.Progress()):
     """Run the chosen methods; streams (status, live panel visibility, live plot, table, diagrams, parameters,
     δ, files, state)."""
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
-    nc = parse_nc_settings(gamma, weight_decay, init, fitter, epochs)
+    nc = parse_nc_settings(gamma, weight_decay, init, fitter, epochs, lr)
     names = _ordered_methods(methods or [])
     worker = Worker(lambda report: run_calibration(spec, names, n_bins, nc, report))
     live = LiveTrace()

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import GAMMA_MAX, WEIGHT_DECAY_MAX, number_or_word
+from nctv.checks import GAMMA_MAX, LR_MAX, WEIGHT_DECAY_MAX, number_or_word
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -276,4 +276,16 @@ def parse_weight_decay(value: Any) -> float | str | None:
     if parsed is None or (isinstance(parsed, float) and parsed > WEIGHT_DECAY_MAX):
         raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:,.0f}, 'default', or one of "
                          f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {value!r}.")
+    return parsed
+
+
+def parse_lr(value: Any) -> float | None:
+    """A recipe's learning rate from the form: None for "default" (the recipe's own), else a number
+    in (0, LR_MAX]."""
+    parsed = None if value is None else number_or_word(value, ("", "default"))
+    if value is None or parsed in ("", "default"):
+        return None
+    if not isinstance(parsed, float) or not 0 < parsed <= LR_MAX:
+        raise ValueError(f"The learning rate must be 'default' (the recipe's own: 0.001 for the paper, 0.01 for the "
+                         f"toolkit) or a number above 0 and at most {LR_MAX:g}; got {value!r}.")
     return parsed

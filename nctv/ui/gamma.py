@@ -62,15 +62,16 @@ def sweep_table(result: Any) -> str:
 
 @user_errors(status_of=4)
 def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, gamma_from, gamma_to,
-                gamma_step, weight_decay, init, fitter, epochs, progress=gr.Progress()):
+                gamma_step, weight_decay, init, fitter, epochs, lr="default", progress=gr.Progress()):
     """Sweep γ; streams (status, figure, table, files)."""
     from nctv import plots
 
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     gammas = gamma_grid(gamma_from, gamma_to, gamma_step)
-    nc = parse_nc_settings(1.0, weight_decay, init, fitter, epochs)
-    settings = {"weight_decay": nc.weight_decay, "init": nc.init, "fitter": nc.fitter, "epochs": nc.epochs}
+    nc = parse_nc_settings(1.0, weight_decay, init, fitter, epochs, lr)
+    settings = {"weight_decay": nc.weight_decay, "init": nc.init, "fitter": nc.fitter, "epochs": nc.epochs,
+                **({} if nc.lr is None else {"lr": nc.lr})}
     worker = Worker(lambda report: run_sweep(spec, gammas, n_bins, settings, report))
     result = yield from stream_progress(worker, progress, 4)
     fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")

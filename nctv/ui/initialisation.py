@@ -36,15 +36,16 @@ def study_table(result: Any) -> str:
 
 @user_errors(status_of=4)
 def init_study(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, runs, gamma, weight_decay, fitter,
-               epochs, progress=gr.Progress()):
+               epochs, lr="default", progress=gr.Progress()):
     """Random vs data-driven δ; streams (status, box plots, table, files)."""
     from nctv import plots
 
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     runs = parse_whole(runs, "Runs", 1, MAX_RUNS)
-    nc = parse_nc_settings(gamma, weight_decay, "random", fitter, epochs)
-    settings = {"gamma": nc.gamma, "weight_decay": nc.weight_decay, "epochs": nc.epochs, "fitter": nc.fitter}
+    nc = parse_nc_settings(gamma, weight_decay, "random", fitter, epochs, lr)
+    settings = {"gamma": nc.gamma, "weight_decay": nc.weight_decay, "epochs": nc.epochs, "fitter": nc.fitter,
+                **({} if nc.lr is None else {"lr": nc.lr})}
     worker = Worker(lambda report: run_study(spec, runs, n_bins, settings, report))
     result = yield from stream_progress(worker, progress, 4)
     data = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)

@@ -607,7 +607,7 @@ def _image_file(text: str) -> Path:
 
 def _image_input(path: Path, loaded) -> Any:
     """One preprocessed model input (C, H, W), converted to grey or colour as the model reads images."""
-    from nctv.ui.images import ImageError, match_channels, open_image_file
+    from nctv.images import ImageError, match_channels, open_image_file
 
     try:
         image, _ = match_channels(open_image_file(path), int(loaded.data_config["input_size"][0]))

@@ -35,7 +35,8 @@ from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn, state, try_image
 from nctv.ui.common import SERVER_PATH, Worker, parse_gamma, parse_weight_decay, parse_whole, user_errors
-from nctv.ui.images import MAX_PIXELS, CheckedImage, ImageError, match_channels, to_pil
+from nctv.images import MAX_PIXELS, ImageError, match_channels, to_pil
+from nctv.ui.images import CheckedImage
 from nctv.zoo import DEFAULT_MODEL, train_classifier
 
 SMALL = state.SplitSpec(DEFAULT_MODEL, None, 300, 0, 1000)

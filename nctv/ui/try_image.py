@@ -16,7 +16,7 @@ import torch
 
 from nctv.inference import model_logits
 from nctv.ui.common import redact, user_errors
-from nctv.ui.images import ImageError, match_channels, to_pil
+from nctv.images import ImageError, match_channels, to_pil
 from nctv.ui.state import (PRECOMPUTED_LABEL, Calibration, SplitSpec, examples_dir, get_model, get_ood_detector,
                            load_precomputed)
 

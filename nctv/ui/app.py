@@ -48,7 +48,7 @@ INTRO = f"""## {TITLE}
 (Tang, Chen & Ho, TMLR 2024: a learned input perturbation δ plus a temperature T on a frozen model) with
 temperature scaling and the other post-hoc methods. The first tab opens on a pre-computed result."""
 #: Page styles: diagrams keep a readable width (they scroll sideways on a phone, rather than
-#: squeezing their titles together); the tab bar wraps instead of hiding tabs behind a menu.
+#: squeezing their titles together).
 APP_CSS = f"""
 #reliability-plot, #learn-plot {{ overflow-x: auto; }}
 #reliability-plot .js-plotly-plot {{ min-width: {MIN_PLOT_WIDTH}px; }}

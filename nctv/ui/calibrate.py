@@ -26,12 +26,12 @@ from nctv.ui.state import (
     TS_METHOD,
     Calibration,
     SplitSpec,
-    get_logits,
     get_model,
     get_splits,
     resolve_dataset,
     resolve_model_name,
     test_metrics,
+    ts_temperature_of,
 )
 
 REFERENCE = "Uncalibrated"
@@ -135,14 +135,10 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
 
 
 def _calibration_of(result: Any, spec: SplitSpec, n_bins: int) -> Calibration:
-    from nctv.calibration import METHODS
-
     if TS_METHOD in result.methods:
         ts_t = result.methods[TS_METHOD].params["temperature"]
     else:
-        # The Try tab always compares with temperature scaling; it costs nothing on the cached logits
-        # (the run has just written them to the logit cache).
-        ts_t = float(METHODS[TS_METHOD].factory().fit(*get_logits(spec, "calibration")).temperature_)
+        ts_t = ts_temperature_of(spec)  # the run has just written these logits to the cache
     nc = next((n for n in NC_METHODS if n in result.methods), None)
     if nc is None:
         nc = next((n for n, m in result.methods.items() if m.delta is not None), None)

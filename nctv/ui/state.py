@@ -168,6 +168,14 @@ def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]
     return _logits.get(key, make)
 
 
+def ts_temperature_of(spec: SplitSpec) -> float:
+    """Temperature scaling fitted on ``spec``'s cached calibration logits (the Try tab always
+    compares with it; on cached logits it costs nothing)."""
+    from nctv.calibration import METHODS
+
+    return float(METHODS[TS_METHOD].factory().fit(*get_logits(spec, "calibration")).temperature_)
+
+
 def get_ood_detector(spec: SplitSpec):
     """The out-of-distribution detector (:mod:`nctv.ood`) of ``spec``'s model: fitted on its
     calibration split, threshold set on its test split, once per server."""
@@ -268,10 +276,8 @@ class Precomputed:
 
     @property
     def split(self) -> SplitSpec:
-        """The splits the shipped result was made on (``scripts/make_precomputed.py`` uses one seed
-        for the calibration draw and the run; the whole test pool)."""
-        r = self.result
-        return SplitSpec(r.model["name"], r.settings.get("dataset"), int(r.calibration["size"]), int(r.seeds[0]))
+        """The splits the shipped result was made on (its calibration's split)."""
+        return self.calibration.split
 
 
 @lru_cache(maxsize=1)
@@ -294,7 +300,9 @@ def load_precomputed() -> Precomputed | None:
         m.delta = deltas.get(name)
     nc = next((n for n in NC_METHODS if n in result.methods), None)
     cal = Calibration(
-        split=None,
+        # scripts/make_precomputed.py uses one seed for the calibration draw and the run, and the whole test pool.
+        split=SplitSpec(result.model["name"], result.settings.get("dataset"), int(result.calibration["size"]),
+                        int(result.seeds[0])),
         model=result.model["name"],
         ts_temperature=float(result.methods[TS_METHOD].params["temperature"]),
         nc_temperature=float(result.methods[nc].params["temperature"]) if nc else None,

@@ -17,8 +17,7 @@ import torch
 from nctv.inference import model_logits
 from nctv.ui.common import redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
-from nctv.ui.state import (PRECOMPUTED_LABEL, Calibration, SplitSpec, examples_dir, get_model, get_ood_detector,
-                           load_precomputed)
+from nctv.ui.state import Calibration, examples_dir, get_model, get_ood_detector, load_precomputed
 
 log = logging.getLogger("nctv.ui")
 
@@ -98,18 +97,11 @@ def classes_sentence(class_names: list[str]) -> str:
     return known + " — a picture of anything else still gets one of these labels."
 
 
-def _ood_spec(cal: Calibration) -> SplitSpec | None:
-    if cal.split is not None:
-        return cal.split
-    pre = load_precomputed()
-    return pre.split if pre is not None and cal.source == PRECOMPUTED_LABEL else None
-
-
 def ood_note(cal: Calibration, x: torch.Tensor) -> str:
     """Whether the picture (preprocessed ``x``) looks like the model's images, and how that is judged."""
     from nctv.ood import penultimate_features
 
-    spec = _ood_spec(cal)
+    spec = cal.split
     if spec is None:
         return "The out-of-distribution check is unavailable: this calibration came without its images."
     try:

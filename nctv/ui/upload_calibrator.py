@@ -20,7 +20,7 @@ import gradio as gr
 from nctv.calibration.saving import CONFIG_NAME, TENSORS_NAME, ModelMismatchWarning, load_calibrator, read_config
 from nctv.settings import DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import user_errors
-from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_logits, get_model
+from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_model, ts_temperature_of
 
 #: Caps on a visitor's zip: its size, its unpacked size and its number of files.
 MAX_ZIP_BYTES = 50 * 2**20
@@ -105,12 +105,8 @@ def calibration_from_zip(path: str | Path, state: Calibration | None) -> Calibra
                              "tick Neural Clamping in the Calibrate tab, run, and download again.")
         nc = _load(by_method[nc_name], loaded)
         split = SplitSpec(model, None, DEFAULT_CALIBRATION_SIZE, 0)
-        if TS_METHOD in by_method:
-            ts_t = float(_load(by_method[TS_METHOD], loaded).temperature_)
-        else:
-            from nctv.calibration import METHODS
-
-            ts_t = float(METHODS[TS_METHOD].factory().fit(*get_logits(split, "calibration")).temperature_)
+        ts_t = (float(_load(by_method[TS_METHOD], loaded).temperature_) if TS_METHOD in by_method
+                else ts_temperature_of(split))
     when = datetime.now().strftime("%H:%M:%S")
     return Calibration(split=split, model=model, ts_temperature=ts_t, nc_temperature=float(nc.temperature_),
                        delta=nc.delta_.detach().float().cpu(), nc_method=nc_name,

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nctv.cache import model_fingerprint, split_logits
+from nctv.checks import check_whole
 from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.metrics import METRIC_NAMES, evaluate
@@ -672,8 +673,7 @@ def run_init_study(
     t0 = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
     fitter = _check_fitter(fitter)
-    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
-        raise ValueError(f"runs must be a whole number >= 1; got {runs!r}.")
+    check_whole(runs, "runs")
     module, info, dev = _prepare_model_run(model, device)
     rng = _input_range(model, input_range)
     if rng is None:

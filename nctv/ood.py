@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nctv.calibration.base import NotFittedError
+from nctv.checks import check_whole
 from nctv.data import as_split, subsample
 from nctv.inference import model_logits
 
@@ -193,8 +194,7 @@ def fit_on_splits(model: torch.nn.Module, calibration: Any, held_out: Any, *,
     ``max_fit_images`` images of the ``calibration`` split, its threshold set on at most
     ``max_threshold_images`` images of ``held_out`` (e.g. the test split), drawn at random by ``seed``."""
     for name, n in (("max_fit_images", max_fit_images), ("max_threshold_images", max_threshold_images)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-            raise ValueError(f"{name} must be a whole number ≥ 2; got {n!r}.")
+        check_whole(n, name, 2)
     f, y = penultimate_features(model, *_sample(calibration, max_fit_images, seed, "calibration"), return_labels=True)
     h = penultimate_features(model, _sample(held_out, max_threshold_images, seed, "held-out")[0])
     return (detector or MahalanobisDetector()).fit(f, y, h)

@@ -51,7 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nctv.calibration.base import Calibrator
-from nctv.checks import as_tensor, check_logits, check_logits_labels, check_nonnegative
+from nctv.checks import as_tensor, check_logits, check_logits_labels, check_nonnegative, check_whole
 from nctv.calibration.deploy import AffineHead
 
 #: The ODIR grid of the paper and of Kull et al. (2019): 1e-2, 1e-1, …, 1e4.
@@ -448,12 +448,6 @@ def odir_penalty(weight: Any, bias: Any, lam: float, mu: float) -> float:
     return float(lam / (k * (k - 1)) * (off * off).sum() + mu / k * (b * b).sum())
 
 
-def _check_count(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be a whole number >= {minimum}; got {value!r}.")
-    return int(value)
-
-
 def _check_grid(values: Any, name: str) -> tuple[float, ...]:
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray, torch.Tensor)):
         raise ValueError(f"{name} must be a sequence of numbers >= 0, such as {ODIR_GRID}; got {values!r}.")
@@ -471,7 +465,7 @@ def stratified_folds(labels: Any, n_folds: int, seed: int = 0) -> np.ndarray:
     Fold sizes differ by at most one, and every class is spread as evenly as its size allows.
     """
     y = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels).astype(np.int64)
-    n_folds = _check_count(n_folds, "n_folds", 2)
+    n_folds = check_whole(n_folds, "n_folds", 2)
     if n_folds > len(y):
         raise ValueError(f"n_folds = {n_folds} exceeds the {len(y)} samples; use fewer folds.")
     perm = np.random.default_rng(seed).permutation(len(y))
@@ -529,7 +523,7 @@ class _UnregularisedAffine(_AffineCalibrator):
         self.max_iter = max_iter
 
     def fit(self, logits: Any, labels: Any) -> "_UnregularisedAffine":
-        max_iter = _check_count(self.max_iter, "max_iter", 1)
+        max_iter = check_whole(self.max_iter, "max_iter", 1)
         z, y = check_logits_labels(logits, labels)
         problem = _AffineProblem(self._features(z), y, self._diagonal)
         self._store(problem, _minimise(problem, problem.identity(), max_iter=max_iter))
@@ -581,8 +575,8 @@ class _ODIR(_AffineCalibrator):
     def fit(self, logits: Any, labels: Any) -> "_ODIR":
         lambdas = _check_grid(self.lambdas, "lambdas")
         mus = _check_grid(self.mus, "mus")
-        max_iter = _check_count(self.max_iter, "max_iter", 1)
-        cv_max_iter = _check_count(self.cv_max_iter, "cv_max_iter", 1)
+        max_iter = check_whole(self.max_iter, "max_iter", 1)
+        cv_max_iter = check_whole(self.cv_max_iter, "cv_max_iter", 1)
         if not (self.screen is True or self.screen is False or self.screen == "auto"):
             raise ValueError(f"screen must be True, False or 'auto'; got {self.screen!r}.")
         z, y = check_logits_labels(logits, labels)

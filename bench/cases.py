@@ -130,7 +130,8 @@ def synthetic_logits(n: int, k: int, seed: int, device: torch.device) -> tuple[t
 
 def case_sweep(p: dict, device: torch.device) -> dict:
     """The 21-point γ sweep (0, 0.05, …, 1) as one warm-started continuation (fast fitter)."""
-    from nctv.calibration.clamping import SWEEP_GAMMAS, gamma_sweep
+    from nctv.calibration.clamping import SWEEP_GAMMAS
+    from nctv.calibration.studies import gamma_sweep
 
     loaded, (x, y), _ = _model_and_splits(p["model"], p["cal_size"], None, device)
     warm = warm_up(loaded.model, x, device)
@@ -269,7 +270,107 @@ def case_baseline(p: dict, device: torch.device) -> dict:
     return out
 
 
+def case_distributed(p: dict, device: torch.device) -> dict:
+    """One Neural Clamping fit (``fitter``, seed 0) on this process or on every process torchrun
+    started: each holds its block of the calibration split and the sums are added across processes
+    (``nctv.distributed``). Seconds: the fit, started together (a barrier) and ended together (its
+    last collective); then the test split's calibrated logits, also sharded."""
+    from nctv import distributed
+    from nctv.calibration.clamping import NeuralClamping
+    from nctv.metrics import ece
+
+    loaded, (x, y), test = _model_and_splits(p["model"], p["cal_size"], p.get("test_size"), device)
+    x_test, y_test = test.tensors()
+    warm = warm_up(loaded.model, x, device)
+    nc = NeuralClamping(loaded.model, fitter=p["fitter"], epochs=p.get("epochs"), seed=0, progress=False)
+    rss_before = _rss_mb()
+    out: dict[str, Any] = {"warmup_seconds": warm}
+    if distributed.is_distributed():
+        torch.distributed.barrier()
+    with timed(device, out):
+        nc.fit(x, y)
+    predict: dict[str, Any] = {}
+    with timed(device, predict):
+        z_test = nc.predict_logits(x_test)
+    out.update(model=p["model"], fitter=p["fitter"], epochs=p.get("epochs"), cal_size=int(x.shape[0]),
+               test_size=int(x_test.shape[0]), processes=distributed.world_size(), temperature=float(nc.temperature_),
+               fitted_temperature=float(nc.fitted_temperature_), passes=float(nc.n_passes_),
+               test_ece=ece(z_test, y_test.to(z_test.device), n_bins=15), predict_seconds=predict["seconds"],
+               delta=nc.delta_.reshape(-1).tolist(), **_memory(device, rss_before))
+    return out
+
+
+def cifar_resnet110(num_classes: int = 100) -> torch.nn.Module:
+    """The CIFAR ResNet-110 of the paper's 227 s workload: 3 stages of 18 basic blocks (16, 32, 64
+    channels), a 3 × 3 stem, global average pooling. Random weights: only its cost is measured."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                      nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Identity() if stride == 1 and cin == cout else
+                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    cin = 16
+    for cout, stride in ((16, 1), (32, 2), (64, 2)):
+        for i in range(18):
+            layers.append(Block(cin, cout, stride if i == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
+    return nn.Sequential(*layers)
+
+
+#: The GPU section's workloads: (model, input side, classes).
+GPU_WORKLOADS = {
+    "resnet101": ("resnet101", 224, 1000),
+    "vit-s16": ("vit_small_patch16_224", 224, 1000),
+    "mixer-b16": ("mixer_b16_224", 224, 1000),
+    "cifar-resnet110": ("cifar-resnet110", 32, 100),
+}
+
+
+def case_gpu(p: dict, device: torch.device) -> dict:
+    """Fast Neural Clamping on a large workload with random weights and inputs (its cost only),
+    under an optional cap on the process's GPU memory, in the precision ``auto`` chooses."""
+    from nctv import precision as prec
+    from nctv.calibration.clamping import NeuralClamping
+
+    arch, side, classes = GPU_WORKLOADS[p["workload"]]
+    if device.type == "cuda" and p.get("cap_gb"):
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, p["cap_gb"] * 2**30 / total), device)
+    if arch == "cifar-resnet110":
+        model = cifar_resnet110(classes)
+    else:
+        import timm
+
+        model = timm.create_model(arch, pretrained=False, num_classes=classes)
+    model = model.to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(p["images"], 3, side, side, generator=g)
+    y = torch.randint(0, classes, (p["images"],), generator=g)
+    choice = prec.choose(p.get("precision", "auto"), model, device, lambda: x[:prec.MEASURE_IMAGES].to(device))
+    nc = NeuralClamping(model, seed=0, max_passes=p.get("max_passes", 20))
+    rss_before = _rss_mb()
+    out: dict[str, Any] = {}
+    with prec.running(model, choice.precision), timed(device, out):
+        nc.fit(x, y)
+    out.update(workload=p["workload"], images=p["images"], side=side, classes=classes, cap_gb=p.get("cap_gb"),
+               passes=float(nc.n_passes_), seconds_per_pass=out["seconds"] / max(float(nc.n_passes_), 1e-9),
+               precision=choice.to_dict(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+               **_memory(device, rss_before))
+    return out
+
+
 CASES: dict[str, Callable[[dict, torch.device], dict]] = {
+    "gpu": case_gpu,
+    "distributed": case_distributed,
     "sweep": case_sweep,
     "sequential": case_sequential,
     "grid": case_grid,
@@ -290,13 +391,19 @@ def main(argv: list[str]) -> int:
         return 2
     name, params, path = argv[0], json.loads(argv[1]), argv[2]
     torch.set_num_threads(int(params.get("threads", 2)))
+    from nctv import distributed
     from nctv.inference import resolve_device
 
-    device = resolve_device(params.get("device", "cpu"))
-    result = CASES[name](params, device)
-    result["threads"] = torch.get_num_threads()
-    with open(path, "w") as f:
-        json.dump(result, f, allow_nan=True)
+    distributed.init_from_env()  # started by torchrun: every process runs the case, rank 0 reports it
+    try:
+        device = resolve_device(params.get("device", "cpu"))
+        result = CASES[name](params, device)
+        result["threads"] = torch.get_num_threads()
+        if distributed.is_main():
+            with open(path, "w") as f:
+                json.dump(result, f, allow_nan=True)
+    finally:
+        distributed.shutdown()
     return 0
 
 

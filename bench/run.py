@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("fmnist-resnet", "fmnist-vit", "fmnist-mixer")
 DEFAULT_MODEL = "fmnist-resnet-overconfident"
 SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
-SECTIONS = ("panel", "fidelity", "sweep", "grid", "baselines")
+SECTIONS = ("panel", "fidelity", "sweep", "grid", "baselines", "distributed", "gpu")
 
 # Targets of the performance issue.
 DEFAULT_NC_SECONDS_MAX = 15.0
@@ -40,13 +40,15 @@ SWEEP_FITS_MAX = 5.0
 GRID_SPEEDUP_MIN = 100.0
 BASELINES_SECONDS_MAX = 30.0
 BASELINES_TARGET_SIZE = (5000, 100)
+#: Largest |ΔT| between 1 and 2 processes counted as the same T: one step of the fast fitter's T grid.
+DISTRIBUTED_T_TOLERANCE = 1e-3
 
 FULL = dict(cal_size=5000, test_size=None, sweep_size=1000, sequential=21, panel_seeds=3, recipe_epochs=100,
             sizes="5000x10,5000x100,25000x1000", grid_step=0.001, t_max=5.0, loop_cap_s=180.0,
-            baseline_cap_s=300.0, large_cap_s=60.0, cap_s=1800.0)
+            baseline_cap_s=300.0, large_cap_s=60.0, cap_s=1800.0, distributed_epochs=10, gpu_images=25000)
 QUICK = dict(cal_size=500, test_size=2000, sweep_size=300, sequential=2, panel_seeds=2, recipe_epochs=3,
              sizes="1000x10,1000x100,2000x300", grid_step=0.001, t_max=5.0, loop_cap_s=10.0,
-             baseline_cap_s=60.0, large_cap_s=30.0, cap_s=600.0)
+             baseline_cap_s=60.0, large_cap_s=30.0, cap_s=600.0, distributed_epochs=2, gpu_images=2000)
 #: Cases with at least this many logits (n·k) get ``large_cap_s`` instead of ``cap_s``.
 LARGE_LOGITS = 10_000_000
 #: From this many classes ODIR's default selection screens the (λ, μ) grid
@@ -93,10 +95,14 @@ def run_case(name: str, params: dict, cap_s: float, label: str, log) -> dict:
     """Run one case in a fresh interpreter; returns its result, or what went wrong.
 
     A case still running after ``cap_s`` seconds is stopped; its peak memory up to then is kept.
+    A case with ``processes`` > 1 is started by torchrun on this machine, one interpreter per
+    process; its result and peak memory are rank 0's.
     """
     with tempfile.TemporaryDirectory(prefix="nctv-bench-") as tmp:
         path = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "bench.cases", name, json.dumps(params), str(path)]
+        processes = int(params.get("processes", 1))
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
+        cmd = [sys.executable, *launch, "-m", "bench.cases", name, json.dumps(params), str(path)]
         log(f"{label} ...")
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=case_environment(), stdout=subprocess.PIPE,
@@ -167,6 +173,10 @@ def run_all(args: argparse.Namespace, log) -> dict:
                     # The same fit with the exact (unscreened) selection, right after it.
                     plan.append(("baseline", dict(common, n=n, k=k, method=method, seed=0, screen=False), cap,
                                  f"{method} (exact selection) on {n}×{k}"))
+    if "distributed" in args.sections:
+        plan += distributed_plan(args, common, model)
+    if "gpu" in args.sections and str(args.device).startswith("cuda"):
+        plan += gpu_plan(args, common)
     t0 = time.perf_counter()
     for i, (case, params, cap, label) in enumerate(plan, 1):
         if args.budget_min is not None and time.perf_counter() - t0 > 60 * args.budget_min:
@@ -176,6 +186,67 @@ def run_all(args: argparse.Namespace, log) -> dict:
             break
         results.setdefault(case, []).append(run_case(case, params, cap, f"[{i}/{len(plan)}] {label}", log))
     return results
+
+
+def distributed_plan(args: argparse.Namespace, common: dict, model: str) -> list[tuple[str, dict, float, str]]:
+    """The same fit on 1 process with all threads, on 2 processes sharing them, and on 1 process with
+    one process's share (the speed-up of adding a process), for the fast fitter and the paper recipe."""
+    share = max(1, args.threads // 2)
+    configs = [(1, args.threads), (2, share)] + ([(1, share)] if share != args.threads else [])
+    plan = []
+    for fitter, epochs in (("fast", None), ("paper", args.distributed_epochs)):
+        for processes, threads in configs:
+            params = dict(common, model=model, cal_size=args.cal_size, test_size=args.test_size, fitter=fitter,
+                          epochs=epochs, processes=processes, threads=threads)
+            plan.append(("distributed", params, args.cap_s,
+                         f"NC {fitter} on {processes} process{'es' if processes > 1 else ''} × {threads} threads"))
+    return plan
+
+
+#: GPU memory caps of the GPU section (GB): none, then an A10G/L4's 24 and a T4's 16.
+GPU_CAPS = (None, 24, 16)
+
+
+def gpu_plan(args: argparse.Namespace, common: dict) -> list[tuple[str, dict, float, str]]:
+    """Fast Neural Clamping on the three ImageNet architectures at 224² with ``--gpu-images`` images and
+    on the paper's CIFAR ResNet-110 workload (5,000 images, 100 classes), each without a cap and under
+    16 GB and 24 GB caps; random weights and inputs, so only the cost is measured."""
+    plan = []
+    for workload in ("resnet101", "vit-s16", "mixer-b16", "cifar-resnet110"):
+        images = 5000 if workload == "cifar-resnet110" else args.gpu_images
+        for cap in GPU_CAPS:
+            params = dict(common, workload=workload, images=images, cap_gb=cap)
+            plan.append(("gpu", params, args.cap_s, f"GPU {workload} × {images} images, "
+                                                    f"{'no cap' if cap is None else f'{cap} GB cap'}"))
+    return plan
+
+
+def _md_gpu(runs: list[dict] | None, device: str) -> list[str]:
+    lines = ["## 6. GPU: large workloads under memory caps", ""]
+    if not runs:
+        return lines + [
+            f"Not run: this report ran on `{device}`; the section runs with `--device cuda`. What was checked "
+            "on the CPU instead: the back-off when a piece runs out of memory (tests/test_memory.py fails "
+            "pieces on purpose and checks that every pass gives the same numbers), the precision scope "
+            "(tests/test_precision.py: Neural Clamping in bf16 equals the same model wrapped in autocast by "
+            "hand) and the rule that picks a precision, on measured numbers. docs/gpu.md says how to "
+            "calibrate the paper's models on a 16 GB GPU.", ""]
+    lines += ["Fast Neural Clamping (seed 0, at most 20 passes) with random weights and inputs: its cost only. "
+              "Caps set with `torch.cuda.set_per_process_memory_fraction`; precision as `auto` chose it "
+              "(nctv.precision).", "",
+              "| workload | images | cap GB | passes | s | s / pass | peak GPU MB | precision | why |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        cap = "—" if r.get("cap_gb") is None else f"{r['cap_gb']}"
+        if not _ok(r):
+            lines.append(f"| {r['workload']} | {r['images']} | {cap} | {_failure(r)} | | | | | |")
+            continue
+        p = r["precision"]
+        lines.append(f"| {r['workload']} | {r['images']} | {cap} | {r['passes']:g} | {r['seconds']:.1f} | "
+                     f"{r['seconds_per_pass']:.2f} | {r.get('cuda_peak_mb', float('nan')):.0f} | {p['precision']} | "
+                     f"{p['reason']} |")
+    gpu = next((r.get("gpu") for r in runs if _ok(r)), None)
+    return lines + ["", f"GPU: {gpu or 'unknown'}.", ""]
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,6 +327,31 @@ def sweep_summary(results: dict) -> dict:
         "sweep_in_single_fits_seconds": sweep["seconds"] / mean_seconds,
         "speedup_passes": seq_passes / sweep["passes"], "speedup_seconds": seq_seconds / sweep["seconds"],
     }
+
+
+def distributed_summary(results: list[dict]) -> list[dict]:
+    """Per fitter: 2 processes against 1 process with as many threads in all and against 1 process
+    with one process's share of them: T, δ and test ECE differences, time ratios, threads of each."""
+    rows = []
+    for fitter in dict.fromkeys(r["fitter"] for r in results):
+        runs = [r for r in results if r["fitter"] == fitter]
+        two = next((r for r in runs if r["processes"] == 2), None)
+        ones = sorted((r for r in runs if r["processes"] == 1), key=lambda r: -r["threads"])
+        one = ones[0] if ones else None
+        share = next((r for r in ones[1:] if two is not None and r["threads"] == two["threads"]), None)
+        row: dict[str, Any] = {"fitter": fitter}
+        if _ok(one) and _ok(two):
+            row.update(one_threads=one["threads"], two_threads=two["threads"])
+            d1, d2 = np.asarray(one["delta"]), np.asarray(two["delta"])
+            row.update(temperature_difference=abs(two["temperature"] - one["temperature"]),
+                       fitted_temperature_difference=abs(two["fitted_temperature"] - one["fitted_temperature"]),
+                       max_delta_difference=float(np.abs(d2 - d1).max()), max_delta=float(np.abs(d1).max()),
+                       ece_difference=abs(two["test_ece"] - one["test_ece"]),
+                       time_ratio=one["seconds"] / two["seconds"])
+            if _ok(share):
+                row.update(share_threads=share["threads"], speedup_over_share=share["seconds"] / two["seconds"])
+        rows.append(row)
+    return rows
 
 
 def grid_summary(result: dict | None) -> dict | None:
@@ -339,6 +435,14 @@ def targets(args: argparse.Namespace, results: dict) -> list[dict]:
             add("grid search picks the loop's temperature",
                 "not checked (loop incomplete)" if g["same_temperature"] is None else
                 ("same T" if g["same_temperature"] else "different T"), "same T", g["same_temperature"])
+    for row in distributed_summary(results.get("distributed", [])):
+        name = f"2 processes reach 1 process's T (NC {row['fitter']})"
+        if "temperature_difference" in row:
+            diff = row["temperature_difference"]
+            add(name, f"ΔT = {diff:.1e}", f"≤ {DISTRIBUTED_T_TOLERANCE:g}", diff <= DISTRIBUTED_T_TOLERANCE,
+                f"time 1 process / 2 processes: {row['time_ratio']:.2f}")
+        else:
+            add(name, "not measured", f"≤ {DISTRIBUTED_T_TOLERANCE:g}", None)
     if "baseline" in results:
         rows_5k = baseline_table(results["baseline"]).get(BASELINES_TARGET_SIZE)
         name = "all baselines on 5,000×100 incl. ODIR selection, total fit time"
@@ -435,6 +539,10 @@ def render_markdown(report: dict) -> str:
         lines += _md_grid(res["grid"][0])
     if "baseline" in res:
         lines += _md_baselines(res["baseline"], s)
+    if "distributed" in res:
+        lines += _md_distributed(res["distributed"], report["derived"]["distributed"])
+    if "gpu" in s.get("sections", []):
+        lines += _md_gpu(res.get("gpu"), m["device"])
     lines += ["## How to read the memory columns", "",
               "Every case ran in its own fresh Python process. *Peak RSS* is that process's "
               "`ru_maxrss` (whole process: interpreter, torch, model and data included); *before* is the "
@@ -555,6 +663,43 @@ def _md_baselines(results: list[dict], s: dict) -> list[str]:
     return lines
 
 
+def _md_distributed(runs: list[dict], rows: list[dict]) -> list[str]:
+    first = next((r for r in runs if _ok(r)), None)
+    recipe = next((r for r in runs if r["fitter"] == "paper"), None)
+    lines = ["## 5. Distributed: 1 against 2 processes", ""]
+    if first is not None:
+        lines += [
+            f"The same Neural Clamping fit (seed 0) of {first['model']} on {first['cal_size']} calibration images, "
+            f"test ECE on {first['test_size']} test images (15 bins), on 1 process and on 2 processes started by "
+            "`torchrun --standalone` on this machine (gloo; docs/distributed.md). Each process holds half of each "
+            "split; the objective's sums and gradients are added across processes, logits gathered. Seconds: the "
+            "fit (the processes start it together) and, apart, the test split's calibrated logits. The paper "
+            f"recipe runs {recipe['epochs'] if recipe else '—'} epochs here, not the published 100.", "",
+        ]
+    lines += ["| fitter | processes × threads | T | fitted T | test ECE % | passes | fit s | test logits s | "
+              "peak RSS MB (rank 0) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        how = f"{r['processes']} × {r['threads']}"
+        if not _ok(r):
+            lines.append(f"| {r['fitter']} | {how} | {_failure(r)} | | | | | | |")
+            continue
+        lines.append(f"| {r['fitter']} | {how} | {r['temperature']:.4f} | {r['fitted_temperature']:.6f} | "
+                     f"{_pct(r['test_ece'])} | {r['passes']:g} | {r['seconds']:.2f} | {r['predict_seconds']:.2f} | "
+                     f"{r['peak_rss_mb']:.0f} |")
+    lines.append("")
+    for row in rows:
+        if "time_ratio" not in row:
+            continue
+        speed = (f"; 1 process × {row['share_threads']} / 2 processes: {row['speedup_over_share']:.2f}"
+                 if "speedup_over_share" in row else "")
+        lines.append(
+            f"- {row['fitter']}: |ΔT| {row['temperature_difference']:.1e}, |Δ fitted T| "
+            f"{row['fitted_temperature_difference']:.1e}, max |Δδ| {row['max_delta_difference']:.1e} (max |δ| "
+            f"{row['max_delta']:.3g}), |Δ test ECE| {100 * row['ece_difference']:.1e} points; fit time 1 process × "
+            f"{row['one_threads']} / 2 processes × {row['two_threads']}: {row['time_ratio']:.2f}{speed}.")
+    return lines + [""]
+
+
 def _md_selection_comparison(rows: list[dict]) -> list[str]:
     lines = ["ODIR's default selection screens the (λ, μ) grid at this size; the same fit with the exact "
              "selection (`screen=False`: every grid point on every fold to the CV tolerance) ran right after "
@@ -618,6 +763,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loop-cap-s", type=float, help="time cap of the per-T loop before extrapolating")
     ap.add_argument("--baseline-cap-s", type=float, help="time cap per baseline case (full 300)")
     ap.add_argument("--large-cap-s", type=float, help=f"time cap per baseline case with ≥ {LARGE_LOGITS:,} logits (full 60)")
+    ap.add_argument("--distributed-epochs", type=int,
+                    help=f"epochs of the paper recipe in the distributed section (full {FULL['distributed_epochs']})")
+    ap.add_argument("--gpu-images", type=int,
+                    help=f"images of the GPU section's ImageNet workloads (full {FULL['gpu_images']:,}, the paper's)")
     ap.add_argument("--cap-s", type=float, help="time cap per Neural Clamping, panel or grid case (full 1800)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--threads", type=int, default=2, help="torch threads in every case")
@@ -692,6 +841,10 @@ def main(argv: list[str] | None = None) -> int:
         report.setdefault("derived", {})["odir_selection"] = {
             size: [{k: v for k, v in row.items() if k not in ("default", "exact")} for row in rows]
             for size, rows in selection_comparison(results["baseline"]).items()}
+    if "distributed" in results:
+        report.setdefault("derived", {})["distributed"] = distributed_summary(results["distributed"])
+        for r in results["distributed"]:
+            r.pop("delta", None)  # compared above; 784 numbers per run need not be kept
     (args.out / "report.json").write_text(json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
     (args.out / "report.md").write_text(render_markdown(report) + "\n")
     log(f"done in {total / 60:.1f} min; wrote {args.out / 'report.md'} and report.json")

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nctv import distributed, precision
 from nctv.inference import DEFAULT_BATCH_SIZE, model_logits
 
 #: Size cap of ``<cache dir>/logits/`` in MB (2²⁰ bytes) when ``$NCTV_CACHE_MAX_MB`` is not set.
@@ -107,40 +108,71 @@ def split_logits(
     a different key. ``cache_dir=False`` disables the cache. Files hold tensors only (no pickle).
     A hit marks the file as used (its modification time); a write prunes the folder to
     :func:`cache_max_bytes`, least recently used files first.
-    """
-    from safetensors.torch import load_file, save_file
 
+    In a process group (``nctv.distributed``) only rank 0 reads and writes the cache and every
+    process gets its logits; on a miss each process runs its block of the split through the model
+    and the blocks are gathered, so every process holds all N rows.
+    """
     labels = torch.as_tensor(np.asarray(split.labels)).long()
     path = max_bytes = None
     if cache_dir is not False:
         max_bytes = cache_max_bytes()  # a mistyped cap fails before the model pass, not after
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         mh = model_hash or model_fingerprint(model)
+        if precision.current() != precision.FP32:  # mixed-precision logits are not fp32's
+            mh += "|" + precision.current().label
         key = hashlib.sha256(f"{mh}|{split.fingerprint}|logits-v1".encode()).hexdigest()[:32]
         path = root / "logits" / f"{key}.safetensors"
-        if path.is_file():
-            try:
-                stored = load_file(str(path))
-                z, y = stored["logits"], stored["labels"]
-                if z.ndim == 2 and z.shape[0] == len(labels) and torch.equal(y, labels):
-                    _touch(path)
-                    return CachedLogits(z, y, True, path)
-            except Exception:  # noqa: BLE001 - a damaged cache entry is simply recomputed
-                pass
-    z, seen = model_logits(model, split.loader(batch_size=batch_size), device=device, return_labels=True)
+    cached = _read(path, labels) if path is not None and distributed.is_main() else None
+    cached = distributed.from_main(cached)
+    if cached is not None:
+        return CachedLogits(cached, labels, True, path)
+    z = _compute(model, split, labels, batch_size, device)
+    if path is not None and distributed.is_main():
+        _write(path, z, labels, split, max_bytes)
+    return CachedLogits(z, labels, False, path)
+
+
+def _read(path: Path, labels: torch.Tensor) -> torch.Tensor | None:
+    """The cached logits at ``path`` if the file is there, whole and for these labels (marked used)."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    try:
+        stored = load_file(str(path))
+        z, y = stored["logits"], stored["labels"]
+    except Exception:  # noqa: BLE001 - a damaged cache entry is simply recomputed
+        return None
+    if z.ndim == 2 and z.shape[0] == len(labels) and torch.equal(y, labels):
+        _touch(path)
+        return z
+    return None
+
+
+def _compute(model: torch.nn.Module, split: Any, labels: torch.Tensor, batch_size: int, device: Any) -> torch.Tensor:
+    """The logits of the whole split: this process's rows through the model, then all rows gathered."""
+    n = len(labels)
+    loader = distributed.shard_loader(split.loader(batch_size=batch_size), n)
+    z, seen = model_logits(model, loader, device=device, return_labels=True)
+    z, seen = distributed.all_gather_rows(z, n), distributed.all_gather_rows(seen, n)
     if not torch.equal(seen, labels):
         raise ValueError(
             f"The loader of split {getattr(split, 'name', '?')!r} yields its samples in a different order than "
             "split.labels; a split's loader must not shuffle."
         )
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({"logits": z.contiguous(), "labels": labels.contiguous()}, str(tmp),
-                  metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint)})
-        os.replace(tmp, path)
-        prune_cache(path.parent, max_bytes, keep=path)
-    return CachedLogits(z, labels, False, path)
+    return z
+
+
+def _write(path: Path, z: torch.Tensor, labels: torch.Tensor, split: Any, max_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file({"logits": z.contiguous(), "labels": labels.contiguous()}, str(tmp),
+              metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint)})
+    os.replace(tmp, path)
+    prune_cache(path.parent, max_bytes, keep=path)
 
 
 def _touch(path: Path) -> None:

@@ -16,11 +16,12 @@ import os
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
-from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS, hub_datasets_available
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS, PRECISIONS, hub_datasets_available
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
@@ -153,6 +154,9 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                    help="test images (default: the whole test split)")
     g.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:1, mps or auto (default auto: a GPU when present)")
+    g.add_argument("--precision", choices=list(PRECISIONS), default="auto",
+                   help="precision of the model's passes: auto (default: fp32, or on a GPU mixed precision where one "
+                        "measured pass shows it faster and agreeing with fp32), fp32 (forces full precision), bf16, fp16")
     g = p.add_argument_group("run")
     if seeds:
         g.add_argument("--seeds", type=_positive_int, default=5, metavar="N",
@@ -304,12 +308,13 @@ def resolve_methods(names: Sequence[str] | None) -> list[str] | None:
 
 
 def _load(args: argparse.Namespace):
-    from nctv import data, zoo
+    from nctv import data, distributed, zoo
 
     name = args.model or zoo.DEFAULT_MODEL
-    loaded = zoo.load_model(name, device=_device(args.device))
-    cal, test = data.get_splits(loaded, dataset=args.dataset, calibration_size=args.calibration_size,
-                                calibration_seed=args.calibration_seed, test_size=args.test_size)
+    with distributed.main_first():  # what is downloaded once is downloaded by one process
+        loaded = zoo.load_model(name, device=_device(args.device))
+        cal, test = data.get_splits(loaded, dataset=args.dataset, calibration_size=args.calibration_size,
+                                    calibration_seed=args.calibration_seed, test_size=args.test_size)
     return loaded, cal, test
 
 
@@ -361,11 +366,14 @@ def _run_figures(result, loaded, test) -> dict[str, tuple[Any, Any]]:
     return figs
 
 
-def _finish(result, out: Path, figures=None) -> str:
-    """Numbers first (results.json, tables), then figures, so a drawing problem loses no results."""
+def _finish(result, out: Path, figures=None, model=None) -> str:
+    """Numbers first (results.json, tables, with ``model`` the fitted calibrators), then figures,
+    so a drawing problem loses no results. Of several processes, only rank 0 writes."""
     from nctv import report
 
-    result.save(out)
+    if not _writes():
+        return ""
+    result.save(out, model=model)
     report.write_tables(result, out)
     if figures is not None:
         _save(figures(), out)
@@ -384,8 +392,8 @@ def cmd_run(args: argparse.Namespace) -> str:
     result = experiment.run_experiment(
         loaded, cal, test, methods=methods, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
         epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet, nc_settings=_nc_settings(args))
-    return _finish(result, args.out, lambda: _run_figures(result, loaded, test))
+        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision)
+    return _finish(result, args.out, lambda: _run_figures(result, loaded, test), model=loaded)
 
 
 def cmd_ablation(args: argparse.Namespace) -> str:
@@ -395,8 +403,8 @@ def cmd_ablation(args: argparse.Namespace) -> str:
     result = experiment.run_ablation(
         loaded, cal, test, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma, epochs=args.epochs,
         device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args), progress=not args.quiet,
-        nc_settings=_nc_settings(args))
-    return _finish(result, args.out, lambda: _run_figures(result, loaded, test))
+        nc_settings=_nc_settings(args), precision=args.precision)
+    return _finish(result, args.out, lambda: _run_figures(result, loaded, test), model=loaded)
 
 
 def cmd_timing(args: argparse.Namespace) -> str:
@@ -406,7 +414,7 @@ def cmd_timing(args: argparse.Namespace) -> str:
     result = experiment.run_timing(
         loaded, cal, test, resolutions=args.resolutions, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
         epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet)
+        progress=not args.quiet, precision=args.precision)
     return _finish(result, args.out)
 
 
@@ -417,12 +425,12 @@ def cmd_sweep_gamma(args: argparse.Namespace) -> str:
     settings = {**_nc_settings(args), **({} if args.epochs is None else {"epochs": args.epochs})}
     result = experiment.run_gamma_sweep(
         loaded, cal, test, gammas=args.gammas, n_bins=args.n_bins, fitter=args.fitter, seed=args.seed,
-        device=_device(args.device), batch_size=args.batch_size, progress=not args.quiet, **settings)
+        device=_device(args.device), batch_size=args.batch_size, progress=not args.quiet, precision=args.precision,
+        **settings)
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
-    _write_table(report.gamma_table(result), out)
-    _save({"gamma": _both(plots.gamma_figure, plots.gamma_curve_data_from_sweep(result))}, out)
+    if not _write_study(result, out, lambda: report.gamma_table(result),
+                        lambda: {"gamma": _both(plots.gamma_figure, plots.gamma_curve_data_from_sweep(result))}):
+        return ""
     s = result.sweep
     i = int(list(s.gammas).index(s.chosen_gamma))
     test_ece = f", test ECE {100 * s.test['ece'][i]:.2f}%" if s.test is not None else ""
@@ -442,17 +450,28 @@ def cmd_init_study(args: argparse.Namespace) -> str:
         settings["gamma"] = args.gamma
     result = experiment.run_init_study(
         loaded, cal, test, runs=args.seeds, n_bins=args.n_bins, fitter=args.fitter, device=_device(args.device),
-        batch_size=args.batch_size, progress=not args.quiet, **settings)
+        batch_size=args.batch_size, progress=not args.quiet, precision=args.precision, **settings)
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
-    _write_table(report.init_study_table(result), out)
-    _save({"init_study": _both(plots.init_study_figure, plots.init_study_data_from_study(result))}, out)
+    if not _write_study(result, out, lambda: report.init_study_table(result),
+                        lambda: {"init_study": _both(plots.init_study_figure, plots.init_study_data_from_study(result))}):
+        return ""
     ece = result.summary("ece")
     parts = [f"{'data-driven' if k == 'data' else k} ECE {100 * v.mean:.2f} ± {100 * v.std:.2f}%"
              for k, v in ece.items()]
     return (f"init-study: {args.seeds} runs per initialisation on {result.model['name']} in {result.seconds:.1f} s; "
             f"{'; '.join(parts)} ({args.n_bins} bins, fitter {result.fitter}) -> {out}")
+
+
+def _write_study(result, out: Path, table, figures) -> bool:
+    """A study's results.json, table (``table()``) and figures (``figures()``) in ``out``; False, with
+    nothing written, on every process but the first of a distributed run."""
+    if not _writes():
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
+    _write_table(table(), out)
+    _save(figures(), out)
+    return True
 
 
 def _write_table(table, out: Path) -> None:
@@ -515,14 +534,14 @@ def _training_data(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> str:
-    from nctv import zoo
+    from nctv.training import train_classifier
 
     train, test, names = _training_data(args)
     if args.train_size is not None:
         train = (train[0][: args.train_size], train[1][: args.train_size])
     arch, model_args = ARCH_PRESETS.get(args.arch, (args.arch, {}))
     model_args = {**model_args, **_model_args(args.model_arg)}
-    result = zoo.train_classifier(
+    result = train_classifier(
         arch, model_args, train, out_dir=args.out, class_names=names, test_split=test,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=_device(args.device),
         progress=not args.quiet,
@@ -639,10 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nctv`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "quiet", False):
-        os.environ["TQDM_DISABLE"] = "1"
     t0 = time.perf_counter()
     try:
+        writes = _join_processes(args)
+        if getattr(args, "quiet", False):
+            os.environ["TQDM_DISABLE"] = "1"
         line = COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("nctv: interrupted", file=sys.stderr)
@@ -653,8 +673,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - any failure is reported as one line, never a traceback
         print(f"nctv {args.command}: error: unexpected {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(line if line else f"nctv {args.command}: done in {time.perf_counter() - t0:.1f} s")
+    finally:
+        _leave_processes()
+    if writes:
+        print(line if line else f"nctv {args.command}: done in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+#: Commands that run data-parallel when started by torchrun (docs/distributed.md).
+DISTRIBUTED_COMMANDS = ("run", "ablation", "timing", "sweep-gamma", "init-study")
+
+
+def _join_processes(args: argparse.Namespace) -> bool:
+    """Join torchrun's process group, if started by it; True on the process that writes and prints.
+
+    Other processes are quiet (no progress bars, no warnings): they compute the same run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    if args.command not in DISTRIBUTED_COMMANDS:
+        raise CLIError(f"nctv {args.command} runs as one process; start it without torchrun "
+                       f"(torchrun runs: {', '.join(DISTRIBUTED_COMMANDS)}).")
+    from nctv import distributed
+
+    distributed.init_from_env()
+    if not distributed.is_main():
+        args.quiet = True
+        warnings.simplefilter("ignore")
+    return distributed.is_main()
+
+
+def _leave_processes() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from nctv import distributed
+
+        distributed.shutdown()
+
+
+def _writes() -> bool:
+    """Whether this process writes the results: always, except on ranks > 0 of a torchrun run."""
+    from nctv import distributed
+
+    return distributed.is_main()
 
 
 def _one_line(e: BaseException) -> str:

@@ -34,7 +34,6 @@ import hashlib
 import math
 import os
 import re
-import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from nctv.hub import hub_file
 from nctv.inference import DEFAULT_BATCH_SIZE
 from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available
 
@@ -480,60 +480,15 @@ def _bloodmnist_pools(token: str | None) -> Pools:
     from huggingface_hub import hf_hub_download
 
     repo, filename = BLOODMNIST_HUB
-    path = _hub_file(lambda offline: hf_hub_download(repo, filename, repo_type="dataset", token=token,
-                                                     local_files_only=offline),
-                     f"BloodMNIST ({repo}, {filename})")
+    path = hub_file(lambda offline: hf_hub_download(repo, filename, repo_type="dataset", token=token,
+                                                    local_files_only=offline),
+                    f"BloodMNIST ({repo}, {filename})")
     z = _load_npz(Path(path), ["val_images", "val_labels", "test_images", "test_labels"])
     return Pools(
         "bloodmnist", BLOODMNIST_CLASSES,
         calibration=(ArrayImages(z["val_images"], "bloodmnist/val"), z["val_labels"].reshape(-1)),
         test=(ArrayImages(z["test_images"], "bloodmnist/test"), z["test_labels"].reshape(-1)),
     )
-
-
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hub's endpoint accepts a TCP connection within ``timeout`` seconds.
-
-    False at once with HF_HUB_OFFLINE=1. Behind a proxy (a ``*_PROXY`` variable is set) a direct
-    connection says nothing, so the answer is True and the download itself decides. Without this
-    probe an unreachable Hub costs half a minute of retries before the offline message.
-    """
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
-        return True
-    url = urlparse(constants.ENDPOINT)
-    if not url.hostname:
-        return True
-    try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _hub_file(download: Callable[..., str], what: str) -> str:
-    """Run a Hub download, turning 'no network' into an error that says what to do.
-
-    ``download(offline)`` gets ``offline=True`` when the Hub cannot be reached, so that a cached file
-    is used at once instead of after the client's retries.
-    """
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return download(not hub_reachable())
-    except LocalEntryNotFoundError:
-        raise ValueError(
-            f"{what} is not in the local Hugging Face cache and the Hub cannot be reached "
-            "(no network, or HF_HUB_OFFLINE=1). Connect once to download it; it is cached afterwards."
-        ) from None
 
 
 def _cifar100(root: Path, train: bool):

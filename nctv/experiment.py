@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from nctv import distributed
+from nctv import precision as prec
 from nctv.cache import model_fingerprint, split_logits
 from nctv.checks import check_whole
 from nctv.data import as_split
@@ -209,6 +211,19 @@ def _prepare_model_run(model: Any, device: Any) -> tuple[torch.nn.Module, dict[s
     module.to(dev)
     info["fingerprint"] = model_fingerprint(module)
     return module, info, dev
+
+
+def _run_precision(setting: str, module: torch.nn.Module, split: Any, dev: torch.device) -> prec.Choice:
+    """The run's precision (``nctv.precision``): measured by the first process when "auto" asks for
+    it, on a piece of ``split``, and the same on every process."""
+    prec.check_precision(setting)
+
+    def sample() -> torch.Tensor:
+        x, _ = next(iter(split.loader(batch_size=prec.MEASURE_IMAGES)))
+        return torch.as_tensor(x).to(dev, torch.float32)
+
+    choice = prec.choose(setting, module, dev, sample) if distributed.is_main() else None
+    return distributed.from_main(choice)
 
 
 def _input_range(model: Any, input_range: Any) -> Any:
@@ -404,6 +419,7 @@ def _run_plans(
     input_range: Any = None,
     nc_settings: dict[str, Any] | None = None,
     on_fit_step: FitStepCallback | None = None,
+    precision_setting: str = "auto",
 ) -> RunResult:
     t_start = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
@@ -414,25 +430,27 @@ def _run_plans(
     if max(bins) > n_test:
         raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
     module, model_info, dev = _prepare_model_run(model, device)
+    chosen = _run_precision(precision_setting, module, calibration, dev)
     stochastic = {p.label: bool(_registry()[p.name].stochastic) for p in plans}
     total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
     bar = _Progress(total, kind, progress, callback)
-    try:
-        bar.message("logits of the calibration split")
-        cal = split_logits(module, calibration, cache_dir, batch_size, dev, model_info["fingerprint"])
-        bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
-        tst = split_logits(module, test, cache_dir, batch_size, dev, model_info["fingerprint"])
-        bar.step("test logits " + ("from cache" if tst.hit else "computed"))
-        n_classes = int(cal.logits.shape[1])
-        if tst.logits.shape[1] != n_classes:
-            raise ValueError("The calibration and test splits give different numbers of classes.")
-        ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, fitter, dev,
-                       batch_size, epochs, gamma, _input_range(model, input_range), bar,
-                       _check_nc_settings(nc_settings), on_fit_step)
-        results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
-                   for p in plans}
-    finally:
-        bar.close()
+    with prec.running(module, chosen.precision):
+        try:
+            bar.message("logits of the calibration split")
+            cal = split_logits(module, calibration, cache_dir, batch_size, dev, model_info["fingerprint"])
+            bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
+            tst = split_logits(module, test, cache_dir, batch_size, dev, model_info["fingerprint"])
+            bar.step("test logits " + ("from cache" if tst.hit else "computed"))
+            n_classes = int(cal.logits.shape[1])
+            if tst.logits.shape[1] != n_classes:
+                raise ValueError("The calibration and test splits give different numbers of classes.")
+            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, fitter, dev,
+                           batch_size, epochs, gamma, _input_range(model, input_range), bar,
+                           _check_nc_settings(nc_settings), on_fit_step)
+            results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
+                       for p in plans}
+        finally:
+            bar.close()
     info = getattr(model, "class_names", None)
     return RunResult(
         kind=kind,
@@ -448,7 +466,7 @@ def _run_plans(
         welch=welch_tests(results, bins),
         cache_hits={"calibration": cal.hit, "test": tst.hit},
         settings={"gamma": gamma, "epochs": epochs, "batch_size": batch_size, "device": str(dev),
-                  **({"nc": dict(nc_settings)} if nc_settings else {}), **settings},
+                  "precision": chosen.to_dict(), **({"nc": dict(nc_settings)} if nc_settings else {}), **settings},
         seconds=time.perf_counter() - t_start,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         test_labels=tst.labels,
@@ -473,6 +491,7 @@ def run_experiment(
     callback: ProgressCallback | None = None,
     nc_settings: dict[str, Any] | None = None,
     on_fit_step: FitStepCallback | None = None,
+    precision: str = "auto",
 ) -> RunResult:
     """The comparison of Tables 1–3: fit ``methods`` on ``calibration``, score on ``test``.
 
@@ -488,37 +507,25 @@ def run_experiment(
     ``on_fit_step(label, info)`` at every step of a Neural Clamping fit (step, loss, temperature,
     passes; a last step "selected" carries the T the fit keeps). ``nc_settings``: further
     ``NeuralClamping`` settings for every Neural Clamping row (weight_decay, init, lr, …).
+    ``precision``: "auto" (mixed precision on a GPU where it measures faster and agrees with fp32),
+    "fp32", "bf16" or "fp16" (``nctv.precision``; the choice is in ``settings["precision"]``).
     """
     names = check_methods(methods)
     return _run_plans("run", model, calibration, test, _plans(names), seeds, bins, fitter, gamma, epochs, device,
                       batch_size, cache_dir, progress, callback, {"methods": names}, input_range, nc_settings,
-                      on_fit_step)
+                      on_fit_step, precision)
 
 
-def run_ablation(
-    model: Any,
-    calibration: Any,
-    test: Any,
-    seeds: int | Sequence[int] = DEFAULT_SEEDS,
-    bins: Iterable[int] = DEFAULT_BINS,
-    fitter: str = "fast",
-    gamma: float | str | None = None,
-    epochs: int | None = None,
-    device: Any = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    cache_dir: str | Path | None = None,
-    input_range: Any = None,
-    progress: bool = True,
-    callback: ProgressCallback | None = None,
-    nc_settings: dict[str, Any] | None = None,
-    on_fit_step: FitStepCallback | None = None,
-) -> RunResult:
+def run_ablation(model: Any, calibration: Any, test: Any, **options: Any) -> RunResult:
     """Table 4: NC (FL) against its parts. "NC input only" is f(x + δ*) and "NC output only"
     f(x)/T*, both from the δ*, T* that NC (FL) learned jointly for the same seed (no separate fit);
-    "Temperature Scaling (FL)" fits T alone with NC's focal loss γ."""
-    return _run_plans("ablation", model, calibration, test, _plans(ABLATION_METHODS), seeds, bins, fitter, gamma,
-                      epochs, device, batch_size, cache_dir, progress, callback, {"methods": list(ABLATION_METHODS)},
-                      input_range, nc_settings, on_fit_step)
+    "Temperature Scaling (FL)" fits T alone with NC's focal loss γ. ``options``: those of
+    :func:`run_experiment` except ``methods``."""
+    if "methods" in options:
+        raise TypeError("run_ablation runs the rows of Table 4 (ABLATION_METHODS); it takes no methods=.")
+    result = run_experiment(model, calibration, test, methods=ABLATION_METHODS, **options)
+    result.kind = "ablation"
+    return result
 
 
 def run_timing(
@@ -536,6 +543,7 @@ def run_timing(
     input_range: Any = None,
     progress: bool = True,
     callback: ProgressCallback | None = None,
+    precision: str = "auto",
 ) -> RunResult:
     """Table 7: TS by grid search and NC (Eff.) at each grid ``resolution``, and NC (FL), one run each.
 
@@ -557,7 +565,8 @@ def run_timing(
     plans += [MethodPlan(f"NC (Eff.) ({r:g})", "NC (Eff.)", (("grid_step", r),)) for r in steps]
     plans.append(MethodPlan(COMPARED_METHOD, COMPARED_METHOD))
     result = _run_plans("timing", model, calibration, test, plans, 1, bins, fitter, gamma, epochs, device, batch_size,
-                        cache_dir, progress, callback, {"resolutions": steps}, input_range)
+                        cache_dir, progress, callback, {"resolutions": steps}, input_range,
+                        precision_setting=precision)
     for m in result.methods.values():
         if "grid_step" in m.params:
             m.params["resolution"] = m.params.pop("grid_step")
@@ -611,13 +620,14 @@ def run_gamma_sweep(
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
     callback: ProgressCallback | None = None,
+    precision: str = "auto",
     **settings: Any,
 ) -> GammaSweepResult:
     """Figure 2: Neural Clamping fitted for every γ (default 0, 0.05, …, 1), with ECE, entropy and
-    training loss on the calibration and test splits (``clamping.gamma_sweep``). ``settings`` go to
+    training loss on the calibration and test splits (``studies.gamma_sweep``). ``settings`` go to
     ``NeuralClamping`` (init, weight_decay, epochs, …); a zoo model's ``input_range`` is passed
-    when ``init="data"`` asks for it."""
-    from nctv.calibration import clamping
+    when ``init="data"`` asks for it. ``precision``: as in :func:`run_experiment`."""
+    from nctv.calibration import clamping, studies
 
     t0 = time.perf_counter()
     calibration = as_split(calibration, "calibration")
@@ -627,14 +637,12 @@ def run_gamma_sweep(
     gammas = list(clamping.SWEEP_GAMMAS if gammas is None else gammas)
     if settings.get("init") == "data" or settings.get("clamp"):
         settings.setdefault("input_range", _input_range(model, None))
-    epochs = int(settings.get("epochs", 100))
     passes_per_gamma = float(settings.pop("passes_per_gamma", 4))
-    if fitter == "paper":
-        total = (epochs + 1.5) * len(gammas)
-    else:
-        total = settings.get("max_passes", 20) + passes_per_gamma * (len(gammas) - 1)
-    with _passes_bar(total, "gamma sweep", "γ sweep", progress, callback) as report:
-        sweep = clamping.gamma_sweep(
+    total = studies.gamma_sweep_passes(module, len(gammas), passes_per_gamma, fitter=fitter, **settings)
+    chosen = _run_precision(precision, module, calibration, dev)
+    with _passes_bar(total, "gamma sweep", "γ sweep", progress, callback) as report, \
+            prec.running(module, chosen.precision):
+        sweep = studies.gamma_sweep(
             module, calibration.loader(batch_size=batch_size), None,
             None if test is None else test.loader(batch_size=batch_size), None,
             gammas=gammas, n_bins=n_bins, passes_per_gamma=passes_per_gamma, fitter=fitter, seed=seed, device=dev,
@@ -645,7 +653,7 @@ def run_gamma_sweep(
     return GammaSweepResult(
         sweep, info, _split_info(calibration), _split_info(test) if test is not None else {},
         {"seed": seed, "batch_size": batch_size, "device": str(dev), "passes_per_gamma": passes_per_gamma,
-         **{k: v for k, v in settings.items() if k != "input_range"}},
+         "precision": chosen.to_dict(), **{k: v for k, v in settings.items() if k != "input_range"}},
         time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -663,12 +671,13 @@ def run_init_study(
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
     callback: ProgressCallback | None = None,
+    precision: str = "auto",
     **settings: Any,
 ) -> InitStudyResult:
     """Figure 3: Neural Clamping from random and from data-driven δ₀ (Theorem 1), ``runs`` runs each
-    (seeds ``seed``…), scored on the test split (``clamping.init_study``). Needs ``input_range``;
-    a zoo model brings its own."""
-    from nctv.calibration import clamping
+    (seeds ``seed``…), scored on the test split (``studies.init_study``). Needs ``input_range``;
+    a zoo model brings its own. ``precision``: as in :func:`run_experiment`."""
+    from nctv.calibration import studies
 
     t0 = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
@@ -679,12 +688,11 @@ def run_init_study(
     if rng is None:
         raise ValueError("The initialisation study needs input_range=(alpha, beta), the preprocessed images of "
                          "pixel values 0 and 1 (a model from nctv.zoo brings its own).")
-    epochs = int(settings.get("epochs", 100))
-    per_fit = epochs + 0.5 if fitter == "paper" else float(settings.get("max_passes", 20))
-    fits = 2 * runs if fitter == "paper" else runs + 1
-    total = per_fit * fits + 1
-    with _passes_bar(total, "init study", "initialisation study", progress, callback) as report:
-        study = clamping.init_study(
+    total = studies.init_study_passes(module, runs, fitter=fitter, **settings)
+    chosen = _run_precision(precision, module, calibration, dev)
+    with _passes_bar(total, "init study", "initialisation study", progress, callback) as report, \
+            prec.running(module, chosen.precision):
+        study = studies.init_study(
             module, calibration.loader(batch_size=batch_size), test.loader(batch_size=batch_size), n_runs=runs,
             seed=seed, n_bins=n_bins, fitter=fitter, input_range=rng, device=dev, batch_size=batch_size,
             progress=False, callback=report, **settings,
@@ -694,7 +702,8 @@ def run_init_study(
     n_classes = _n_classes(model, module, test, batch_size)
     return InitStudyResult(
         study, info, _split_info(calibration), _split_info(test),
-        {"runs": runs, "seed": seed, "batch_size": batch_size, "device": str(dev), **settings},
+        {"runs": runs, "seed": seed, "batch_size": batch_size, "device": str(dev), "precision": chosen.to_dict(),
+         **settings},
         time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"), n_classes=n_classes,
     )
 

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from nctv.memory import ChunkSizer
+from nctv.precision import run_model
 
 DEFAULT_BATCH_SIZE = 512
 
@@ -100,7 +101,7 @@ def model_logits(
         for x, y in iter_batches(inputs, labels, whole):
             def piece(start: int, stop: int, x=x) -> torch.Tensor:
                 xb = x[start:stop].to(dev, non_blocking=True).float()
-                return model(xb if d is None else xb + d).float().cpu()
+                return run_model(model, xb if d is None else xb + d).float().cpu()
 
             outs.extend(sizer.map(piece, int(x.shape[0])))
             batches += 1

@@ -663,7 +663,7 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 200, plotlyjs: str | bool
 
 
 def gamma_curve_data_from_sweep(sweep: Any, title: str = "Neural Clamping against γ") -> GammaCurveData:
-    """Pack a ``clamping.GammaSweep`` (or a ``results.GammaSweepResult``) for :func:`gamma_figure`."""
+    """Pack a ``studies.GammaSweep`` (or a ``results.GammaSweepResult``) for :func:`gamma_figure`."""
     s = getattr(sweep, "sweep", sweep)
     splits = {"calibration": s.cal, **({"test": s.test} if s.test is not None else {})}
     return gamma_curve_data(
@@ -674,7 +674,7 @@ def gamma_curve_data_from_sweep(sweep: Any, title: str = "Neural Clamping agains
 
 def init_study_data_from_study(study: Any, n_classes: int | None = None,
                                metrics_shown: Sequence[str] = ("entropy", "ece", "aece", "sce")) -> InitStudyData:
-    """Pack a ``clamping.InitStudy`` (or a ``results.InitStudyResult``, which knows K) for
+    """Pack a ``studies.InitStudy`` (or a ``results.InitStudyResult``, which knows K) for
     :func:`init_study_figure`; the "data" runs are labelled "data-driven"."""
     s = getattr(study, "study", study)
     k = n_classes if n_classes is not None else getattr(study, "n_classes", 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -23,6 +24,13 @@ RESULTS_SCHEMA_VERSION = 1
 #: The method Welch's t-test compares with the best baseline (the paper's proposal).
 COMPARED_METHOD = "Neural Clamping (FL)"
 REFERENCE_METHOD = "Uncalibrated"
+#: The folder of a saved run that holds its fitted calibrators (``RunResult.save_calibrators``).
+CALIBRATORS_FOLDER = "calibrators"
+
+
+def method_slug(method: str) -> str:
+    """A folder name for a method: "Neural Clamping (FL)" → "neural-clamping-fl"."""
+    return re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
 
 
 def _header(kind: str, created: str, fitter: str, model: dict, calibration: dict, test: dict, settings: dict,
@@ -210,13 +218,15 @@ class RunResult(_JSON):
     def from_json(cls, text: str) -> "RunResult":
         return cls.from_dict(json.loads(text))
 
-    def save(self, directory: str | Path) -> list[Path]:
+    def save(self, directory: str | Path, model: Any = None) -> list[Path]:
         """Write ``results.json`` and, when present, ``test_logits.safetensors`` (calibrated test
         logits of the first seed per method, plus ``labels``) and ``delta.safetensors`` (δ per NC
-        method, normalised input space). Returns the written paths."""
+        method, normalised input space). With ``model`` (the model of the run), the fitted
+        calibrators go to ``calibrators/`` as well (:meth:`save_calibrators`). Returns the written paths."""
         from safetensors.torch import save_file
 
         out = Path(directory)
+        written_calibrators = [] if model is None else self.save_calibrators(out / CALIBRATORS_FOLDER, model)
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "results.json"]
         written[0].write_text(self.to_json(), encoding="utf-8")
@@ -230,7 +240,19 @@ class RunResult(_JSON):
         if deltas:
             save_file(deltas, str(out / "delta.safetensors"), metadata={"space": "normalised model input"})
             written.append(out / "delta.safetensors")
-        return written
+        return written + written_calibrators
+
+    def save_calibrators(self, directory: str | Path, model: Any) -> list[Path]:
+        """Every fitted calibrator of this run (first seed), each with ``save_pretrained`` in
+        ``directory/<method slug>`` (e.g. ``neural-clamping-fl``), ready for ``load_calibrator`` and
+        ``nctv apply``. ``model``: the run's model (a zoo ``LoadedModel`` records its name and data
+        config). A result read from JSON keeps no calibrators: then nothing is written. Returns
+        the written folders."""
+        folders = []
+        for name, m in self.methods.items():
+            if m.calibrator is not None and not m.is_reference:
+                folders.append(Path(m.calibrator.save_pretrained(Path(directory) / method_slug(name), model=model)))
+        return folders
 
 
 def _jsonable(obj: Any) -> Any:
@@ -334,7 +356,7 @@ class _StudyResult(_JSON):
 
 @dataclass
 class GammaSweepResult(_StudyResult):
-    """Figure 2's numbers (``sweep``: a ``nctv.calibration.clamping.GammaSweep``) and what was run."""
+    """Figure 2's numbers (``sweep``: a ``nctv.calibration.studies.GammaSweep``) and what was run."""
 
     @property
     def sweep(self) -> Any:
@@ -353,7 +375,7 @@ class GammaSweepResult(_StudyResult):
 
 @dataclass
 class InitStudyResult(_StudyResult):
-    """Figure 3's numbers (``study``: a ``nctv.calibration.clamping.InitStudy``) and what was run."""
+    """Figure 3's numbers (``study``: a ``nctv.calibration.studies.InitStudy``) and what was run."""
 
     n_classes: int = 0
 

@@ -11,6 +11,8 @@ import importlib.util
 #: two published SGD recipes run exactly, "paper" (the paper's text with the authors' momentum) and
 #: "toolkit" (the authors' released demo).
 FITTERS = ("fast", "paper", "toolkit")
+#: Precisions of the model's passes (nctv.precision): "auto" measures on a GPU; "fp32" forces full precision.
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 #: The rows of a paper-style table (Tables 1–3), in order.
 DEFAULT_METHODS = (

@@ -9,7 +9,7 @@ Source data: the Debian package ``dataset-fashion-mnist`` (IDX files in
 Split: training images 0–54,999 train the models; 55,000–59,999 are the calibration pool (never seen
 in training); the official 10,000 test images are the test split.
 
-Training runs on the CPU with fixed seeds and thread counts (see nctv.zoo.train_classifier for the
+Training runs on the CPU with fixed seeds and thread counts (see nctv.training.train_classifier for the
 recipe), so a rerun on the same machine and library versions gives the same weights. The three
 mildly over-confident models were trained as three parallel processes of one thread each:
 
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nctv.data import FASHION_MNIST_CLASSES, FASHION_MNIST_SYSTEM_DIR, assets_dir, load_fashion_mnist_idx  # noqa: E402
-from nctv.zoo import train_classifier  # noqa: E402
+from nctv.training import train_classifier  # noqa: E402
 
 N_TRAIN = 55_000
 # MD5 of the *decompressed* IDX content. Debian recompresses the published .gz files (same sizes,

@@ -7,6 +7,7 @@ reproduces it — plus a few test images for the "Try your own image" tab:
     results.json              the RunResult (metrics per method, learned T, γ, λ, settings)
     test_logits.safetensors   calibrated test logits per method (+ "labels"): the reliability diagrams
     delta.safetensors         Neural Clamping's δ (normalised input space), keyed by method name
+    calibrators/<method>/     every fitted calibrator (save_pretrained), for the download's calibrators.zip
     examples/*.png            one test image per class, as stored in the dataset (28 × 28 grey)
 
 Run from the repository root:  python scripts/make_precomputed.py
@@ -14,20 +15,17 @@ Run from the repository root:  python scripts/make_precomputed.py
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nctv.results import method_slug  # noqa: E402
 from nctv.ui.calibrate import DEFAULT_METHODS, NCSettings, run_calibration  # noqa: E402
-from nctv.ui.state import DEFAULT_BINS, DEFAULT_CALIBRATION_SIZE, SplitSpec, get_splits, precomputed_dir  # noqa: E402
+from nctv.ui.state import (DEFAULT_BINS, DEFAULT_CALIBRATION_SIZE, SplitSpec, get_model, get_splits,  # noqa: E402
+                            precomputed_dir)
 from nctv.zoo import DEFAULT_MODEL  # noqa: E402
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def write_examples(spec: SplitSpec, folder: Path) -> list[Path]:
@@ -38,7 +36,7 @@ def write_examples(spec: SplitSpec, folder: Path) -> list[Path]:
     written = []
     for k, name in enumerate(test.class_names):
         i = labels.index(k)
-        path = folder / f"{i:04d}-{_slug(name)}.png"
+        path = folder / f"{i:04d}-{method_slug(name)}.png"
         test.image(i).save(path, optimize=True)
         written.append(path)
     return written
@@ -61,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     result, _ = run_calibration(spec, DEFAULT_METHODS, args.bins, NCSettings(), report)
     if args.out.exists():
         shutil.rmtree(args.out)
-    written = result.save(args.out)
+    written = result.save(args.out, model=get_model(spec.model))
     written += write_examples(spec, args.out / "examples")
     for p in written:
         print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KiB)")

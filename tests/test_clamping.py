@@ -14,9 +14,8 @@ from nctv.calibration.clamping import (
     NeuralClamping,
     StopFitting,
     data_driven_delta,
-    gamma_sweep,
-    init_study,
 )
+from nctv.calibration.studies import gamma_sweep, init_study
 from nctv.metrics import ece
 
 SHAPE = (1, 4, 4)

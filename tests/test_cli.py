@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from nctv import metrics
@@ -61,7 +62,7 @@ def test_models_lists_the_default(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_end_to_end(tmp_path):
+def test_run_end_to_end(tmp_path, default_model):
     out = tmp_path / "res"
     # The paper fitter with 2 epochs keeps this test short (the fast fitter is tested in test_experiment)
     # and shows that --fitter reaches the results.
@@ -95,6 +96,16 @@ def test_run_end_to_end(tmp_path):
     assert data["methods"]["Temperature Scaling"]["metrics"]["10"]["sce"]["mean"] == pytest.approx(ts["sce"], abs=1e-12)
     md = (out / "table.md").read_text()
     assert "Welch" in md and "Neural Clamping fitter: paper" in md
+    # The fitted calibrators are saved for nctv apply: the first seed's δ and T, as the run measured them.
+    from nctv.calibration import load_calibrator
+
+    assert sorted(p.name for p in (out / "calibrators").iterdir()) == [
+        "nc-eff", "neural-clamping-fl", "temperature-scaling"]
+    nc = load_calibrator(out / "calibrators" / "neural-clamping-fl", model=default_model)
+    assert torch.equal(nc.delta_, load_file(str(out / "delta.safetensors"))["Neural Clamping (FL)"])
+    assert nc.temperature_ == data["methods"]["Neural Clamping (FL)"]["params"]["temperature"]
+    ts = load_calibrator(out / "calibrators" / "temperature-scaling")
+    assert ts.temperature_ == data["methods"]["Temperature Scaling"]["params"]["temperature"]
 
 
 @pytest.mark.slow

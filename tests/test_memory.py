@@ -8,9 +8,8 @@ from nctv.calibration.clamping import (
     EfficientNeuralClamping,
     NeuralClamping,
     data_driven_delta,
-    gamma_sweep,
-    init_study,
 )
+from nctv.calibration.studies import gamma_sweep, init_study
 from nctv.inference import model_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")

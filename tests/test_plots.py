@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from nctv import metrics, plots
-from nctv.calibration.clamping import GammaSweep, InitStudy
+from nctv.calibration.studies import GammaSweep, InitStudy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ import torch
 from scipy import stats as sps
 
 from nctv import metrics
-from nctv.calibration.clamping import GammaSweep, InitStudy
+from nctv.calibration.studies import GammaSweep, InitStudy
 from nctv.metrics import sce_exponent
 from nctv.results import MethodResult, MetricStats, RunResult, WelchTest, welch_test, welch_tests
 from nctv.report import (

@@ -1,6 +1,7 @@
 """Temperature scaling, TS by grid search, TS (FL): against known temperatures, brute force and
 independent optimisers."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -228,3 +229,85 @@ def test_separable_calibration_data_hits_the_bound_with_a_warning():
     with pytest.warns(UserWarning, match="separate the labels"):
         ts = TemperatureScaling().fit(z, y)
     assert ts.temperature_ == T.T_MIN
+    with pytest.warns(UserWarning, match="separate the labels"):
+        assert FocalTemperatureScaling(gamma=0.5).fit(z, y).temperature_ == T.T_MIN
+
+
+# ---- the one temperature solver ---------------------------------------------------------------
+
+
+def focal_numpy(z, y, log_t, gamma):
+    """Mean FL_γ of softmax(z / T) written out in numpy, independent of the package's code."""
+    zz = z.numpy() / math.exp(log_t)
+    zz = zz - zz.max(1, keepdims=True)
+    log_p = zz[np.arange(len(zz)), y.numpy()] - np.log(np.exp(zz).sum(1))
+    return float(np.mean(-((-np.expm1(log_p)) ** gamma) * log_p))
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("scale", [0.3, 1.0, 4.0, 15.0])
+def test_solver_agrees_with_a_dense_grid_and_scipy(gamma, scale):
+    # scale 0.3: under-confident logits (T ≈ 0.3); 1: calibrated; 4 and 15: over-confident, at 15
+    # with many samples whose probabilities round to 0 or 1.
+    z, y = calibrated_sample(1500, 8, seed=int(10 * scale) + 1)
+    z = z * scale
+    grid = np.linspace(math.log(T.T_MIN), math.log(T.T_MAX), 2401)
+    values = [focal_numpy(z, y, s, gamma) for s in grid]
+    i = int(np.argmin(values))
+    assert 0 < i < len(grid) - 1
+    ref = minimize_scalar(lambda s: focal_numpy(z, y, s, gamma), bounds=(grid[i - 1], grid[i + 1]),
+                          method="bounded", options={"xatol": 1e-10}).x
+    ts = TemperatureScaling() if gamma == 0 else FocalTemperatureScaling(gamma=gamma)
+    t = ts.fit(z, y).temperature_
+    assert t == pytest.approx(math.exp(ref), rel=1e-6)
+    # Sharper than any value-based search: the loss's slope (by autograd) changes sign within
+    # 1e-9 of T in relative terms, and nothing on the dense grid is lower.
+    assert loss_slope_in_t(z, y, t * (1 - 1e-9), gamma) < 0 < loss_slope_in_t(z, y, t * (1 + 1e-9), gamma)
+    assert focal_numpy(z, y, math.log(t), gamma) <= min(values) + 1e-15
+    s, at_bound = T.solve_log_temperature(z, y, gamma)
+    assert not at_bound and s == pytest.approx(math.log(t), abs=1e-15)
+
+
+@pytest.mark.parametrize("scale", [0.3, 4.0, 15.0])
+def test_nll_optimum_satisfies_the_first_order_condition(scale):
+    z, y = calibrated_sample(3000, 10, seed=5)
+    z = (z * scale).numpy()
+    a = 1.0 / TemperatureScaling().fit(z, y).temperature_
+    u = a * z
+    p = np.exp(u - u.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    mean_z = (p * z).sum(1)
+    residual = np.mean(mean_z - z[np.arange(len(z)), y.numpy()])  # d NLL / d(1/T)
+    curvature = np.mean((p * z * z).sum(1) - mean_z**2)  # d² NLL / d(1/T)²
+    # The Newton correction to 1/T that the residual asks for is at float64 resolution.
+    assert abs(residual / curvature) <= 1e-14 * a
+
+
+def test_solver_runs_in_the_logits_dtype():
+    z, y = calibrated_sample(2000, 10, seed=6)
+    for gamma in (0.0, 2.0):
+        s64, _ = T.solve_log_temperature(z * 3, y, gamma)
+        s32, _ = T.solve_log_temperature((z * 3).float(), y, gamma)
+        assert s32 == pytest.approx(s64, abs=1e-5)  # float32 resolution, not float64's
+        assert s32 != s64
+
+
+def test_tied_logits_leave_the_temperature_at_one_without_a_warning():
+    z = torch.tensor([[0.0, 0.0, 0.0], [2.0, 2.0, 2.0], [-1.0, -1.0, -1.0]]).repeat(4, 1)
+    y = torch.tensor([0, 1, 2]).repeat(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TemperatureScaling().fit(z, y).temperature_ == 1.0
+        assert FocalTemperatureScaling(gamma=1.0).fit(z, y).temperature_ == 1.0
+    assert T.solve_log_temperature(z.double(), y, 1.0, bounds=(0.5, 2.0)) == (0.5, False)
+
+
+def test_uninformative_logits_hit_the_upper_bound():
+    # Every label is its row's least likely class: the loss falls all the way to T → ∞.
+    z, _ = calibrated_sample(200, 4, seed=7)
+    y = z.argmin(1)
+    with pytest.warns(UserWarning, match="no information"):
+        assert TemperatureScaling().fit(z, y).temperature_ == T.T_MAX
+    with pytest.warns(UserWarning, match="no information"):
+        assert FocalTemperatureScaling(gamma=2.0).fit(z, y).temperature_ == T.T_MAX
+    assert T.solve_log_temperature(z, y, 2.0, bounds=(-1.0, 1.0)) == (1.0, True)

@@ -37,7 +37,8 @@ from nctv.ui import learn, state, try_image
 from nctv.ui.common import SERVER_PATH, Worker, parse_gamma, parse_weight_decay, parse_whole, user_errors
 from nctv.images import MAX_PIXELS, ImageError, match_channels, to_pil
 from nctv.ui.images import CheckedImage
-from nctv.zoo import DEFAULT_MODEL, train_classifier
+from nctv.training import train_classifier
+from nctv.zoo import DEFAULT_MODEL
 
 SMALL = state.SplitSpec(DEFAULT_MODEL, None, 300, 0, 1000)
 METHODS_RUN = ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
@@ -783,3 +784,11 @@ def test_first_screen_is_the_shipped_result():
     assert "| Neural Clamping (FL) |" in table and len(diagrams.data) > 0 and delta is not None
     shipped = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     assert shipped == json.loads((state.precomputed_dir() / "results.json").read_text())
+    # The shipped run's calibrators come as a zip too, and load back as the run's own δ and T.
+    from nctv.ui.upload_calibrator import load_calibrators
+
+    archive = next(f for f in files if f.endswith("calibrators.zip"))
+    loaded, line = load_calibrators(archive, None)
+    pre = state.load_precomputed().calibration
+    assert "Loaded **Neural Clamping (FL)**" in line and torch.equal(loaded.delta, pre.delta)
+    assert loaded.nc_temperature == pre.nc_temperature and loaded.ts_temperature == pre.ts_temperature

@@ -1,4 +1,5 @@
-"""nctv.zoo: the embedded models, Hub loading through the cache, id validation, training helper."""
+"""nctv.zoo, nctv.hub, nctv.training: the embedded models, Hub loading through the cache, id validation,
+the Hub probe and weight cap, the training helper."""
 import http.server
 import json
 import os
@@ -15,7 +16,9 @@ import torch
 from PIL import Image
 
 import nctv.data as d
+import nctv.hub as hub
 import nctv.zoo as z
+from nctv.training import train_classifier
 from nctv import metrics
 from nctv.inference import model_logits
 
@@ -284,12 +287,12 @@ def test_hub_weight_cap_reads_the_cached_file(tmp_path, monkeypatch):
 
 
 def test_weight_cap_decision():
-    z.check_weight_size("m", 10**9, None)
-    z.check_weight_size("m", 500 * 10**6, 500 * 10**6)
+    hub.check_weight_size("m", 10**9, None)
+    hub.check_weight_size("m", 500 * 10**6, 500 * 10**6)
     with pytest.raises(ValueError, match="m has 500.0 MB of weights; .* at most 499.9 MB"):
-        z.check_weight_size("m", 500 * 10**6, 499_900_000)
+        hub.check_weight_size("m", 500 * 10**6, 499_900_000)
     with pytest.raises(ValueError, match="did not say how large"):
-        z.check_weight_size("m", None, 10**9)
+        hub.check_weight_size("m", None, 10**9)
 
 
 class _HubStandIn(http.server.BaseHTTPRequestHandler):
@@ -361,7 +364,7 @@ def test_train_classifier_saves_a_loadable_model_with_an_honest_card(tmp_path):
     rng = np.random.default_rng(0)
     y = rng.integers(0, 3, 240)
     images = (rng.integers(0, 60, (240, 12, 12)) + 60 * y[:, None, None]).astype(np.uint8)
-    result = z.train_classifier(
+    result = train_classifier(
         "nctv_mlp_mixer", dict(img_size=12, patch_size=4, embed_dim=8, num_blocks=1, mlp_ratio=[0.5, 1.0]),
         (images[:160], y[:160]), test_split=(images[160:], y[160:]), out_dir=tmp_path / "toy",
         class_names=["dark", "mid", "bright"], epochs=2, batch_size=32, progress=False,
@@ -377,14 +380,14 @@ def test_train_classifier_saves_a_loadable_model_with_an_honest_card(tmp_path):
     assert card["test_ece_15_bins"] == pytest.approx(metrics.ece(logits, y[160:]), abs=1e-6)
     assert card["seed"] == 0 and len(result.history) == 2
     assert "no label smoothing" in m.card["text"]
-    again = z.train_classifier(
+    again = train_classifier(
         "nctv_mlp_mixer", dict(img_size=12, patch_size=4, embed_dim=8, num_blocks=1, mlp_ratio=[0.5, 1.0]),
         (images[:160], y[:160]), out_dir=tmp_path / "toy2", class_names=["dark", "mid", "bright"], epochs=2,
         batch_size=32, progress=False)
     same_seed = {k: torch.equal(v, again.model.state_dict()[k]) for k, v in result.model.state_dict().items()}
     assert all(same_seed.values())  # same seed, threads and machine: same weights
     with pytest.raises(ValueError, match="uint8"):
-        z.train_classifier("nctv_mlp_mixer", {}, (images.astype(np.float32), y), out_dir=tmp_path / "bad")
+        train_classifier("nctv_mlp_mixer", {}, (images.astype(np.float32), y), out_dir=tmp_path / "bad")
 
 
 def test_train_classifier_with_a_single_step(tmp_path):
@@ -392,7 +395,7 @@ def test_train_classifier_with_a_single_step(tmp_path):
     rng = np.random.default_rng(1)
     y = np.arange(16) % 2
     images = (rng.integers(0, 100, (16, 12, 12)) + 100 * y[:, None, None]).astype(np.uint8)
-    result = z.train_classifier(
+    result = train_classifier(
         "nctv_mlp_mixer", dict(img_size=12, patch_size=4, embed_dim=8, num_blocks=1, mlp_ratio=[0.5, 1.0]),
         (images, y), out_dir=tmp_path / "one-step", class_names=["dark", "bright"], epochs=1, batch_size=16,
         progress=False)
@@ -420,14 +423,14 @@ def test_hub_reachable_probes_the_endpoint(monkeypatch):
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
-        assert d.hub_reachable()
+        assert hub.hub_reachable()
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
-    assert not d.hub_reachable()
+    assert not hub.hub_reachable()
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert d.hub_reachable()  # behind a proxy the download itself decides
+    assert hub.hub_reachable()  # behind a proxy the download itself decides
     monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert not d.hub_reachable()
+    assert not hub.hub_reachable()
 
 
 def test_unreachable_hub_answers_at_once_without_retries(tmp_path):

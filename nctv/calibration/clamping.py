@@ -77,7 +77,7 @@ from nctv.settings import FITTERS
 
 __all__ = [
     "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
-    "data_driven_delta", "gamma_sweep", "GammaSweep", "init_study", "InitStudy",
+    "data_driven_delta", "GammaFit", "PreparedSplit",
 ]
 
 #: γ values tried by ``gamma="auto"``.
@@ -292,10 +292,31 @@ class _Start:
 
 
 @dataclass
-class _GammaFit:
+class GammaFit:
+    """One fit of a γ path (``NeuralClamping.fit_prepared``): its γ, its λ and what the fitter found
+    (``result.delta``, ``result.log_t``, ``result.logits`` on the calibration split, ``result.passes``)."""
+
     gamma: float
     weight_decay: float
     result: FitResult
+
+
+@dataclass
+class PreparedSplit:
+    """A calibration split made ready for fits (``NeuralClamping.prepare``): on its device, with the
+    first pass that every fit on it shares (the unperturbed logits and, for init="data", δ̃) done."""
+
+    problem: Problem
+    start: _Start
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.problem.split.labels
+
+    @property
+    def passes(self) -> float:
+        """Passes over the split so far, the shared first one included."""
+        return self.problem.split.passes
 
 
 #: The fast fitter warns below this many calibration images per value of δ (see small_split_message).
@@ -467,25 +488,67 @@ class NeuralClamping(_InputCalibrator):
 
     def fit(self, inputs_or_loader: Any, labels: Any = None) -> "NeuralClamping":
         """Learn δ and T on the calibration split (a tensor + ``labels``, or a loader of (x, y))."""
-        gammas = self._validate()
-        dev = _compute_device(self.model, self.device)
-        with frozen(self.model):
-            problem = self._problem(inputs_or_loader, labels, dev)
-            start = self._start(problem)
-            fits = self._fit_gammas(problem, start, gammas, self.seed)
-        self._store(problem, fits)
+        prepared = self.prepare(inputs_or_loader, labels)
+        fits = self.fit_prepared(prepared)
+        self._store(prepared, fits)
         if self.callback is not None and self._setting("temperature") == "selected":
             # The live view's last point: the T the fit keeps, chosen after the optimiser stopped.
             self.callback({"step": "selected", "loss": self.objective_, "temperature": self.temperature_,
                            "passes": self.n_passes_, "selected": True})
         return self
 
-    def expected_passes(self, n_gammas: int | None = None) -> float:
+    def expected_passes(self, n_gammas: int | None = None, later_passes: float | None = None) -> float:
         """Passes over the calibration split a fit is planned to take: the recipe's epochs (+ the
         unperturbed pass) per γ, or the fast fitter's budget per γ; the fast fitter may stop sooner.
-        ``n_gammas``: the γ values fitted (default: those of ``gamma``)."""
-        per = self._setting("epochs") + 0.5 if self._recipe() is not None else float(self.max_passes)
-        return per * (len(self._gammas()) if n_gammas is None else n_gammas)
+        ``n_gammas``: the γ values fitted (default: those of ``gamma``); ``later_passes``: the fast
+        fitter's cap for every γ after the first (as in ``fit_prepared``)."""
+        n = len(self._gammas()) if n_gammas is None else n_gammas
+        if self._recipe() is not None:
+            return (self._setting("epochs") + 0.5) * n
+        later = float(self.max_passes if later_passes is None else later_passes)
+        return float(self.max_passes) + later * max(n - 1, 0)
+
+    # ---- the steps of fit, public for studies that share work between fits (studies.py) --
+
+    def prepare(self, inputs_or_loader: Any, labels: Any = None) -> PreparedSplit:
+        """Check the settings, put the calibration split on the model's device and run the pass
+        that every fit on it shares. ``fit`` is ``prepare``, ``fit_prepared``, then keeping the best."""
+        self._validate()
+        dev = _compute_device(self.model, self.device)
+        with frozen(self.model):
+            problem = self._problem(inputs_or_loader, labels, dev)
+            return PreparedSplit(problem, self._start(problem))
+
+    def fit_prepared(self, prepared: PreparedSplit, gammas: Sequence[float] | None = None, seed: int | None = None,
+                     later_passes: float | None = None) -> list[GammaFit]:
+        """One fit per γ (default: those of ``gamma``) on a prepared split, with this object's
+        settings and ``seed`` (default ``self.seed``). Nothing is stored on ``self``.
+
+        Recipes: a separate run per γ. Fast fitter: a continuation in the given order, each γ
+        warm-started from the previous one's δ, T and L-BFGS memory; ``later_passes`` caps every γ
+        after the first (default ``max_passes``)."""
+        gammas = self._validate() if gammas is None else [check_gamma(g, "each of gammas") for g in gammas]
+        with frozen(self.model):
+            return self._fit_gammas(prepared.problem, prepared.start, gammas, self.seed if seed is None else seed,
+                                    later_passes)
+
+    def choose(self, fits: list[GammaFit], prepared: PreparedSplit) -> tuple[GammaFit, list[dict]]:
+        """The fit this object's temperature rule keeps (lowest calibration ECE; ties: the earlier),
+        and one summary per fit: gamma, weight_decay, temperature (the T it would use),
+        fitted_temperature, objective, ece."""
+        return _choose(fits, prepared.labels, self._setting("temperature"))
+
+    def perturbed_logits(self, inputs_or_loader: Any, labels: Any, deltas: Sequence[torch.Tensor | None],
+                         prepared: PreparedSplit) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """f(x + δ) on another split for each δ in ``deltas`` (clamped as on ``prepared``), reading
+        the split once (0.5 pass per δ); returns the logits and the split's labels on the device."""
+        dev = prepared.problem.split.device
+        with frozen(self.model):
+            split = Split(inputs_or_loader, labels, dev, int(self._setting("batch_size")))
+            problem = Problem(self.model, split, 0.0, 0.0, prepared.problem.clamp_range)
+            zs = _multi_logits(problem, deltas)
+        check_label_range(split.labels, zs[0].shape[1])
+        return zs, split.labels
 
     def _problem(self, inputs: Any, labels: Any, dev: torch.device) -> Problem:
         split = Split(inputs, labels, dev, int(self._setting("batch_size")))
@@ -496,7 +559,7 @@ class NeuralClamping(_InputCalibrator):
         problem.check_labels()
         size = math.prod(split.input_shape)
         if self.fitter == "fast" and split.n < SMALL_SPLIT_FACTOR * size:
-            warnings.warn(small_split_message(split.n, size), stacklevel=3)
+            warnings.warn(small_split_message(split.n, size), stacklevel=4)  # the caller of fit()
         return problem
 
     def _start(self, problem: Problem) -> _Start:
@@ -530,11 +593,11 @@ class NeuralClamping(_InputCalibrator):
         return tqdm(total=total, unit="pass", desc=f"Neural Clamping ({self.fitter})", leave=False)
 
     def _fit_gammas(self, problem: Problem, start: _Start, gammas: Sequence[float], seed: int,
-                    later_passes: float | None = None) -> list[_GammaFit]:
+                    later_passes: float | None = None) -> list[GammaFit]:
         """One fit per γ. Paper: separate runs of the recipe. Fast: a warm-started continuation in
         the given order (``later_passes`` caps every γ after the first; default ``max_passes``)."""
         shape, dev = problem.split.input_shape, problem.split.device
-        fits: list[_GammaFit] = []
+        fits: list[GammaFit] = []
         bar = self._bar(self.expected_passes(len(gammas)))
         memory: LBFGSMemory | None = None
         try:
@@ -563,15 +626,16 @@ class NeuralClamping(_InputCalibrator):
                     else:  # T alone: the exact 1-D optimum on the unperturbed logits, no further pass
                         result = FitResult(delta0, log_t0, problem.objective_from_logits(z_known, delta0, log_t0),
                                            z_known, report.history, 0.0)
-                fits.append(_GammaFit(gamma, problem.weight_decay, result))
+                fits.append(GammaFit(gamma, problem.weight_decay, result))
         finally:
             if bar is not None:
                 bar.close()
         return fits
 
-    def _store(self, problem: Problem, fits: list[_GammaFit]) -> None:
+    def _store(self, prepared: PreparedSplit, fits: list[GammaFit]) -> None:
+        problem = prepared.problem
         check_label_range(problem.split.labels, fits[0].result.logits.shape[1])
-        chosen, candidates = _choose(fits, problem.split.labels, self._setting("temperature"))
+        chosen, candidates = self.choose(fits, prepared)
         self.delta_ = chosen.result.delta.detach().cpu().clone()
         self.temperature_ = candidates[fits.index(chosen)]["temperature"]
         self.fitted_temperature_ = math.exp(chosen.result.log_t)
@@ -585,7 +649,7 @@ class NeuralClamping(_InputCalibrator):
         self.stopped_early_ = any(f.result.stopped for f in fits)
 
 
-def _choose(fits: list[_GammaFit], labels: torch.Tensor, rule: str = "fitted") -> tuple[_GammaFit, list[dict]]:
+def _choose(fits: list[GammaFit], labels: torch.Tensor, rule: str = "fitted") -> tuple[GammaFit, list[dict]]:
     """The fit with the lowest calibration ECE (ties: the earlier one), and a summary per fit.
 
     With ``rule`` "selected" every fit's T is first re-chosen on its calibration logits (see
@@ -605,179 +669,9 @@ def _choose(fits: list[_GammaFit], labels: torch.Tensor, rule: str = "fitted") -
     return fits[best], candidates
 
 
-# --------------------------------------------------------------------------------------------
-# γ sweep (Figure 2) and initialisation study (Figure 3)
-# --------------------------------------------------------------------------------------------
-
-
 def _multi_logits(problem: Problem, deltas: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """f(x + δ_r) for several δ's, reading every chunk of the split once (0.5 pass per δ)."""
     with torch.no_grad():
         pieces = list(problem.split.map(lambda x, _: [problem.forward(x, d) for d in deltas]))
     problem.split.passes += 0.5 * len(deltas)
-    return [torch.cat(per_delta) for per_delta in zip(*pieces)]
-
-
-def _split_metrics(logits: torch.Tensor, labels: torch.Tensor, gamma: float, n_bins: int) -> dict[str, float]:
-    from nctv.metrics import entropy, ece
-
-    return {"ece": ece(logits, labels, n_bins=n_bins), "entropy": entropy(logits),
-            "loss": mean_focal(logits, labels.to(logits.device), gamma, 0.0)}
-
-
-@dataclass
-class GammaSweep:
-    """ECE, entropy and loss of Neural Clamping as functions of γ (the paper's Figure 2).
-
-    ``cal`` and ``test`` map "ece", "entropy", "loss" to arrays over ``gammas`` ("loss": mean
-    FL_γ of the calibrated logits, without the λ term; ECE with ``n_bins`` bins, as fractions).
-    ``test`` is None without a test split. ``chosen_gamma``: lowest calibration ECE.
-    ``n_passes``: passes over the calibration split for the whole sweep; ``test_passes``: forward
-    passes over the test split (0.5 each).
-    """
-
-    gammas: np.ndarray
-    temperature: np.ndarray
-    weight_decay: np.ndarray
-    objective: np.ndarray
-    passes: np.ndarray
-    cal: dict[str, np.ndarray]
-    test: dict[str, np.ndarray] | None
-    chosen_gamma: float
-    n_passes: float
-    test_passes: float
-    fitter: str
-    n_bins: int = 15
-
-
-def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None, test_inputs: Any = None,
-                test_labels: Any = None, gammas: Sequence[float] = SWEEP_GAMMAS, n_bins: int = 15,
-                passes_per_gamma: float = 3, **settings: Any) -> GammaSweep:
-    """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``settings`` go to
-    ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …).
-
-    With the fast fitter the sweep is one continuation: the first γ gets a full fit, each later γ
-    starts from the previous solution (T re-solved exactly on its cached logits, L-BFGS memory
-    kept) and gets at most ``passes_per_gamma`` passes. With an SGD recipe every γ is a separate
-    run of it (``epochs`` + 1 passes each), as in the paper. The figure is the paper's: T is the
-    objective's own (``temperature="fitted"``) unless ``settings`` ask for "selected".
-    """
-    settings.setdefault("temperature", "fitted")
-    if "gamma" in settings:
-        raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
-    nc = NeuralClamping(model, gamma=1.0, **settings)
-    nc._validate()
-    gammas = [check_gamma(g, "each of gammas") for g in gammas]
-    if not gammas:
-        raise ValueError("gammas is empty; give at least one γ >= 0.")
-    check_positive(passes_per_gamma, "passes_per_gamma")
-    dev = _compute_device(model, nc.device)
-    with frozen(model):
-        problem = nc._problem(cal_inputs, cal_labels, dev)
-        start = nc._start(problem)
-        fits = nc._fit_gammas(problem, start, gammas, nc.seed, later_passes=passes_per_gamma)
-        test_problem = None
-        if test_inputs is not None:
-            test_split = Split(test_inputs, test_labels, dev, int(nc._setting("batch_size")))
-            test_problem = Problem(model, test_split, 0.0, 0.0, problem.clamp_range)
-            test_z = _multi_logits(test_problem, [f.result.delta for f in fits])
-    labels = problem.split.labels
-    _, candidates = _choose(fits, labels, nc._setting("temperature"))
-    temps = np.array([c["temperature"] for c in candidates])
-    cal_rows = [_split_metrics(f.result.logits / t, labels, f.gamma, n_bins) for f, t in zip(fits, temps)]
-    test_rows = None
-    if test_problem is not None:
-        check_label_range(test_problem.split.labels, test_z[0].shape[1])
-        test_rows = [_split_metrics(z / t, test_problem.split.labels, f.gamma, n_bins) for z, f, t in zip(test_z, fits, temps)]
-    passes = [f.result.passes for f in fits]
-    cal_ece = np.array([r["ece"] for r in cal_rows])
-    return GammaSweep(
-        gammas=np.array([f.gamma for f in fits]),
-        temperature=temps,
-        weight_decay=np.array([f.weight_decay for f in fits]),
-        objective=np.array([f.result.objective for f in fits]),
-        passes=np.array(passes),
-        cal={k: np.array([r[k] for r in cal_rows]) for k in ("ece", "entropy", "loss")},
-        test=None if test_rows is None else {k: np.array([r[k] for r in test_rows]) for k in ("ece", "entropy", "loss")},
-        chosen_gamma=float(fits[int(np.argmin(cal_ece))].gamma),
-        n_passes=problem.split.passes,
-        test_passes=0.0 if test_problem is None else test_problem.split.passes,
-        fitter=nc.fitter,
-        n_bins=n_bins,
-    )
-
-
-@dataclass
-class InitStudy:
-    """Random vs data-driven initialisation of δ over several runs (the paper's Figure 3).
-
-    ``runs[init]`` (init in "random", "data") is a list, one per run, of test-split metric dicts
-    (keys of ``nctv.metrics.METRIC_NAMES``: entropy, ece, aece, sce, …; fractions). Runs differ by
-    seed (``seeds``). With the fast fitter the data-driven fit is deterministic, so it is computed
-    once and its metrics repeated for every run (``shared_data_fit`` True).
-    """
-
-    runs: dict[str, list[dict[str, float]]]
-    seeds: list[int]
-    fitter: str
-    n_passes: float
-    shared_data_fit: bool
-    n_bins: int = 15
-
-    def values(self, init: str, metric: str) -> np.ndarray:
-        """One metric over the runs of one initialisation, for box plots."""
-        return np.array([r[metric] for r in self.runs[init]])
-
-
-def _pair(split_arg: Any, name: str) -> tuple[Any, Any]:
-    """(inputs, labels) from a pair of tensors/arrays, or (loader, None)."""
-    if isinstance(split_arg, (tuple, list)) and len(split_arg) == 2 and not isinstance(split_arg[0], (tuple, list)):
-        return split_arg[0], split_arg[1]
-    if isinstance(split_arg, (tuple, list)):
-        raise ValueError(f"{name} must be a pair (inputs, labels) or a loader of (inputs, labels) batches.")
-    return split_arg, None
-
-
-def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, seed: int = 0, n_bins: int = 15,
-               **settings: Any) -> InitStudy:
-    """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split.
-
-    ``cal``, ``test``: (inputs, labels) pairs or loaders of (x, y). ``settings`` go to
-    ``NeuralClamping`` (``input_range`` is required for the data-driven runs; ``init`` is set here).
-    Run r uses seed ``seed + r``. Work shared: one pass gives δ̃ and the unperturbed logits for
-    all runs; the test split is read once for all fitted δ's.
-    """
-    from nctv.metrics import evaluate
-
-    for key in ("init", "seed"):
-        if key in settings:
-            raise ValueError(f"init_study sets {key} itself; leave it out.")
-    n_runs = check_whole(n_runs, "n_runs")
-    nc = NeuralClamping(model, init="data", seed=seed, **settings)
-    gammas = nc._validate()
-    dev = _compute_device(model, nc.device)
-    seeds = [int(seed) + r for r in range(n_runs)]
-    results: dict[str, list[tuple[torch.Tensor, float]]] = {"random": [], "data": []}
-    shared = nc.fitter == "fast"
-    with frozen(model):
-        problem = nc._problem(*_pair(cal, "cal"), dev)
-        start = nc._start(problem)
-        for init in ("random", "data"):
-            nc.init = init
-            for r, s in enumerate(seeds):
-                if init == "data" and shared and r > 0:
-                    results[init].append(results[init][0])
-                    continue
-                fits = nc._fit_gammas(problem, start, gammas, s)
-                best, candidates = _choose(fits, problem.split.labels, nc._setting("temperature"))
-                results[init].append((best.result.delta, candidates[fits.index(best)]["temperature"]))
-        x_test, y_test = _pair(test, "test")
-        test_problem = Problem(model, Split(x_test, y_test, dev, int(nc._setting("batch_size"))), 0.0, 0.0, problem.clamp_range)
-        unique = {id(d): d for init in results for d, _ in results[init]}
-        zs = dict(zip(unique, _multi_logits(test_problem, list(unique.values()))))
-    labels = test_problem.split.labels
-    runs = {init: [evaluate(zs[id(d)] / t, labels, n_bins=n_bins) for d, t in results[init]] for init in results}
-    return InitStudy(runs=runs, seeds=seeds, fitter=nc.fitter, n_passes=problem.split.passes,
-                     shared_data_fit=shared, n_bins=n_bins)
-
-
+    return [problem.split.gather(torch.cat(per_delta)) for per_delta in zip(*pieces)]

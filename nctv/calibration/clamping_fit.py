@@ -21,11 +21,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from scipy.optimize import minimize_scalar
 
+from nctv import distributed
 from nctv.calibration.base import focal_loss
+from nctv.calibration.lbfgs import two_loop
+from nctv.calibration.temperature import solve_log_temperature
 from nctv.inference import iter_batches
 from nctv.memory import ChunkSizer
+from nctv.precision import run_model
 
 #: Splits up to this many bytes (float32 inputs) are gathered once and kept on the compute device;
 #: larger ones are streamed chunk by chunk on every pass.
@@ -57,6 +60,11 @@ class Split:
     that is larger than that is streamed: each pass builds a loader over its dataset (same workers
     and collate function) in the order asked for, so passes are repeatable even when the given
     loader shuffles. Any other iterable of batches is gathered into memory once.
+
+    In a process group (``nctv.distributed``) every process is given the whole split and keeps its
+    block of rows (``rows``); ``n`` and ``labels`` stay those of the whole split. Passes then run
+    over this process's rows only; ``gather`` joins their per-row results (logits) across processes,
+    and the fitters add their sums across processes (``nctv.distributed.all_reduce_sum``).
     """
 
     def __init__(self, inputs: Any, labels: Any, device: torch.device, batch_size: int, need_labels: bool = True):
@@ -80,8 +88,10 @@ class Split:
                 x = x.float()
             self.n = int(x.shape[0])
             self.input_shape = tuple(x.shape[1:])
+            x = x[distributed.shard(self.n)]
             if x.numel() * 4 <= DEVICE_CACHE_BYTES:
                 x = x.to(device, torch.float32)
+        self.rows = distributed.shard(self.n)
         self.x = x
         self.labels = None if y is None else y.to(device)
         if need_labels and self.labels is None and self._loader is None:
@@ -117,18 +127,42 @@ class Split:
         of a held split, the configured ``batch_size`` of a streamed one), for passes whose batches
         mean nothing. A held split's batches stay where it holds them; ``pieces`` moves them to the
         device piece by piece. A streamed split's batches arrive on the device.
+
+        In a process group, natural order walks this process's rows; ``order`` (a permutation of the
+        whole split) is cut into the whole split's batches and each batch yields its part in this
+        process's rows, possibly none, so that every process walks the same batches.
         """
         if self._loader is not None:
             yield from self._stream(order, batch_size or self.batch_size)
             return
-        bs = batch_size or self.n
-        y_all = self.labels
-        for s in range(0, self.n, bs):
-            if order is None:
+        y_all = self.local_labels()
+        if order is None:
+            bs = batch_size or len(self.x)
+            for s in range(0, len(self.x), bs):
                 yield self.x[s : s + bs], (None if y_all is None else y_all[s : s + bs])
-            else:
-                idx = order[s : s + bs]
-                yield self.x[idx.to(self.x.device)], (None if y_all is None else y_all[idx.to(y_all.device)])
+            return
+        bs = batch_size or self.n
+        for s in range(0, self.n, bs):
+            idx = self._local(order[s : s + bs])
+            yield self.x[idx.to(self.x.device)], (None if y_all is None else y_all[idx.to(y_all.device)])
+
+    def local_labels(self) -> torch.Tensor | None:
+        """The labels of this process's rows (all of them with one process)."""
+        return self.labels if self.labels is None or self._whole() else self.labels[self.rows]
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Rows computed on this process's rows, joined into the whole split's in split order."""
+        return distributed.all_gather_rows(local, self.n)
+
+    def _whole(self) -> bool:
+        return self.rows == slice(0, self.n)
+
+    def _local(self, idx: torch.Tensor) -> torch.Tensor:
+        """Of the split positions ``idx``, those in this process's rows, as positions within them."""
+        if self._whole():
+            return idx
+        keep = (idx >= self.rows.start) & (idx < self.rows.stop)
+        return idx[keep] - self.rows.start
 
     def pieces(self, batch: tuple[torch.Tensor, torch.Tensor | None], fn: Callable[[torch.Tensor, Any], Any],
                backward: bool = False) -> Iterator[Any]:
@@ -151,14 +185,24 @@ class Split:
 
     def _stream(self, order: torch.Tensor | None, bs: int):
         src = self._loader
-        sampler = range(self.n) if order is None else order.tolist()
+        start, stop = self.rows.start, self.rows.stop
+        if order is None:
+            groups = [list(range(s, min(s + bs, stop))) for s in range(start, stop, bs)]
+        else:
+            groups = [(self._local(order[s : s + bs]) + start).tolist() for s in range(0, self.n, bs)]
         loader = torch.utils.data.DataLoader(
-            src.dataset, batch_size=bs, sampler=sampler, num_workers=src.num_workers,
+            src.dataset, batch_sampler=[g for g in groups if g], num_workers=src.num_workers,
             collate_fn=src.collate_fn, pin_memory=src.pin_memory,
         )
         collect = order is None and self.labels is None
         seen = []
-        for xb, yb in iter_batches(loader):
+        batches = iter_batches(loader)
+        for group in groups:
+            if not group:  # none of this batch's rows are this process's
+                yield (torch.empty((0, *self.input_shape), device=self.device),
+                       torch.empty(0, dtype=torch.long, device=self.device))
+                continue
+            xb, yb = next(batches)
             if yb is not None:
                 yb = yb.long().to(self.device)
                 if collect:
@@ -167,7 +211,7 @@ class Split:
                 raise ValueError("The loader yields inputs without labels; it must yield (inputs, labels).")
             yield torch.as_tensor(xb).to(self.device, torch.float32, non_blocking=True), yb
         if collect and seen:
-            self.labels = torch.cat(seen)
+            self.labels = self.gather(torch.cat(seen))
 
 
 def _is_map_style(dataset: Any) -> bool:
@@ -249,14 +293,14 @@ class Problem:
             x = x + delta
             if self.clamp_range is not None:
                 x = torch.clamp(x, self.clamp_range[0], self.clamp_range[1])
-        return checked_logits(self.model(x))
+        return checked_logits(run_model(self.model, x))
 
     def logits(self, delta: torch.Tensor | None) -> torch.Tensor:
         """Logits f(x + δ) over the split in natural order, on the device (0.5 pass)."""
         with torch.no_grad():
             out = list(self.split.map(lambda x, _: self.forward(x, delta)))
         self.split.passes += 0.5
-        return torch.cat(out)
+        return self.split.gather(torch.cat(out))
 
     def loss(self, z: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """FL_γ of already tempered logits (with the optional probability clamp)."""
@@ -271,7 +315,9 @@ class Problem:
         return self.weight_decay * (delta**2).sum()
 
     def value_and_grad(self, delta: torch.Tensor, log_t: float) -> tuple[float, torch.Tensor, float, torch.Tensor]:
-        """F, ∂F/∂δ, ∂F/∂s and the logits f(x + δ), exactly over the split (1 pass)."""
+        """F, ∂F/∂δ, ∂F/∂s and the logits f(x + δ), exactly over the split (1 pass).
+
+        In a process group each process sums over its rows and the sums are added across processes."""
         d = delta.detach().requires_grad_(True)
         s = torch.tensor(float(log_t), device=d.device, requires_grad=True)
         n = self.split.n
@@ -291,11 +337,12 @@ class Problem:
             total += loss
             out.append(z)
         self.split.passes += 1.0
+        total, g_d, g_s = distributed.all_reduce_sum(total, g_d, g_s)
         d64 = d.detach().to(accumulation_dtype(d.device)).requires_grad_(True)
         reg = self.penalty_term(d64)
         (g_reg,) = torch.autograd.grad(reg, d64)
         g_d += g_reg.to(g_d.dtype)
-        return float(total) + float(reg.detach()), g_d, float(g_s), torch.cat(out)
+        return float(total) + float(reg.detach()), g_d, float(g_s), self.split.gather(torch.cat(out))
 
     def objective_from_logits(self, z: torch.Tensor, delta: torch.Tensor, log_t: float) -> float:
         """F at (δ, log T) from the logits f(x + δ) already computed over the split."""
@@ -344,29 +391,11 @@ def clamped_focal_loss(z: torch.Tensor, y: torch.Tensor, gamma: float, floor: fl
 def best_log_temperature(z: torch.Tensor, y: torch.Tensor, gamma: float) -> float:
     """s = log T minimising mean FL_γ(z e^{−s}, y) on fixed logits (no pass of the model).
 
-    A bounded Brent search over T in [1e-2, 1e2], then Newton steps on ∂/∂s for full precision,
-    each kept only if it lowers the loss.
+    The exact 1-D solve of temperature scaling (``solve_log_temperature``) over T in [1e-2, 1e2], in
+    ``accumulation_dtype``; a bound is returned as it is, without a warning. The fast fitter's loss
+    has no probability clamp (only the toolkit recipe sets ``prob_floor``, and it never calls this).
     """
-    zz = z.to(accumulation_dtype(z.device))
-
-    def h(s: float) -> float:
-        return float(focal_loss(zz * math.exp(-s), y, gamma, reduction="mean"))
-
-    res = minimize_scalar(h, bounds=_LOG_T_BOUNDS, method="bounded", options={"xatol": 1e-6})
-    s_best, f_best = float(res.x), float(res.fun)
-    for _ in range(4):
-        st = torch.tensor(s_best, dtype=zz.dtype, device=zz.device, requires_grad=True)
-        val = focal_loss(zz * torch.exp(-st), y, gamma, reduction="mean")
-        (d1,) = torch.autograd.grad(val, st, create_graph=True)
-        (d2,) = torch.autograd.grad(d1, st)
-        if float(d2) <= 0:
-            break
-        s_new = min(max(s_best - float(d1.detach()) / float(d2), _LOG_T_BOUNDS[0]), _LOG_T_BOUNDS[1])
-        f_new = h(s_new)
-        if not f_new < f_best:
-            break
-        s_best, f_best = s_new, f_new
-    return s_best
+    return solve_log_temperature(z.to(accumulation_dtype(z.device)), y.to(z.device), gamma, _LOG_T_BOUNDS)[0]
 
 
 def entropy_gradient(problem: Problem):
@@ -382,7 +411,7 @@ def entropy_gradient(problem: Problem):
     def piece(x: torch.Tensor, _):
         d = torch.zeros(x.shape[1:], device=x.device, requires_grad=True)
         # No clamp here: at δ = 0 the inputs are where the data put them.
-        z = checked_logits(problem.model(x + d))
+        z = checked_logits(run_model(problem.model, x + d))
         logp = torch.log_softmax(z, dim=1)
         ent = -(logp.exp() * logp).sum()
         (gd,) = torch.autograd.grad(ent, d)
@@ -395,7 +424,9 @@ def entropy_gradient(problem: Problem):
             g, lo, hi = g + gd, torch.minimum(lo, lo_x), torch.maximum(hi, hi_x)
         out.append(z)
     split.passes += 1.0
-    return g, lo, hi, torch.cat(out)
+    (g,) = distributed.all_reduce_sum(g)
+    lo, hi = distributed.all_reduce_extreme(lo, largest=False), distributed.all_reduce_extreme(hi, largest=True)
+    return g, lo, hi, split.gather(torch.cat(out))
 
 
 def theorem1_delta(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -475,10 +506,11 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
         for epoch in range(1, sgd.epochs + 1):
             order = torch.randperm(n, generator=generator)
             epoch_loss = 0.0
-            for x, y in split.batches(order, sgd.batch_size):
+            for k, batch in enumerate(split.batches(order, sgd.batch_size)):
+                m = min(sgd.batch_size, n - k * sgd.batch_size)  # the whole batch, across processes
                 d = delta.requires_grad_(sgd.learn_delta)
                 t = temp.requires_grad_(True)
-                loss, gd, gt = _batch_loss_and_grad(problem, (x, y), d, t, sgd.learn_delta)
+                loss, gd, gt = _batch_loss_and_grad(problem, batch, m, d, t, sgd.learn_delta)
                 with torch.no_grad():
                     if sgd.momentum and buf_d is not None:
                         buf_d, buf_t = sgd.momentum * buf_d + gd, sgd.momentum * buf_t + gt
@@ -487,12 +519,12 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
                     delta = d.detach() - sgd.lr * buf_d
                     temp = t.detach() - sgd.lr * buf_t
                 step += 1
-                seen += x.shape[0]
+                seen += m
                 split.passes = start + per_sample * seen / n
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     raise ValueError(f"The loss became {value} at SGD step {step}; try a smaller learning rate.")
-                epoch_loss += value * x.shape[0] / n
+                epoch_loss += value * m / n
                 report.notify({"step": step, "epoch": epoch, "loss": value, "temperature": float(temp),
                                "passes": split.passes})
             report.history.append({"step": step, "epoch": epoch, "loss": epoch_loss,
@@ -508,15 +540,16 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
                      split.passes - start, stopped)
 
 
-def _batch_loss_and_grad(problem: Problem, batch: tuple[torch.Tensor, torch.Tensor], d: torch.Tensor,
+def _batch_loss_and_grad(problem: Problem, batch: tuple[torch.Tensor, torch.Tensor], m: int, d: torch.Tensor,
                          t: torch.Tensor, learn_delta: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SGD batch's loss mean_batch FL_γ(f(x + δ)/T, y) + penalty(δ) and its gradients in δ and T.
 
     The batch may be cut into pieces to fit the device's memory: each piece contributes its mean
-    loss weighted by its share of the batch, and the pieces' gradients are summed, so the step is
-    the batch's own. (A batch in one piece is computed exactly as a single graph would be.)
+    loss weighted by its share of the batch (``m`` images in all), and the pieces' gradients are
+    summed, so the step is the batch's own. (A batch in one piece is computed exactly as a single
+    graph would be.) In a process group ``batch`` is this process's part of it, possibly empty, and
+    the sums are added across processes.
     """
-    m = batch[0].shape[0]
     wrt = (d, t) if learn_delta else (t,)
 
     def piece(x: torch.Tensor, y: torch.Tensor):
@@ -527,6 +560,9 @@ def _batch_loss_and_grad(problem: Problem, batch: tuple[torch.Tensor, torch.Tens
     for part, g in problem.split.pieces(batch, piece, backward=learn_delta):
         loss = part if loss is None else loss + part
         grads = list(g) if grads is None else [a + b for a, b in zip(grads, g)]
+    if loss is None:  # no image of this batch is this process's
+        loss, grads = torch.zeros((), device=t.device), [torch.zeros_like(w) for w in wrt]
+    loss, *grads = distributed.all_reduce_sum(loss, *grads)
     penalty = problem.penalty_term(d)
     if learn_delta:
         (g_pen,) = torch.autograd.grad(penalty, d)
@@ -548,17 +584,8 @@ class LBFGSMemory:
         self.scale: torch.Tensor | None = None  # diagonal of the initial inverse Hessian
 
     def direction(self, g: torch.Tensor) -> torch.Tensor:
-        q = -g
-        alphas = []
-        for step, y, rho in reversed(self.pairs):
-            a = rho * float(torch.dot(step, q))
-            q = q - a * y
-            alphas.append(a)
-        q = q * self.scale
-        for (step, y, rho), a in zip(self.pairs, reversed(alphas)):
-            b = rho * float(torch.dot(y, q))
-            q = q + (a - b) * step
-        return q
+        """−H·g, H the inverse Hessian of the pairs with H₀ = diag(scale)."""
+        return two_loop(g, self.pairs, lambda q: q * self.scale)
 
     def update(self, step: torch.Tensor, y: torch.Tensor) -> None:
         sy = float(torch.dot(step, y))

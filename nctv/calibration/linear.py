@@ -51,6 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nctv.calibration.base import Calibrator
+from nctv.calibration.lbfgs import two_loop
 from nctv.checks import as_tensor, check_logits, check_logits_labels, check_nonnegative, check_whole
 from nctv.calibration.deploy import AffineHead
 
@@ -283,20 +284,8 @@ class _Memory:
         self.s, self.y_nll, self._pairs = [], [], []
 
     def direction(self, g: torch.Tensor, precond, project) -> torch.Tensor:
-        """−H·g by the two-loop recursion, with H₀ = P·precond·P (P: projection onto S).
-
-        The scalars stay tensors (no host round trip per pair on an accelerator).
-        """
-        q = g.flatten().clone()
-        alphas = []
-        for s, y, rho in reversed(self._pairs):
-            a = rho * torch.dot(s, q)
-            alphas.append(a)
-            q.addcmul_(y, a, value=-1.0)
-        r = project(precond(q.view_as(g))).flatten()
-        for (s, y, rho), a in zip(self._pairs, reversed(alphas)):
-            r.addcmul_(s, a - rho * torch.dot(y, r))
-        return r.neg_().view_as(g)
+        """−H·g for the current pairs, with H₀ = P·precond·P (P: projection onto S)."""
+        return two_loop(g.flatten(), self._pairs, lambda q: project(precond(q.view_as(g))).flatten()).view_as(g)
 
 
 class _FitResult:

@@ -17,8 +17,9 @@ import json
 import os
 import re
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -309,38 +310,23 @@ def calibrator_folder(source: str | os.PathLike) -> Path:
 
 def _hub_folder(text: str) -> Path:
     """The cached snapshot folder of a calibrator on the Hub, downloading its two files once."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import constants
 
-    from nctv.data import hub_reachable
+    from nctv.hub import snapshot_folder
     from nctv.zoo import parse_model_id
 
     source, _ = parse_model_id(f"hf-hub:{text}")  # checks the id and revision
     repo, revision = source.location, source.revision
-    files = (CONFIG_NAME, TENSORS_NAME)
-    cached = [try_to_load_from_cache(repo, f, revision=revision) for f in files]
-    if all(isinstance(p, str) for p in cached):
-        return Path(cached[0]).parent
-    if not hub_reachable():
-        from huggingface_hub import constants
-
-        raise ValueError(f"Calibrator 'hf-hub:{repo}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                         "the Hub cannot be reached (no connection, or HF_HUB_OFFLINE=1); connect once to download "
-                         "it, or load a saved folder instead.")
-    try:
-        paths = [Path(hf_hub_download(repo, f, revision=revision, library_name="nctv")) for f in files]
-    except Exception as e:  # noqa: BLE001 - Hub errors get a message; anything else passes unchanged
-        message = _hub_message(e, repo, revision)
-        if message is None:
-            raise
-        raise ValueError(message) from None
-    if paths[0].parent != paths[1].parent:
-        raise ValueError(f"hf-hub:{repo}: {CONFIG_NAME} and {TENSORS_NAME} come from different snapshots; clear it "
-                         "from the Hugging Face cache and load it again.")
-    return paths[0].parent
+    offline = ValueError(f"Calibrator 'hf-hub:{repo}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                         "and the Hub cannot be reached (no connection, or HF_HUB_OFFLINE=1); connect once to "
+                         "download it, or load a saved folder instead.")
+    return snapshot_folder(repo, (CONFIG_NAME, TENSORS_NAME), revision, errors=lambda _: _hub_errors(repo, revision),
+                           offline_error=lambda _: offline)
 
 
-def _hub_message(error: Exception, repo: str, revision: str | None) -> str | None:
-    """What a Hub client error means for the person loading a calibrator (None: not a Hub error)."""
+@contextmanager
+def _hub_errors(repo: str, revision: str | None) -> Iterator[None]:
+    """What a Hub client error means for the person loading a calibrator; other errors pass unchanged."""
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
@@ -350,4 +336,8 @@ def _hub_message(error: Exception, repo: str, revision: str | None) -> str | Non
                (RepositoryNotFoundError, "does not exist on the Hub (or is private: log in with HF_TOKEN)"),
                (RevisionNotFoundError, f"has no revision '{revision}'"),
                (EntryNotFoundError, f"is not a saved NCTV calibrator: it lacks {CONFIG_NAME} or {TENSORS_NAME}"))
-    return next((f"Calibrator 'hf-hub:{repo}' {why}." for kind, why in reasons if isinstance(error, kind)), None)
+    try:
+        yield
+    except tuple(kind for kind, _ in reasons) as error:
+        why = next(why for kind, why in reasons if isinstance(error, kind))
+        raise ValueError(f"Calibrator 'hf-hub:{repo}' {why}.") from None

@@ -5,18 +5,16 @@ calibration split; predictions never change, only confidences. Inputs are logits
 probabilities; every fit computes in float64; ``transform`` returns float32 logits on the input's
 device. Losses are means over samples, in nats.
 
-* :class:`TemperatureScaling` minimises the mean NLL. As a function of a = 1/T the NLL
-  mean(logsumexp(a·z_i) − a·z_iy) is convex, so T is the root of its derivative, found by Newton's
-  method inside a shrinking bracket to float64 precision.
+* :class:`TemperatureScaling` minimises the mean NLL and :class:`FocalTemperatureScaling` the mean
+  focal loss FL_γ = −(1 − p_y)^γ·log p_y (γ = 0 is the NLL). Both, and Neural Clamping's temperature
+  step on fixed logits, call one solver, :func:`solve_log_temperature`: safeguarded Newton in
+  s = log T inside a bracket, to float64 precision (docs/method.md, "Baselines").
 * :class:`GridSearchTemperature` takes T from the grid 0.001, 0.002, …, 5.000 with the lowest
   calibration-set ECE (15 equal-width bins), ties to the lowest T. The answer is exactly
   that of a loop calling :func:`nctv.metrics.ece` on ``z / T`` for every T (z in float64); the work
   is not: temperatures are evaluated vectorised in chunks, and a branch and bound (confidences fall
   monotonically with T, which bounds the ECE between two evaluated temperatures) skips the
   intervals of the grid that provably cannot hold the minimum.
-* :class:`FocalTemperatureScaling` minimises the mean focal loss FL_γ = −(1 − p_y)^γ·log p_y, not
-  necessarily convex in T: a coarse logarithmic grid finds the basin, then the derivative's root is
-  bracketed and polished to float64 precision.
 
 TS and TS (FL) search T within [1e-3, 1e3]; if the loss still decreases at a bound (the
 calibration logits separate the labels perfectly, or carry no information about them), that bound
@@ -30,18 +28,16 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import brentq, minimize_scalar
 from tqdm.auto import tqdm
 
 import nctv.metrics as metrics
-from nctv.calibration.base import Calibrator, focal_loss
+from nctv.calibration.base import Calibrator
 from nctv.calibration.deploy import TemperatureHead
 from nctv.checks import check_bins, check_logits, check_gamma, check_logits_labels, check_positive
 
 #: Temperatures are searched within these bounds (a model worse than chance, or separable data,
 #: would otherwise send T to infinity or zero).
 T_MIN, T_MAX = 1e-3, 1e3
-_DECADES = (-3, 3)  # log10 of the bounds
 
 # Working-set size of one grid-search block, in float64 elements: 4 MiB stays in a CPU's cache
 # (larger blocks run several times slower there); accelerators prefer fewer, larger launches.
@@ -63,59 +59,161 @@ def _warn_bound(name: str, temperature: float) -> None:
         f"{name}: the loss keeps decreasing towards T = {temperature:g}, the end of the search range "
         f"[{T_MIN:g}, {T_MAX:g}]; the calibration logits separate the labels perfectly (T → 0) or carry "
         "no information about them (T → ∞). Check the calibration split.",
-        stacklevel=3,
+        stacklevel=4,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The temperature solve: TS, TS (FL) and Neural Clamping's temperature step
+# --------------------------------------------------------------------------------------------
+
+#: The search range of TS and TS (FL) in s = log T.
+LOG_T_BOUNDS = (math.log(T_MIN), math.log(T_MAX))
+# For γ > 0 the loss is scanned at this many points per decade of T before the Newton solve.
+_SCAN_PER_DECADE = 4
+
+
+def _focal_in_log_t(d: torch.Tensor, d_y: torch.Tensor, label: torch.Tensor, gamma: float,
+                    s: float) -> tuple[float, float, float]:
+    """Mean FL_γ of softmax(z·e^{−s}) and its first two derivatives in s, from one exp per logit.
+
+    ``d`` = z − rowmax(z) and ``d_y`` its label column. With u = d·e^{−s}, p_y the label's
+    probability, q = 1 − p_y summed over the other classes (so that it stays exact when p_y is
+    near 1), L = log p_y, r = L/q, and π the other classes' probabilities renormalised:
+
+        dL/ds = q·w,  w = E_π[u] − u_y;       d²L/ds² = −q·(Var_π[u] + (1 − q)·w² + w)
+        FL = −q^γ·L;  dFL/ds = q^{γ+1}·c·w,  c = γ·p_y·r − 1
+        d²FL/ds² = q^{γ+1}·(γ·p_y·w²·(2 + r·(q − (γ − 1)·p_y)) − c·(Var_π[u] + (1 − q)·w² + w))
+
+    Every derivative carries q^{γ+1}: a sample whose p_y rounds to 1 adds exactly 0, and nothing
+    overflows for γ < 2, where (1 − p_y)^{γ−2} alone would.
+    """
+    a = math.exp(-s)
+    u = d * a
+    e = torch.exp(u).scatter_(1, label, 0.0)
+    rest = e.sum(1)
+    u_y = d_y * a
+    e_y = torch.exp(u_y)
+    total = rest + e_y
+    q, p_y = rest / total, e_y / total
+    eu = e.mul_(u)
+    mean_u = eu.sum(1) / rest
+    others = q > 0
+    zero = torch.zeros((), dtype=d.dtype, device=d.device)
+    w = torch.where(others, mean_u - u_y, zero)
+    var = torch.where(others, (eu.mul_(u).sum(1) / rest - mean_u * mean_u).clamp_min(0.0), zero)
+    log_p = torch.where(q < 0.5, torch.log1p(-q), u_y - torch.log(total))
+    spread = var + (1.0 - q) * w * w + w
+    if gamma == 0:
+        f, g, h = -log_p, -q * w, q * spread
+    else:
+        r = torch.where(others, log_p / q, -torch.ones_like(q))
+        c = gamma * p_y * r - 1.0
+        weight = q ** (gamma + 1.0)
+        f = -(q**gamma) * log_p
+        g = weight * c * w
+        h = weight * (gamma * p_y * w * w * (2.0 + r * (q - (gamma - 1.0) * p_y)) - c * spread)
+    f, g, h = torch.stack([f.mean(), g.mean(), h.mean()]).tolist()
+    return f, g, h
+
+
+def solve_log_temperature(logits: torch.Tensor, labels: torch.Tensor, gamma: float = 0.0,
+                          bounds: tuple[float, float] = LOG_T_BOUNDS) -> tuple[float, bool]:
+    """s = log T minimising the mean focal loss FL_γ of softmax(z·e^{−s}) over s in ``bounds``.
+
+    Returns ``(s, at_bound)``: ``at_bound`` is True when the loss still decreases at the end of
+    the range, and s is then that end. When all logits tie within every row the loss ignores T and
+    s = 0 (T = 1). ``logits`` (N, K) and ``labels`` (N,) are checked tensors on one device; the
+    solve runs in the logits' dtype (float64, or float32 where a device has no float64) and
+    stops at that dtype's resolution in s, i.e. in relative T.
+
+    Where to look (docs/method.md, "Baselines"): the NLL (γ = 0) is convex in 1/T, so it has one
+    minimum and the bounds and T = 1 suffice as starting points; FL_γ with γ > 0 need not be,
+    so the loss is scanned at 4 points per decade of T and the lowest point taken. From there,
+    Newton's method in s: a bracket [a, b] always holds a local minimum (the slope at a points
+    towards b, and the slope at b towards a or the loss at b is above the loss at a), a trial
+    point replaces a when its loss is no higher and its slope points the same way, b otherwise;
+    a Newton step that leaves the bracket or shrinks too slowly is replaced by bisection.
+    """
+    lo, hi = float(bounds[0]), float(bounds[1])
+    if not lo < hi:
+        raise ValueError(f"bounds must be (low, high) with low < high; got {bounds!r}.")
+    d = logits - logits.amax(1, keepdim=True)
+    if not bool((d != 0).any()):
+        return min(max(0.0, lo), hi), False
+    label = labels.view(-1, 1)
+    d_y = d.gather(1, label).squeeze(1)
+    eps = torch.finfo(d.dtype).eps
+
+    def at(s: float) -> tuple[float, float, float, float]:
+        return (s, *_focal_in_log_t(d, d_y, label, gamma, s))
+
+    if gamma == 0:
+        starts = sorted({lo, min(max(0.0, lo), hi), hi})
+    else:
+        count = math.ceil((hi - lo) / (math.log(10) / _SCAN_PER_DECADE)) + 1
+        starts = np.linspace(lo, hi, count).tolist()
+    scan = [at(s) for s in starts]
+    i = min(range(len(scan)), key=lambda j: scan[j][1])
+    a = scan[i]
+    if a[2] == 0:  # flat at float resolution; at an end, the loss has saturated on its way there
+        return a[0], i in (0, len(scan) - 1)
+    j = i + 1 if a[2] < 0 else i - 1  # the neighbour the loss descends towards
+    if not 0 <= j < len(scan):
+        return a[0], True
+    b = scan[j]
+
+    def newton_step(p: tuple[float, float, float, float]) -> float:
+        return -p[2] / p[3] if p[3] > 0 else math.inf
+
+    x = min((a, b), key=lambda p: abs(newton_step(p)))  # Newton starts from the end nearer its root
+    steps = [abs(b[0] - a[0])] * 2
+    for _ in range(200):
+        left, right = min(a[0], b[0]), max(a[0], b[0])
+        tol = 4 * eps * max(1.0, abs(x[0]))
+        if right - left <= tol:
+            break
+        step = newton_step(x)
+        if abs(step) <= tol:  # the Newton step is below the resolution of s: x is the root
+            return x[0], False
+        if left < x[0] + step < right and abs(step) <= 0.5 * steps[-2]:
+            m = x[0] + step
+        else:
+            m = 0.5 * (left + right)
+        steps.append(abs(m - x[0]))
+        x = at(m)
+        if x[2] == 0:
+            return m, False
+        if x[1] <= a[1] + 1024 * eps * abs(a[1]) and x[2] * (b[0] - a[0]) < 0:
+            a = x
+        else:
+            b = x
+    return a[0], False
+
+
+def _fit_temperature(logits: Any, labels: Any, gamma: float, name: str) -> float:
+    z, y = check_logits_labels(logits, labels)
+    s, at_bound = solve_log_temperature(z.to(torch.float64), y, gamma)
+    if at_bound:
+        t = T_MIN if s < 0 else T_MAX
+        _warn_bound(name, t)
+        return t
+    return math.exp(s)
+
+
+def fit_nll_temperature(logits: Any, labels: Any) -> float:
+    """The temperature minimising the mean NLL of softmax(z / T), to float64 precision."""
+    return _fit_temperature(logits, labels, 0.0, "TemperatureScaling")
+
+
+def fit_focal_temperature(logits: Any, labels: Any, gamma: float = 1.0) -> float:
+    """The temperature minimising the mean focal loss FL_γ of softmax(z / T), to float64 precision."""
+    return _fit_temperature(logits, labels, check_gamma(gamma), "FocalTemperatureScaling")
 
 
 # --------------------------------------------------------------------------------------------
 # NLL
 # --------------------------------------------------------------------------------------------
-
-
-def _nll_derivatives(d: torch.Tensor, dy: torch.Tensor, a: float) -> tuple[float, float]:
-    """First and second derivative in a = 1/T of mean NLL(a·z); ``d`` = z − rowmax(z) ≤ 0."""
-    p = torch.exp(a * d)
-    p /= p.sum(1, keepdim=True)
-    m1 = (p * d).sum(1)
-    m2 = (p * d * d).sum(1)
-    return float((m1 - dy).mean()), float((m2 - m1 * m1).mean())
-
-
-def fit_nll_temperature(logits: Any, labels: Any) -> float:
-    """The temperature minimising the mean NLL of softmax(z / T), to float64 precision."""
-    z, y = check_logits_labels(logits, labels)
-    d = z.to(torch.float64)
-    d = d - d.amax(1, keepdim=True)
-    dy = d.gather(1, y[:, None]).squeeze(1)
-    lo, hi = 1.0 / T_MAX, 1.0 / T_MIN  # bracket in a = 1/T; the derivative increases with a
-    g_lo, g_hi = _nll_derivatives(d, dy, lo)[0], _nll_derivatives(d, dy, hi)[0]
-    if g_lo >= 0 and g_hi <= 0:  # all logits tie within every row: the NLL ignores T
-        return 1.0
-    if g_lo >= 0:
-        _warn_bound("TemperatureScaling", T_MAX)
-        return T_MAX
-    if g_hi <= 0:
-        _warn_bound("TemperatureScaling", T_MIN)
-        return T_MIN
-    a, eps = 1.0, np.finfo(float).eps
-    for _ in range(200):
-        g, h = _nll_derivatives(d, dy, a)
-        if g == 0:
-            break
-        if g > 0:
-            hi = a
-        else:
-            lo = a
-        nxt = a - g / h if h > 0 else math.nan
-        if abs(nxt - a) <= 4 * eps * a:  # the Newton step is below float resolution: a is the root
-            break
-        if not lo < nxt < hi:
-            # The bracket may span decades: bisect on log a while it does.
-            nxt = math.sqrt(lo * hi) if hi > 2 * lo else 0.5 * (lo + hi)
-        if hi - lo <= 4 * eps * hi:
-            break
-        a = nxt
-    return 1.0 / a
 
 
 class _Temperature(Calibrator):
@@ -384,49 +482,6 @@ class GridSearchTemperature(_Temperature):
 # --------------------------------------------------------------------------------------------
 # Focal loss
 # --------------------------------------------------------------------------------------------
-
-
-def fit_focal_temperature(logits: Any, labels: Any, gamma: float = 1.0) -> float:
-    """The temperature minimising the mean focal loss FL_γ of softmax(z / T), searched on log T."""
-    gamma = check_gamma(gamma)
-    z, y = check_logits_labels(logits, labels)
-    z64 = z.to(torch.float64)
-
-    def loss(u: float) -> float:
-        return float(focal_loss(z64 / math.exp(u), y, gamma))
-
-    def slope(u: float) -> float:
-        ut = torch.tensor(u, dtype=torch.float64, requires_grad=True)
-        focal_loss(z64 / ut.exp(), y, gamma).backward()
-        return float(ut.grad)
-
-    # Coarse grid, 8 points per decade over [1e-2, 1e2], widened while the minimum sits on an edge.
-    lo_dec, hi_dec, per_dec = -2, 2, 8
-    values: dict[float, float] = {}
-    while True:
-        us = np.arange(lo_dec * per_dec, hi_dec * per_dec + 1) / per_dec * math.log(10)
-        for u in us:
-            if u not in values:
-                values[u] = loss(u)
-        ls = np.array([values[u] for u in us])
-        i = int(np.argmin(ls))
-        if i == 0 and lo_dec > _DECADES[0]:
-            lo_dec = max(lo_dec - 2, _DECADES[0])
-        elif i == len(us) - 1 and hi_dec < _DECADES[1]:
-            hi_dec = min(hi_dec + 2, _DECADES[1])
-        else:
-            break
-    if i == 0 or i == len(us) - 1:
-        bound = math.exp(us[i])
-        _warn_bound("FocalTemperatureScaling", bound)
-        return bound
-    a, b = us[i - 1], us[i + 1]
-    sa, sb = slope(a), slope(b)
-    if math.isfinite(sa) and math.isfinite(sb) and sa < 0 < sb:
-        u = brentq(slope, a, b, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=200)
-    else:  # flat or kinked basin: fall back to a derivative-free search
-        u = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-12}).x
-    return math.exp(u)
 
 
 class FocalTemperatureScaling(_Temperature):

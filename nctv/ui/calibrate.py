@@ -8,7 +8,6 @@ reports its loss and T after every step for the live view.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Callable, Sequence
 import gradio as gr
 import torch
 
+from nctv.results import CALIBRATORS_FOLDER
 from nctv.settings import FITTERS
 from nctv.ui.common import (Worker, export_dir, parse_gamma, parse_lr, parse_weight_decay, parse_whole, user_errors,
                              with_warnings)
@@ -28,6 +28,7 @@ from nctv.ui.state import (
     SplitSpec,
     get_model,
     get_splits,
+    precomputed_dir,
     resolve_dataset,
     resolve_model_name,
     test_metrics,
@@ -202,31 +203,25 @@ def params_markdown(result: Any, calibration: Calibration) -> str:
     return "\n".join(lines)
 
 
-def calibrators_zip(result: Any, model: str, out: Path) -> Path | None:
-    """Every fitted calibrator of a live run, each saved with ``save_pretrained`` in a folder named
-    after its method, zipped as ``calibrators.zip`` (the Try tab, ``load_calibrator`` and ``nctv apply``
-    read the folders). None for a result read from disk, which keeps no fitted calibrators."""
+def calibrators_zip(result: Any, model: str, out: Path, shipped: Path | None = None) -> Path | None:
+    """``calibrators.zip``: every fitted calibrator of a live run in a folder named after its
+    method (``RunResult.save_calibrators``), or, for a result read from disk, the ``shipped``
+    folders saved with it. The Try tab, ``load_calibrator`` and ``nctv apply`` read the folders.
+    None when there is nothing to zip."""
     import shutil
 
-    fitted = {n: m.calibrator for n, m in result.methods.items() if m.calibrator is not None and n != REFERENCE}
-    if not fitted:
-        return None
-    loaded = get_model(model)
-    folder = out / "calibrators"
-    for name, calibrator in fitted.items():
-        calibrator.save_pretrained(folder / calibrator_slug(name), model=loaded)
+    folder = out / CALIBRATORS_FOLDER
+    if not result.save_calibrators(folder, get_model(model)):
+        if shipped is None or not shipped.is_dir():
+            return None
+        folder = shipped
     return Path(shutil.make_archive(str(out / "calibrators"), "zip", root_dir=folder))
-
-
-def calibrator_slug(method: str) -> str:
-    """A folder name for a method: "Neural Clamping (FL)" → "neural-clamping-fl"."""
-    return re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
 
 
 def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str]:
     """Write the run's files for download: results.json, the tables (Markdown, CSV, LaTeX, JSON),
-    reliability.png, delta.png, delta.safetensors (δ with its temperature) and, for a live run,
-    calibrators.zip (every fitted calibrator in the Hub's layout)."""
+    reliability.png, delta.png, delta.safetensors (δ with its temperature) and calibrators.zip
+    (every fitted calibrator in the Hub's layout)."""
     from safetensors.torch import save_file
 
     from nctv import plots, report
@@ -242,7 +237,8 @@ def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str
                   metadata={"temperature": repr(calibration.nc_temperature), "method": str(calibration.nc_method),
                             "space": "normalised model input", "model": calibration.model})
         paths.append(out / "delta.safetensors")
-    archive = calibrators_zip(result, calibration.model, out)
+    shipped = precomputed_dir() / CALIBRATORS_FOLDER if calibration.source == PRECOMPUTED_LABEL else None
+    archive = calibrators_zip(result, calibration.model, out, shipped)
     if archive is not None:
         paths.append(archive)
     return [str(p) for p in paths]

@@ -1,0 +1,189 @@
+"""The paper's two studies of Neural Clamping: the γ sweep (Figure 2) and random against
+data-driven initialisation of δ (Figure 3).
+
+Both drive :class:`~nctv.calibration.clamping.NeuralClamping` through its public steps
+(``prepare``, ``fit_prepared``, ``choose``, ``perturbed_logits``), so that the first pass over the
+calibration split is shared by every fit and the test split is read once for all fitted δ's.
+docs/method.md describes what each figure measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nctv.calibration.clamping import SWEEP_GAMMAS, NeuralClamping
+from nctv.calibration.clamping_fit import mean_focal
+from nctv.checks import check_gamma, check_positive, check_whole
+
+__all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study", "init_study_passes"]
+
+_CURVES = ("ece", "entropy", "loss")
+
+
+def _split_metrics(logits: torch.Tensor, labels: torch.Tensor, gamma: float, n_bins: int) -> dict[str, float]:
+    from nctv.metrics import ece, entropy
+
+    return {"ece": ece(logits, labels, n_bins=n_bins), "entropy": entropy(logits),
+            "loss": mean_focal(logits, labels.to(logits.device), gamma, 0.0)}
+
+
+def _curves(rows: list[dict[str, float]]) -> dict[str, np.ndarray]:
+    return {k: np.array([r[k] for r in rows]) for k in _CURVES}
+
+
+@dataclass
+class GammaSweep:
+    """ECE, entropy and loss of Neural Clamping as functions of γ (the paper's Figure 2).
+
+    ``cal`` and ``test`` map "ece", "entropy", "loss" to arrays over ``gammas`` ("loss": mean
+    FL_γ of the calibrated logits, without the λ term; ECE with ``n_bins`` bins, as fractions).
+    ``test`` is None without a test split. ``chosen_gamma``: lowest calibration ECE.
+    ``n_passes``: passes over the calibration split for the whole sweep; ``test_passes``: forward
+    passes over the test split (0.5 each).
+    """
+
+    gammas: np.ndarray
+    temperature: np.ndarray
+    weight_decay: np.ndarray
+    objective: np.ndarray
+    passes: np.ndarray
+    cal: dict[str, np.ndarray]
+    test: dict[str, np.ndarray] | None
+    chosen_gamma: float
+    n_passes: float
+    test_passes: float
+    fitter: str
+    n_bins: int = 15
+
+
+def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None, test_inputs: Any = None,
+                test_labels: Any = None, gammas: Sequence[float] = SWEEP_GAMMAS, n_bins: int = 15,
+                passes_per_gamma: float = 3, **settings: Any) -> GammaSweep:
+    """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``settings`` go to
+    ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …).
+
+    With the fast fitter the sweep is one continuation: the first γ gets a full fit, each later γ
+    starts from the previous solution (T re-solved exactly on its cached logits, L-BFGS memory
+    kept) and gets at most ``passes_per_gamma`` passes. With an SGD recipe every γ is a separate
+    run of it (``epochs`` + 1 passes each), as in the paper. The figure is the paper's: T is the
+    objective's own (``temperature="fitted"``) unless ``settings`` ask for "selected".
+    """
+    settings.setdefault("temperature", "fitted")
+    if "gamma" in settings:
+        raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
+    gammas = [check_gamma(g, "each of gammas") for g in gammas]
+    if not gammas:
+        raise ValueError("gammas is empty; give at least one γ >= 0.")
+    check_positive(passes_per_gamma, "passes_per_gamma")
+    nc = NeuralClamping(model, gamma=1.0, **settings)
+    prepared = nc.prepare(cal_inputs, cal_labels)
+    fits = nc.fit_prepared(prepared, gammas, later_passes=passes_per_gamma)
+    n_passes = prepared.passes
+    _, candidates = nc.choose(fits, prepared)
+    temps = np.array([c["temperature"] for c in candidates])
+    cal_rows = [_split_metrics(f.result.logits / t, prepared.labels, f.gamma, n_bins) for f, t in zip(fits, temps)]
+    test_rows = None
+    if test_inputs is not None:
+        test_z, test_y = nc.perturbed_logits(test_inputs, test_labels, [f.result.delta for f in fits], prepared)
+        test_rows = [_split_metrics(z / t, test_y, f.gamma, n_bins) for z, f, t in zip(test_z, fits, temps)]
+    cal_ece = np.array([r["ece"] for r in cal_rows])
+    return GammaSweep(
+        gammas=np.array([f.gamma for f in fits]),
+        temperature=temps,
+        weight_decay=np.array([f.weight_decay for f in fits]),
+        objective=np.array([f.result.objective for f in fits]),
+        passes=np.array([f.result.passes for f in fits]),
+        cal=_curves(cal_rows),
+        test=None if test_rows is None else _curves(test_rows),
+        chosen_gamma=float(fits[int(np.argmin(cal_ece))].gamma),
+        n_passes=n_passes,
+        test_passes=0.0 if test_rows is None else 0.5 * len(fits),
+        fitter=nc.fitter,
+        n_bins=n_bins,
+    )
+
+
+def gamma_sweep_passes(model: torch.nn.Module | None, n_gammas: int, passes_per_gamma: float = 3,
+                       **settings: Any) -> float:
+    """Passes over the calibration split that :func:`gamma_sweep` plans (the fast fitter may stop sooner)."""
+    nc = NeuralClamping(model, gamma=1.0, **settings)
+    return 0.5 + nc.expected_passes(n_gammas, later_passes=passes_per_gamma)
+
+
+@dataclass
+class InitStudy:
+    """Random vs data-driven initialisation of δ over several runs (the paper's Figure 3).
+
+    ``runs[init]`` (init in "random", "data") is a list, one per run, of test-split metric dicts
+    (keys of ``nctv.metrics.METRIC_NAMES``: entropy, ece, aece, sce, …; fractions). Runs differ by
+    seed (``seeds``). With the fast fitter the data-driven fit is deterministic, so it is computed
+    once and its metrics repeated for every run (``shared_data_fit`` True).
+    """
+
+    runs: dict[str, list[dict[str, float]]]
+    seeds: list[int]
+    fitter: str
+    n_passes: float
+    shared_data_fit: bool
+    n_bins: int = 15
+
+    def values(self, init: str, metric: str) -> np.ndarray:
+        """One metric over the runs of one initialisation, for box plots."""
+        return np.array([r[metric] for r in self.runs[init]])
+
+
+def _pair(split_arg: Any, name: str) -> tuple[Any, Any]:
+    """(inputs, labels) from a pair of tensors/arrays, or (loader, None)."""
+    if isinstance(split_arg, (tuple, list)) and len(split_arg) == 2 and not isinstance(split_arg[0], (tuple, list)):
+        return split_arg[0], split_arg[1]
+    if isinstance(split_arg, (tuple, list)):
+        raise ValueError(f"{name} must be a pair (inputs, labels) or a loader of (inputs, labels) batches.")
+    return split_arg, None
+
+
+def init_study_passes(model: torch.nn.Module | None, n_runs: int, **settings: Any) -> float:
+    """Passes over the calibration split that :func:`init_study` plans: the shared pass for δ̃, then
+    ``n_runs`` random fits and one data-driven fit (the fast fitter) or ``n_runs`` of them (a recipe)."""
+    nc = NeuralClamping(model, init="data", **settings)
+    fits = n_runs + (1 if nc.fitter == "fast" else n_runs)
+    return 1.0 + fits * nc.expected_passes(1)
+
+
+def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, seed: int = 0, n_bins: int = 15,
+               **settings: Any) -> InitStudy:
+    """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split.
+
+    ``cal``, ``test``: (inputs, labels) pairs or loaders of (x, y). ``settings`` go to
+    ``NeuralClamping`` (``input_range`` is required for the data-driven runs; ``init`` is set here).
+    Run r uses seed ``seed + r``. Work shared: one pass gives δ̃ and the unperturbed logits for
+    all runs; the test split is read once for all fitted δ's.
+    """
+    from nctv.metrics import evaluate
+
+    for key in ("init", "seed"):
+        if key in settings:
+            raise ValueError(f"init_study sets {key} itself; leave it out.")
+    n_runs = check_whole(n_runs, "n_runs")
+    nc = NeuralClamping(model, init="data", seed=seed, **settings)
+    prepared = nc.prepare(*_pair(cal, "cal"))  # init="data": this pass also gives δ̃
+    seeds = [int(seed) + r for r in range(n_runs)]
+    shared = nc.fitter == "fast"  # the fast fitter from δ̃ draws nothing random
+    chosen: dict[str, list[tuple[torch.Tensor, float]]] = {"random": [], "data": []}
+    for init in ("random", "data"):
+        nc.set_params(init=init)
+        for r, s in enumerate(seeds):
+            if init == "data" and shared and r > 0:
+                chosen[init].append(chosen[init][0])
+                continue
+            fits = nc.fit_prepared(prepared, seed=s)
+            best, candidates = nc.choose(fits, prepared)
+            chosen[init].append((best.result.delta, candidates[fits.index(best)]["temperature"]))
+    n_passes = prepared.passes
+    unique = {id(d): d for runs in chosen.values() for d, _ in runs}
+    test_z, test_y = nc.perturbed_logits(*_pair(test, "test"), list(unique.values()), prepared)
+    zs = dict(zip(unique, test_z))
+    runs = {init: [evaluate(zs[id(d)] / t, test_y, n_bins=n_bins) for d, t in chosen[init]] for init in chosen}
+    return InitStudy(runs=runs, seeds=seeds, fitter=nc.fitter, n_passes=n_passes, shared_data_fit=shared, n_bins=n_bins)

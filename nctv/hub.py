@@ -1,0 +1,208 @@
+"""Access to the Hugging Face Hub: is it reachable, files through its cache, model snapshots.
+
+Everything NCTV fetches from the Hub goes through the client's cache: a file downloaded once is read
+from there afterwards, with no update check, so results stay reproducible. When the Hub cannot be
+reached (no network, or ``HF_HUB_OFFLINE=1``) a probe says so at once, instead of after the client's
+retries, and the errors say what is cached and what to do.
+
+A model on the Hub is in timm's layout: ``config.json`` and ``model.safetensors`` (pickle
+checkpoints are refused), with an optional ``README.md`` card. :func:`model_folder` gives the local
+snapshot folder holding both files; :class:`HubOfflineError` says that a needed file is neither
+cached nor downloadable, so that the caller can add what works offline. This module sits below
+``nctv.data`` and ``nctv.zoo`` and imports neither.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+__all__ = [
+    "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubOfflineError", "hub_reachable", "hub_file",
+    "check_weight_size", "snapshot_folder", "model_folder", "model_card",
+]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+CARD_NAME = "README.md"
+
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+class HubOfflineError(ValueError):
+    """A model file is not in the Hugging Face cache and the Hub cannot be reached."""
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's endpoint accepts a TCP connection within ``timeout`` seconds.
+
+    False at once with HF_HUB_OFFLINE=1. Behind a proxy (a ``*_PROXY`` variable is set) a direct
+    connection says nothing, so the answer is True and the download itself decides. Without this
+    probe an unreachable Hub costs half a minute of retries before the offline message.
+    """
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    if not url.hostname:
+        return True
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def hub_file(download: Callable[..., str], what: str) -> str:
+    """Run a Hub download, turning 'no network' into an error that says what to do.
+
+    ``download(offline)`` gets ``offline=True`` when the Hub cannot be reached, so that a cached file
+    is used at once instead of after the client's retries.
+    """
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return download(not hub_reachable())
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"{what} is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(no network, or HF_HUB_OFFLINE=1). Connect once to download it; it is cached afterwards."
+        ) from None
+
+
+# ----------------------------------------------------------------------------- models
+
+def _cached_hub_models() -> list[str]:
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        info = scan_cache_dir()
+    except Exception:  # no cache folder yet, or unreadable: nothing is cached
+        return []
+    return sorted(r.repo_id for r in info.repos if r.repo_type == "model")
+
+
+def _offline_error(repo: str, missing: str) -> HubOfflineError:
+    from huggingface_hub import constants
+
+    cached = _cached_hub_models()
+    return HubOfflineError(
+        f"Model 'hf-hub:{repo}' needs the network: {missing} is not in the Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}) and the Hub cannot be reached (no connection, or HF_HUB_OFFLINE=1). "
+        f"Cached Hub models: {', '.join(cached) if cached else 'none'}."
+    )
+
+
+@contextmanager
+def _hub_errors(repo: str, revision: str | None, filename: str) -> Iterator[None]:
+    """Hub client errors about ``filename`` of model ``repo`` as messages that say what to do."""
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    try:
+        yield
+    except LocalEntryNotFoundError:
+        raise _offline_error(repo, filename) from None
+    except GatedRepoError:
+        raise ValueError(f"hf-hub:{repo} is gated: accept its terms on the Hub and pass your token.") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"hf-hub:{repo} does not exist on the Hub (or is private: pass a token).") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"hf-hub:{repo} has no revision '{revision}'.") from None
+    except EntryNotFoundError:
+        hint = (" NCTV reads weights from safetensors only; pickle checkpoints are refused."
+                if filename == WEIGHTS_NAME else " It is not a timm model.")
+        raise ValueError(f"hf-hub:{repo} has no {filename}.{hint}") from None
+
+
+def check_weight_size(what: str, size: int | None, limit: int | None) -> None:
+    """Refuse a model whose ``size`` bytes of weights exceed ``limit`` (None: no limit); an unknown
+    size is refused too when there is a limit."""
+    if limit is None:
+        return
+    cap = f"this server loads Hub models with at most {limit / 1e6:,.1f} MB of weights"
+    if size is None:
+        raise ValueError(f"{what}: the Hub did not say how large its weights are, and {cap}.")
+    if size > limit:
+        raise ValueError(f"{what} has {size / 1e6:,.1f} MB of weights; {cap}. Pick a smaller model.")
+
+
+def _weight_size(repo: str, revision: str | None, cached: str | Any, token: str | None) -> int | None:
+    """Bytes of the model's weights: the cached file's size, else the Hub's metadata (nothing is downloaded)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    if isinstance(cached, str):
+        return Path(cached).stat().st_size
+    with _hub_errors(repo, revision, WEIGHTS_NAME):
+        url = hf_hub_url(repo, WEIGHTS_NAME, revision=revision)
+        return get_hf_file_metadata(url, token=token, library_name="nctv").size
+
+
+def snapshot_folder(repo: str, files: tuple[str, ...], revision: str | None = None, token: str | None = None, *,
+                    errors: Callable[[str], Any], offline_error: Callable[[str], Exception],
+                    check: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """The local snapshot folder of Hub repository ``repo`` holding all of ``files``: from the cache
+    when every file is there, else downloaded together (so that they come from one snapshot).
+
+    ``offline_error(missing)`` is raised when a file is not cached and the Hub cannot be reached;
+    ``errors(filename)`` is a context manager turning the client's errors into messages; ``check``
+    sees what is cached (a path, or not a string) before anything is downloaded.
+    """
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = {f: try_to_load_from_cache(repo, f, revision=revision) for f in files}
+    complete = all(isinstance(p, str) for p in cached.values())
+    if not complete and not hub_reachable():
+        raise offline_error(next(f for f in files if not isinstance(cached[f], str)))
+    if check is not None:
+        check(cached)
+    if complete:
+        return Path(cached[files[0]]).parent
+    paths = []
+    for filename in files:
+        with errors(filename):
+            paths.append(Path(hf_hub_download(repo, filename, revision=revision, token=token, library_name="nctv")))
+    if len({p.parent for p in paths}) > 1:
+        raise ValueError(f"hf-hub:{repo}: {' and '.join(files)} come from different snapshots; clear it from "
+                         "the Hugging Face cache and load it again.")
+    return paths[0].parent
+
+
+def model_folder(repo: str, revision: str | None = None, token: str | None = None,
+                 max_weight_bytes: int | None = None) -> Path:
+    """Snapshot folder of Hub model ``repo`` holding config.json and model.safetensors (downloads once,
+    after checking that the weights are at most ``max_weight_bytes``).
+
+    Raises :class:`HubOfflineError` when a file is not cached and the Hub cannot be reached.
+    """
+    def check(cached: dict[str, Any]) -> None:
+        if max_weight_bytes is not None:
+            size = _weight_size(repo, revision, cached[WEIGHTS_NAME], token)
+            check_weight_size(f"hf-hub:{repo}", size, max_weight_bytes)
+
+    return snapshot_folder(repo, (CONFIG_NAME, WEIGHTS_NAME), revision, token, check=check,
+                           errors=lambda filename: _hub_errors(repo, revision, filename),
+                           offline_error=lambda missing: _offline_error(repo, missing))
+
+
+def model_card(repo: str, revision: str | None = None, token: str | None = None) -> Path | None:
+    """The Hub model card if cached, else fetched when online; a card is never required."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, CARD_NAME, revision=revision)
+    if isinstance(cached, str):
+        return Path(cached)
+    if not hub_reachable():  # also False with HF_HUB_OFFLINE=1
+        return None
+    try:
+        return Path(hf_hub_download(repo, CARD_NAME, revision=revision, token=token,
+                                    library_name="nctv", etag_timeout=5))
+    except Exception:  # a missing or unreachable card only costs the card text
+        return None

@@ -97,6 +97,19 @@ def _status(page) -> str:
     return page.locator("#calibrate-status").inner_text()
 
 
+def wait_for_status(page, text: str, timeout: float) -> None:
+    """Wait until the Calibrate status line contains ``text``; a timeout says what it showed instead."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(f"document.querySelector('#calibrate-status').innerText.includes({text!r})",
+                               timeout=timeout)
+    except PlaywrightTimeout:
+        shot(page, "status-timeout")
+        raise AssertionError(f"the status line never said {text!r} within {timeout / 1000:.0f} s; it says: "
+                             f"{_status(page)!r}") from None
+
+
 def test_the_panel_says_which_tabs_it_drives(page):
     panel = page.locator("#shared-panel")
     assert "for Calibrate, γ sweep and Initialisation" in panel.inner_text()
@@ -122,7 +135,7 @@ def test_stop_ends_a_run(page):
 
 def test_a_live_calibration_run(page):
     page.get_by_role("button", name="Run calibration").click()
-    page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Done')", timeout=240_000)
+    wait_for_status(page, "Done", 240_000)
     table = page.locator("#results-table").inner_text()
     assert "your run of" in table and "Uncalibrated" in table and "Neural Clamping (FL)" in table
     assert page.locator("#live-plot .js-plotly-plot").count() == 1
@@ -149,7 +162,7 @@ def test_many_methods_titles_apart_and_live_colours_match_the_legend(page):
                  "NC (Eff.)", "NC input only", "NC output only", "NC δ frozen at 0"):
         page.get_by_label(name, exact=True).check()
     page.get_by_role("button", name="Run calibration").click()
-    page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Done')", timeout=400_000)
+    wait_for_status(page, "Done", 400_000)
     shot(page, "2c-many-methods")
     for width in (1400, 1280, 390):
         page.set_viewport_size({"width": width, "height": 1000})

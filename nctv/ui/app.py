@@ -199,6 +199,13 @@ def _run_buttons(label: str):
     return run, stop
 
 
+#: Run buttons accept a click even while the page believes a run is pending. With Gradio's default
+#: ("once") a Stop that raced the run's last message left the page waiting for a run the server had
+#: already ended, and every later click on Run was ignored (seen in about one browser-test session in
+#: three). Runs share one slot on the server (``HEAVY``), so a second click queues behind the first.
+RUN_TRIGGER = "multiple"
+
+
 def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
     """Stop cancels the running event (the work ends at its next progress report), then says so.
 
@@ -218,7 +225,8 @@ def _study_run(button: str, plot_label: str, plot_id: str, handler, inputs: list
     table = gr.Markdown()
     files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
-                      api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status])
+                      api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
+                      trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
 
 
@@ -249,7 +257,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state]
     # Progress (and, after a failure, the error mark) on the status line only: the result below stays readable.
     event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
-                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status])
+                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status], trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
     return event
 

@@ -213,17 +213,19 @@ def _prepare_model_run(model: Any, device: Any) -> tuple[torch.nn.Module, dict[s
     return module, info, dev
 
 
-def _run_precision(setting: str, module: torch.nn.Module, split: Any, dev: torch.device) -> prec.Choice:
-    """The run's precision (``nctv.precision``): measured by the first process when "auto" asks for
-    it, on a piece of ``split``, and the same on every process."""
+@contextmanager
+def _run_precision(setting: str, module: torch.nn.Module, split: Any, dev: torch.device) -> Iterator[prec.Choice]:
+    """Run the block in the run's precision (``nctv.precision``), yielding the choice: measured by
+    the first process when "auto" asks for it, on a piece of ``split``, and the same on every process."""
     prec.check_precision(setting)
 
     def sample() -> torch.Tensor:
         x, _ = next(iter(split.loader(batch_size=prec.MEASURE_IMAGES)))
         return torch.as_tensor(x).to(dev, torch.float32)
 
-    choice = prec.choose(setting, module, dev, sample) if distributed.is_main() else None
-    return distributed.from_main(choice)
+    choice = distributed.from_main(prec.choose(setting, module, dev, sample) if distributed.is_main() else None)
+    with prec.running(module, choice.precision):
+        yield choice
 
 
 def _input_range(model: Any, input_range: Any) -> Any:
@@ -430,11 +432,10 @@ def _run_plans(
     if max(bins) > n_test:
         raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
     module, model_info, dev = _prepare_model_run(model, device)
-    chosen = _run_precision(precision_setting, module, calibration, dev)
     stochastic = {p.label: bool(_registry()[p.name].stochastic) for p in plans}
     total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
     bar = _Progress(total, kind, progress, callback)
-    with prec.running(module, chosen.precision):
+    with _run_precision(precision_setting, module, calibration, dev) as chosen:
         try:
             bar.message("logits of the calibration split")
             cal = split_logits(module, calibration, cache_dir, batch_size, dev, model_info["fingerprint"])
@@ -639,9 +640,8 @@ def run_gamma_sweep(
         settings.setdefault("input_range", _input_range(model, None))
     passes_per_gamma = float(settings.pop("passes_per_gamma", 4))
     total = studies.gamma_sweep_passes(module, len(gammas), passes_per_gamma, fitter=fitter, **settings)
-    chosen = _run_precision(precision, module, calibration, dev)
     with _passes_bar(total, "gamma sweep", "γ sweep", progress, callback) as report, \
-            prec.running(module, chosen.precision):
+            _run_precision(precision, module, calibration, dev) as chosen:
         sweep = studies.gamma_sweep(
             module, calibration.loader(batch_size=batch_size), None,
             None if test is None else test.loader(batch_size=batch_size), None,
@@ -689,9 +689,8 @@ def run_init_study(
         raise ValueError("The initialisation study needs input_range=(alpha, beta), the preprocessed images of "
                          "pixel values 0 and 1 (a model from nctv.zoo brings its own).")
     total = studies.init_study_passes(module, runs, fitter=fitter, **settings)
-    chosen = _run_precision(precision, module, calibration, dev)
     with _passes_bar(total, "init study", "initialisation study", progress, callback) as report, \
-            prec.running(module, chosen.precision):
+            _run_precision(precision, module, calibration, dev) as chosen:
         study = studies.init_study(
             module, calibration.loader(batch_size=batch_size), test.loader(batch_size=batch_size), n_runs=runs,
             seed=seed, n_bins=n_bins, fitter=fitter, input_range=rng, device=dev, batch_size=batch_size,

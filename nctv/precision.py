@@ -216,8 +216,10 @@ def measure(model: torch.nn.Module, x: torch.Tensor, reduced: str | None = None)
 @contextlib.contextmanager
 def running(model: torch.nn.Module, precision: Precision) -> Iterator[Precision]:
     """Within the block, ``model`` runs in ``precision`` in this thread (with channels_last, its
-    convolution weights are laid out so); the contiguous layout comes back afterwards."""
-    _set_layout(model, precision.channels_last)
+    convolution weights are laid out so, and the contiguous layout comes back afterwards; otherwise
+    the model is not touched, so that other threads using it see no change)."""
+    if precision.channels_last:
+        _set_layout(model, True)
     try:
         with use(precision):
             yield precision

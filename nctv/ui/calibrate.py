@@ -210,11 +210,13 @@ def calibrators_zip(result: Any, model: str, out: Path, shipped: Path | None = N
     None when there is nothing to zip."""
     import shutil
 
-    folder = out / CALIBRATORS_FOLDER
-    if not result.save_calibrators(folder, get_model(model)):
-        if shipped is None or not shipped.is_dir():
-            return None
+    if shipped is not None:
         folder = shipped
+    else:
+        folder = out / CALIBRATORS_FOLDER
+        result.save_calibrators(folder, get_model(model))
+    if not folder.is_dir():  # nothing fitted, or nothing shipped
+        return None
     return Path(shutil.make_archive(str(out / "calibrators"), "zip", root_dir=folder))
 
 

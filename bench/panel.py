@@ -356,6 +356,32 @@ def _pick(results: list[dict], **match) -> list[dict]:
             and not r.get("capped")]
 
 
+def add_reference_rows(results: dict, reports: list[Path]) -> None:
+    """Neural Clamping and NCToolkit rows of earlier reports that ``results`` lacks, added in place.
+
+    A row (model and row name; for NCToolkit, model, settings and batch order) this run made is kept
+    as it is; one it did not make is taken whole from the first report that has it, each run marked
+    ``from_report`` (the report's path and commit). ``results["panel_references"]`` lists the reports."""
+    import json
+
+    def key(kind: str, r: dict) -> tuple:
+        return (r.get("model"), r.get("row")) if kind == "panel_nc" else (r.get("model"), r.get("settings"), r.get("order"))
+
+    listed = results.setdefault("panel_references", [])
+    for path in reports:
+        report = json.loads(Path(path).read_text())
+        run = report.get("run", {})
+        where = f"{path} (commit {run.get('commit')}{', with local changes' if run.get('dirty') else ''})"
+        listed.append({"report": str(path), "commit": run.get("commit"), "dirty": run.get("dirty"),
+                       "started": run.get("started")})
+        for kind in ("panel_nc", "nctoolkit"):
+            have = {key(kind, r) for r in results.get(kind, [])}
+            new = [dict(r, from_report=where) for r in report.get("results", {}).get(kind, [])
+                   if key(kind, r) not in have and "error" not in r and not r.get("capped")]
+            if new:
+                results.setdefault(kind, []).extend(new)
+
+
 def summarise(results: dict) -> dict:
     """Panel and fidelity summaries from the raw case results."""
     nc_all = results.get("panel_nc", [])
@@ -369,7 +395,10 @@ def summarise(results: dict) -> dict:
         own = _pick(tk_all, model=model, settings="toolkit", order="own")
         if own:
             runs["NCToolkit"] = own
-        out["panel"].append(panel_summary(model, b, runs))
+        summary = panel_summary(model, b, runs)
+        summary["from_reports"] = sorted({r["from_report"] for rs in runs.values() for r in rs if r.get("from_report")})
+        summary["referenced_rows"] = [label for label, rs in runs.items() if rs and all(r.get("from_report") for r in rs)]
+        out["panel"].append(summary)
     for model in sorted({r["model"] for r in tk_all if r.get("order") == "same"}):
         same = _pick(tk_all, model=model, settings="toolkit", order="same")
         ours_same = _pick(nc_all, model=model, row="NC toolkit", seed=0)
@@ -426,7 +455,10 @@ def markdown(summary: dict, settings: dict) -> list[str]:
                 ece = _ms(row["ece"], digits) if n > 1 else f"{row['ece'][0]:.2f}"
                 temp = _ms(row.get("temperature"), 3) if n > 1 else f"{row['temperature'][0]:.3f}"
                 dn = _ms(row.get("delta_norm")) if "delta_norm" in row else "–"
-                lines.append(f"| {name} | {ece} | {temp} | {dn} | {row['passes'][0]:.1f} | {row['seconds'][0]:.1f} |")
+                mark = " †" if name in m.get("referenced_rows", []) else ""
+                lines.append(f"| {name}{mark} | {ece} | {temp} | {dn} | {row['passes'][0]:.1f} | {row['seconds'][0]:.1f} |")
+            if m.get("referenced_rows"):
+                lines += ["", "† not run here: taken from " + "; ".join(f"`{w}`" for w in m["from_reports"]) + "."]
             w = m.get("welch_vs_best_baseline")
             if w and w.get("t") is not None:
                 lines.append("")

@@ -747,6 +747,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--panel-rows", nargs="+", choices=[*panel.NC_ROWS, "NCToolkit"],
                     help="Neural Clamping rows of the panel (default: all)")
     ap.add_argument("--nctoolkit-seeds", type=int, help="seeds of the panel's NCToolkit row (default: --panel-seeds)")
+    ap.add_argument("--panel-reference", nargs="+", type=Path, default=[],
+                    help="report.json files of earlier panel runs: their Neural Clamping and NCToolkit rows that "
+                         "this run does not make are added to its panel, marked with the report they came from "
+                         "(for the 100-epoch recipes, which take hours on a CPU)")
     ap.add_argument("--budget-min", type=float,
                     help="start no case after this many minutes; the report lists the cases not run")
     ap.add_argument("--recipe-epochs", type=int, help="epochs of the SGD recipes and of NCToolkit (full 100, as published)")
@@ -815,8 +819,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"NCTV benchmarks ({'quick' if args.quick else 'full'}); load average {load_start[0]:.2f}")
     results = run_all(args, log)
     total = time.perf_counter() - t0
+    if args.panel_reference:
+        panel.add_reference_rows(results, args.panel_reference)
     load_end, uptime_end = os.getloadavg(), _uptime()
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings = {k: ([str(p) for p in v] if isinstance(v, list) and v and isinstance(v[0], Path)
+                    else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report = {
         "run": {
             "command": " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)]),

@@ -165,8 +165,8 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
         g.add_argument("--bins", type=_positive_int, nargs="+", default=[10, 15, 20], metavar="M",
                        help="bin counts of ECE/AECE/SCE (default 10 15 20)")
     g.add_argument("--fitter", choices=list(FITTERS), default="fast",
-                   help="Neural Clamping fitter: fast (default: L-BFGS with a strong weight decay, then T chosen by "
-                        "the calibration ECE; about 6 passes), paper (the paper's SGD recipe with momentum 0.9) or "
+                   help="Neural Clamping fitter: fast (default: T chosen by the calibration ECE of the unperturbed model, "
+                        "then δ fitted by L-BFGS at that T; about 10 passes), paper (the paper's SGD recipe with momentum 0.9) or "
                         "toolkit (the authors' released demo recipe); both recipes run 100 epochs exactly as published")
     g.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
                    help="epochs of the paper and toolkit recipes (default 100; the fast fitter stops on convergence)")
@@ -176,7 +176,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                             "auto: Neural Clamping tries 0, 0.5, 1, 2, 3 and keeps the lowest calibration ECE")
     g.add_argument("--weight-decay", type=_float_or("auto", "strong"), default=None, metavar="L",
                    help="Neural Clamping's weight decay λ: a number, auto (0.1 × the unperturbed loss, the paper's "
-                        "rule) or strong (1 × that loss) (default: the fitter's own; fast: strong)")
+                        "rule) or strong (1 × that loss) (default: the fitter's own; fast: auto)")
     g.add_argument("--init", choices=["random", "data"], default=None,
                    help="δ initialisation: random (Gaussian) or data (Theorem 1) (default random)")
     g.add_argument("--lr", type=_float, default=None, metavar="LR",

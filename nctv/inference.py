@@ -99,11 +99,10 @@ def model_logits(
     whole = max(int(inputs.shape[0]), 1) if isinstance(inputs, torch.Tensor) else batch_size
     try:
         for x, y in iter_batches(inputs, labels, whole):
-            def piece(start: int, stop: int, x=x) -> torch.Tensor:
-                xb = x[start:stop].to(dev, non_blocking=True).float()
+            def piece(xb: torch.Tensor, start: int, stop: int) -> torch.Tensor:
                 return run_model(model, xb if d is None else xb + d).float().cpu()
 
-            outs.extend(sizer.map(piece, int(x.shape[0])))
+            outs.extend(sizer.map_inputs(torch.as_tensor(x), piece))
             batches += 1
             if y is not None:
                 ys.append(y.long().cpu())

@@ -21,12 +21,16 @@ Size of a piece:
   size from then on. A pass fails, with :class:`DeviceOutOfMemoryError`, only when a single image
   does not fit.
 
+Inputs held in host memory reach a CUDA device through :class:`HostStager`: two pinned blocks and
+a copy stream, the next piece copied while the current one computes (``ChunkSizer.map_inputs``).
+
 A sizer lives as long as its split (or one ``model_logits`` call): what it learned about the
 device holds for every later pass over the same split.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -130,6 +134,15 @@ class ChunkSizer:
             yield result
             start = stop
 
+    def map_inputs(self, x: torch.Tensor, fn: Callable[[torch.Tensor, int, int], T],
+                   overlap: bool | None = None) -> Iterator[T]:
+        """``fn(piece, start, stop)`` on consecutive pieces of the batch ``x``, as :meth:`map`, with
+        ``piece`` = rows ``start:stop`` of ``x`` on the sizer's device as float32. A host-held batch
+        on CUDA is staged through pinned memory, the next piece's copy overlapping this piece's
+        compute (:class:`HostStager`; ``overlap`` forces it on or off)."""
+        with HostStager(x, self.device, overlap) as stager:
+            yield from self.map(lambda start, stop: fn(stager.take(start, stop), start, stop), int(x.shape[0]))
+
     def _start_measuring(self) -> int:
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
@@ -154,3 +167,142 @@ class ChunkSizer:
                 "model: the model, its inputs and whatever else is on the device leave no room for one more "
                 "image. Free memory on the device (other programs or models using it), use a smaller model or "
                 f"input size, or run on the CPU (device='cpu'). The device said: {detail}")
+
+
+#: Host bytes of one pinned staging block. A piece larger than this is copied block by block, two
+#: blocks alternating, so pinned memory stays at two blocks however large the pieces grow.
+PINNED_BLOCK_BYTES = 64 << 20
+
+
+class HostStager:
+    """Pieces of a host-held batch, moved to the device with the next piece's copy running while the
+    current piece computes.
+
+    On CUDA, for a batch held in (pageable) host memory: :meth:`take` hands out one piece on the
+    device as float32 and at once starts copying the following piece of the same size, in a worker
+    thread, through two pinned blocks of ``PINNED_BLOCK_BYTES`` into a device tensor on a copy
+    stream; the compute stream waits for that copy only when the piece is taken. The host-side copy
+    into pinned memory and the transfer both run while the model computes. A request for another
+    range than the one prefetched (the first piece after the sizer has measured the device, or a
+    piece after a back-off) discards the prefetched one and copies synchronously; a prefetch that
+    runs out of device memory is dropped likewise, never raised.
+
+    Elsewhere (a batch already on the device, the CPU, MPS) pieces are plain slices, converted to
+    float32 on the device, unless ``overlap=True`` asks for the worker thread anyway (the
+    bookkeeping is then the same, without pinned memory or streams).
+    """
+
+    def __init__(self, x: torch.Tensor, device: Any, overlap: bool | None = None):
+        self.x = x
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda" and x.device.type == "cpu"
+        self.overlap = cuda if overlap is None else bool(overlap)
+        self._cuda = cuda and self.overlap
+        self._pending: tuple[int, int, Any] | None = None
+        self._pool = None
+        self._blocks: list[torch.Tensor] = []
+        self._block_events: list[Any] = []
+        self._stream = None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(self.device)
+        #: Pieces served from a prefetch, and pieces copied on request (for tests and the bench).
+        self.prefetched = 0
+        self.copied = 0
+
+    def __enter__(self) -> "HostStager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the batch on the device, float32; starts the next piece's copy."""
+        if not self.overlap:
+            return self.x[start:stop].to(self.device, torch.float32, non_blocking=True)
+        piece = self._claim(start, stop)
+        if piece is None:
+            piece = self._wait(self._copy(start, stop))
+            self.copied += 1
+        else:
+            self.prefetched += 1
+        n = int(self.x.shape[0])
+        if stop < n:
+            self._prefetch(stop, min(n, stop + (stop - start)))
+        return piece
+
+    def close(self) -> None:
+        """Waits for a copy still running and releases the worker and the pinned blocks."""
+        self._drop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._blocks, self._block_events = [], []
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _claim(self, start: int, stop: int) -> torch.Tensor | None:
+        """The prefetched piece if it is rows ``start:stop`` and arrived; None otherwise."""
+        if self._pending is None:
+            return None
+        a, b, future = self._pending
+        self._pending = None
+        try:
+            copied = future.result()
+        except Exception as exc:  # noqa: BLE001 - a prefetch that ran out of memory is dropped
+            if not is_out_of_memory(exc):
+                raise
+            return None
+        if (a, b) != (start, stop):
+            return None  # dropped: its device memory returns to the allocator here
+        return self._wait(copied)
+
+    def _drop(self) -> None:
+        if self._pending is not None:
+            _, _, future = self._pending
+            self._pending = None
+            with contextlib.suppress(Exception):
+                future.result()
+
+    def _prefetch(self, start: int, stop: int) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nctv-stage")
+        self._pending = (start, stop, self._pool.submit(self._copy, start, stop))
+
+    def _copy(self, start: int, stop: int) -> tuple[torch.Tensor, Any]:
+        """Rows ``start:stop`` copied to the device; returns (tensor, event marking the end of the copy)."""
+        if not self._cuda:
+            return self.x[start:stop].to(self.device, torch.float32, copy=True), None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            out = torch.empty((stop - start, *self.x.shape[1:]), dtype=torch.float32, device=self.device)
+            rows = self._block_rows()
+            for k, a in enumerate(range(start, stop, rows)):
+                b = min(stop, a + rows)
+                block, event = self._blocks[k % 2], self._block_events[k % 2]
+                event.synchronize()  # the block's previous transfer has left it
+                block[: b - a].copy_(self.x[a:b])
+                out[a - start : b - start].copy_(block[: b - a], non_blocking=True)
+                event.record(self._stream)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return out, done
+
+    def _block_rows(self) -> int:
+        row_bytes = 4 * max(1, math.prod(self.x.shape[1:]))
+        rows = max(1, PINNED_BLOCK_BYTES // row_bytes)
+        if not self._blocks or self._blocks[0].shape[0] != rows:
+            shape = (rows, *self.x.shape[1:])
+            self._blocks = [torch.empty(shape, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+            self._block_events = [torch.cuda.Event() for _ in range(2)]
+            for event in self._block_events:
+                event.record(self._stream)
+        return rows
+
+    def _wait(self, copied: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        out, done = copied
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            out.record_stream(compute)  # its memory is not reused before the compute stream is done with it
+        return out

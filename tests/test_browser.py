@@ -66,15 +66,6 @@ def boxes_overlap(a: dict, b: dict) -> bool:
             and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
 
 
-def main_colour(element) -> tuple[int, int, int]:
-    """The most common coloured pixel of ``element``'s screenshot (white, greys and black left out):
-    a legend entry's swatch colour, say, whose text is dark grey."""
-    element.scroll_into_view_if_needed()
-    pixels = list(Image.open(io.BytesIO(element.screenshot())).convert("RGB").getdata())
-    coloured = [px for px in pixels if max(px) - min(px) > 40]
-    return max(set(coloured), key=coloured.count)
-
-
 def hex_rgb(css: str) -> tuple[int, int, int]:
     if css.startswith("#"):
         return tuple(int(css[i:i + 2], 16) for i in (1, 3, 5))
@@ -174,18 +165,25 @@ def test_many_methods_titles_apart_and_live_colours_match_the_legend(page):
             assert not any(boxes_overlap(a, b) for b in boxes[i + 1:]), f"titles collide at {width} px"
     page.set_viewport_size({"width": 1400, "height": 1000})
     page.wait_for_timeout(800)
-    # The live plot: each legend entry's colour (read off the screenshot) is its lines' colour in both panels.
+    # The live plot: each legend entry's swatch is drawn in its lines' colour in both panels, and no two
+    # methods share a colour. (Read from the rendered SVG: the swatch is a thin anti-aliased line whose
+    # screenshot pixels are tints of its colour, and its label's text is coloured too.)
     legend = page.locator("#live-plot .legend .traces")
     assert legend.count() >= 2  # Neural Clamping (CE), (FL), and the variants that train live
     lines = page.locator("#live-plot .scatterlayer .trace")
+
+    def stroke(locator):
+        return hex_rgb(locator.locator("path.js-line").first.evaluate("e => getComputedStyle(e).stroke"))
+
+    swatches = []
     for i in range(legend.count()):
         entry = legend.nth(i)
-        swatch = main_colour(entry)
         name = entry.text_content().strip()
-        strokes = {hex_rgb(lines.nth(j).locator("path.js-line").evaluate("e => getComputedStyle(e).stroke"))
-                   for j in range(lines.count()) if j % legend.count() == i}
-        assert len(strokes) == 1, f"{name}: its lines differ in colour"
-        assert max(abs(a - b) for a, b in zip(swatch, strokes.pop())) <= 8, f"{name}: legend and lines differ"
+        swatch = stroke(entry)
+        strokes = {stroke(lines.nth(j)) for j in range(lines.count()) if j % legend.count() == i}
+        assert strokes == {swatch}, f"{name}: legend {swatch} and lines {strokes} differ"
+        swatches.append(swatch)
+    assert len(set(swatches)) == len(swatches), f"two methods share a colour: {swatches}"
     shot(page, "2d-live-plot")
     for name in ("Temperature Scaling (FL)", "Matrix Scaling", "MS-ODIR", "Dir-ODIR", "Neural Clamping (CE)",
                  "NC (Eff.)", "NC input only", "NC output only", "NC δ frozen at 0"):

@@ -1,4 +1,5 @@
 """Neural Clamping against independent answers: closed forms, hand-rolled loops, brute force."""
+import copy
 import math
 import warnings
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from scipy.optimize import minimize
 
 import nctv.calibration.clamping_fit as clamping_fit
 from nctv.calibration.base import NotFittedError, focal_loss
@@ -363,22 +365,67 @@ def multibin_ece_by_hand(z, y, temps, bins=(10, 15, 20)):
     return np.array(out)
 
 
-def test_default_selects_the_temperature_with_the_lowest_multibin_ece(problem):
+def assert_lowest_multibin_ece(z, y, t):
+    """``t`` minimises the mean ECE over 10, 15, 20 bins of z / t: no temperature nearby or anywhere on
+    a 0.01 grid does better, and ties go to the smaller T."""
+    grid = np.round(np.arange(1, 10001) * 0.001, 3)
+    near = grid[np.abs(grid - t) <= 0.05]
+    by_hand_near, by_hand_coarse = multibin_ece_by_hand(z, y, near), multibin_ece_by_hand(z, y, grid[9::10])
+    chosen = multibin_ece_by_hand(z, y, [t])[0]
+    assert chosen <= by_hand_near.min() + 1e-12 and chosen <= by_hand_coarse.min() + 1e-12
+    assert t == pytest.approx(near[np.flatnonzero(by_hand_near <= chosen + 1e-12)[0]], rel=1e-12)
+
+
+def test_selected_rule_picks_the_temperature_with_the_lowest_multibin_ece(problem):
     model, x, y, *_ = problem
-    nc = NeuralClamping(model, seed=2, **quiet()).fit(x, y)
+    nc = NeuralClamping(model, seed=2, temperature="selected", **quiet()).fit(x, y)
     z = nc.predict_logits(x, use_temperature=False)
     assert nc.fitted_temperature_ != nc.temperature_
-    grid = np.round(np.arange(1, 10001) * 0.001, 3)
-    near = grid[np.abs(grid - nc.temperature_) <= 0.05]
-    coarse = grid[9::10]
-    by_hand_near, by_hand_coarse = multibin_ece_by_hand(z, y, near), multibin_ece_by_hand(z, y, coarse)
-    chosen = multibin_ece_by_hand(z, y, [nc.temperature_])[0]
-    # No temperature nearby or anywhere on a 0.01 grid does better; ties go to the smaller T.
-    assert chosen <= by_hand_near.min() + 1e-12 and chosen <= by_hand_coarse.min() + 1e-12
-    assert nc.temperature_ == near[np.flatnonzero(by_hand_near <= chosen + 1e-12)[0]]
+    assert_lowest_multibin_ece(z, y, nc.temperature_)
     with torch.no_grad():
         lam = 1.0 * float(focal_by_hand(model(x), y, 1.0))  # "strong": the unperturbed mean loss
     assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
+
+
+def test_default_anchors_t_on_the_unperturbed_logits_and_fits_delta_at_it(problem):
+    model, x, y, *_ = problem
+    nc = NeuralClamping(model, seed=2, tol=1e-10, max_passes=150, **quiet()).fit(x, y)
+    with torch.no_grad():
+        z0 = model(x)
+    # T: the lowest mean ECE of the unperturbed logits, held while δ was fitted and kept.
+    assert_lowest_multibin_ece(z0, y, nc.temperature_)
+    assert nc.fitted_temperature_ == nc.temperature_
+    assert all(h["temperature"] == pytest.approx(nc.temperature_, rel=1e-6) for h in nc.history_)
+    t = nc.temperature_
+    # λ: "auto", a tenth of the unperturbed mean focal loss at that T.
+    lam = 0.1 * float(focal_by_hand(z0.double() / t, y, 1.0))
+    assert nc.weight_decay_ == pytest.approx(lam, rel=1e-6)
+
+    # δ: the minimiser of F(δ) = mean FL_1(f(x + δ) / T) + λ‖δ‖² at that T, found here by scipy.
+    model64 = copy.deepcopy(model).double()
+
+    def objective(v):
+        d = torch.tensor(v, dtype=torch.float64, requires_grad=True)
+        f = focal_by_hand(model64(x.double() + d.view(x.shape[1:])) / t, y, 1.0) + lam * (d**2).sum()
+        (g,) = torch.autograd.grad(f, d)
+        return float(f.detach()), g.numpy()
+
+    ref = minimize(objective, np.zeros(x[0].numel()), jac=True, method="BFGS", options={"gtol": 1e-10})
+    ours, _ = objective(nc.delta_.double().reshape(-1).numpy())
+    assert ours == pytest.approx(ref.fun, rel=1e-6)
+    np.testing.assert_allclose(nc.delta_.reshape(-1).numpy(), ref.x, atol=2e-3)
+    assert np.abs(ref.x).max() > 0.05  # δ does move: the test is not about a δ that stays at 0
+
+
+def test_anchored_temperature_is_a_rule_of_the_fast_fitter(problem):
+    model, x, y, *_ = problem
+    with pytest.raises(ValueError, match="anchored.*fast fitter.*'fitted' or 'selected'"):
+        NeuralClamping(model, fitter="toolkit", temperature="anchored", **quiet()).fit(x, y)
+    # T alone under the anchored rule is the anchored T with δ = 0: the calibration-ECE choice of TS.
+    frozen = NeuralClamping(model, learn_delta=False, **quiet()).fit(x, y)
+    with torch.no_grad():
+        assert_lowest_multibin_ece(model(x), y, frozen.temperature_)
+    assert float(frozen.delta_.abs().max()) == 0.0 and frozen.n_passes_ == 0.5
 
 
 def test_gamma_sweep_shapes_and_consistency(problem):

@@ -109,6 +109,65 @@ def test_sizer_passes_other_errors_through():
         list(memory.ChunkSizer("cpu", 8).map(fn, 20))
 
 
+def test_staged_pieces_arrive_in_order_and_the_next_one_is_prefetched():
+    x = torch.arange(130 * 6, dtype=torch.float64).reshape(130, 1, 2, 3)  # not float32: converted on the way
+    seen = []
+
+    def fn(piece, start, stop):
+        seen.append((start, stop))
+        assert piece.dtype == torch.float32 and piece.shape == (stop - start, 1, 2, 3)
+        torch.testing.assert_close(piece, x[start:stop].float(), rtol=0, atol=0)
+        return piece.sum().item()
+
+    sizer = memory.ChunkSizer("cpu", 40)
+    with memory.HostStager(x, "cpu", overlap=True) as stager:
+        got = list(sizer.map(lambda a, b: fn(stager.take(a, b), a, b), 130))
+    assert seen == [(0, 40), (40, 80), (80, 120), (120, 130)]
+    assert got == pytest.approx([x[a:b].sum().item() for a, b in seen])
+    # the first piece is copied on request; every later one was copied while the previous computed
+    assert (stager.copied, stager.prefetched) == (1, 3)
+
+
+def test_staging_survives_a_back_off():
+    x = torch.randn(100, 4)
+    sizer = memory.ChunkSizer("cpu", 40)
+    tried = []
+
+    def fn(piece, start, stop):
+        tried.append(stop - start)
+        if stop - start > 20:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return piece.clone()
+
+    out = list(sizer.map_inputs(x, fn, overlap=True))
+    assert tried == [40, 20, 20, 20, 20, 20]
+    torch.testing.assert_close(torch.cat(out), x, rtol=0, atol=0)
+    # without overlap (the CPU's default) the same pieces and numbers
+    tried.clear()
+    assert torch.equal(torch.cat(list(memory.ChunkSizer("cpu", 40).map_inputs(x, fn))), x)
+
+
+def test_a_stager_prefetches_only_where_it_is_asked_to_or_on_cuda():
+    x = torch.zeros(10, 3)
+    assert memory.HostStager(x, "cpu").overlap is False
+    assert memory.HostStager(x, "meta").overlap is False
+    assert memory.HostStager(x, "cpu", overlap=True).overlap is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_staging_on_cuda(monkeypatch):
+    monkeypatch.setattr(memory, "PINNED_BLOCK_BYTES", 3 * 4 * 2 * 5)  # 5 rows a block: pieces span blocks
+    x = torch.randn(64, 3, 2, 4)
+    sizer = memory.ChunkSizer("cuda", 16)
+    sizer._measure = False  # keep 16 a piece so that the prefetched ranges match
+    out = list(sizer.map_inputs(x, lambda piece, a, b: (piece * 2).cpu()))
+    torch.testing.assert_close(torch.cat(out), x * 2, rtol=0, atol=0)
+    with memory.HostStager(x, "cuda") as stager:
+        assert stager.overlap and stager.take(0, 16).device.type == "cuda"
+        torch.testing.assert_close(stager.take(16, 32).cpu(), x[16:32], rtol=0, atol=0)
+        assert stager.prefetched == 1 and stager._blocks[0].is_pinned()
+
+
 def test_sizer_takes_its_size_from_free_cuda_memory(monkeypatch):
     """The CUDA rule, with the device's counters played on the CPU: the first piece (the configured
     chunk) measures the peak per image, then the share of the free memory sets the size."""

@@ -94,10 +94,11 @@ def test_run_scores_every_method_on_independently_computed_logits(run, default_m
     z_nc = model_logits(default_model.model, x_test, delta=nc.delta) / calibration.nc_temperature
     assert torch.allclose(nc.test_logits, z_nc, atol=1e-4)
     assert nc.metrics[15]["ece"].mean == pytest.approx(metrics.ece(z_nc, y_test), abs=1e-4)
-    # The fast fitter's "strong" λ: 1 × the mean focal loss (γ = 1) of the model's own calibration logits.
-    p = torch.softmax(z_cal.double(), 1).gather(1, y_cal[:, None]).squeeze(1)
+    # The default's "auto" λ: 0.1 × the mean focal loss (γ = 1) of the model's own calibration logits at
+    # the anchored T, which the fit kept.
+    p = torch.softmax(z_cal.double() / calibration.nc_temperature, 1).gather(1, y_cal[:, None]).squeeze(1)
     assert nc.params["gamma"] == 1.0
-    assert nc.params["weight_decay"] == pytest.approx(float((-(1 - p) * torch.log(p)).mean()), rel=1e-6)
+    assert nc.params["weight_decay"] == pytest.approx(0.1 * float((-(1 - p) * torch.log(p)).mean()), rel=1e-6)
     assert calibration.metrics["Neural Clamping (FL)"]["ece"] == nc.metrics[15]["ece"].mean
     assert result.model["fingerprint"] == model_fingerprint(default_model.model)
 

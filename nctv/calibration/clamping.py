@@ -9,21 +9,25 @@ and its weights stay bit-identical. All outputs are logits (never probabilities)
 
 Decisions where the paper leaves room (they hold for every class and function here):
 
-* **λ rules**: "auto" (the paper recipe's) is 0.1 × the mean focal loss FL_γ of the *unperturbed*
-  model (δ = 0, T = 1) on the calibration split; "strong" (the fast fitter's default) is 1.0 × that
-  loss. Measured at δ = 0, λ depends only on (model, split, γ).
+* **λ rules**: "auto" (the paper recipe's and the default's) is 0.1 × the mean focal loss FL_γ of
+  the *unperturbed* model (δ = 0, at T = 1, or at the anchored T under the default temperature
+  rule) on the calibration split; "strong" is 1.0 × that loss. Measured at δ = 0, λ depends only on
+  (model, split, γ).
 * **Cost** is counted in passes over the calibration split (``n_passes_``; ``expected_passes()``
   gives the plan): forward + backward to the input = 1, forward only = 0.5.
 * **fitter="paper"** and **fitter="toolkit"** run the published recipes exactly (``RECIPES``):
   mini-batch SGD with momentum 0.9 on (δ, T), random δ₀ drawn first from
   ``torch.Generator().manual_seed(seed)``, then one ``randperm`` per epoch from the same generator.
-* **fitter="fast"** (default) minimises the objective with full-batch L-BFGS on (δ, log T),
-  gradients accumulated over the pieces of each pass, a strong-Wolfe line search and T
-  warm-started by an exact 1-D solve on the unperturbed logits; it stops on a relative objective
-  change below ``tol`` or at ``max_passes``. Its defaults are λ "strong" and T chosen afterwards on
-  the calibration logits f(x + δ) by the mean ECE over 10, 15 and 20 bins (``select_temperature``):
-  the objective's own optimum T is under-confident for γ = 1 (a focal loss is not a proper scoring
-  rule). docs/method.md gives the measurements behind these choices.
+* **fitter="fast"** (default) minimises the objective with full-batch L-BFGS, gradients
+  accumulated over the pieces of each pass and a strong-Wolfe line search; it stops on a relative
+  objective change below ``tol`` or at ``max_passes``. Its default temperature rule is "anchored":
+  T is chosen first, on the unperturbed calibration logits f(x), by the mean ECE over 10, 15 and 20
+  bins (``select_temperature``), held fixed while L-BFGS fits δ alone to the focal objective at
+  that T with the paper's λ ("auto"), and kept. The objective's own optimum T is under-confident for
+  γ = 1 (a focal loss is not a proper scoring rule), and a T re-chosen after δ is biased by δ's fit
+  of the calibration split. The other rules learn log T with δ ("fitted"; T warm-started by an
+  exact 1-D solve on the unperturbed logits) and may re-choose it afterwards ("selected", with λ
+  "strong"). docs/method.md gives the measurements behind these choices.
 * **Repeatability**: random draws come from a local ``torch.Generator`` on the CPU (global RNG
   untouched), so a seeded fit repeats exactly on the CPU, and on a GPU as far as the model's own
   kernels are deterministic.
@@ -86,13 +90,16 @@ GAMMA_CANDIDATES = (0.0, 0.5, 1.0, 2.0, 3.0)
 SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
 #: Standard deviation of the random initial δ (the paper's variance 0.01).
 INIT_STD = 0.1
-#: Named weight-decay rules: λ is this fraction of the unperturbed model's mean focal loss.
-#: "auto" is the paper's rule; "strong" the fast fitter's default (docs/method.md: at the paper's
-#: λ a δ of 784 values fits a 5,000-image calibration split, whose ECE then no longer predicts the test's).
+#: Named weight-decay rules: λ is this fraction of the unperturbed model's mean focal loss (at T = 1,
+#: or at the anchored T under temperature="anchored"). "auto" is the paper's rule and the default's;
+#: "strong" holds δ near 0 (docs/method.md: with T learned jointly, a δ fitted at the paper's λ lowers
+#: the calibration ECE more than the test's, and the T chosen after it is biased).
 WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
 #: Temperature rules: "fitted" keeps the objective's T; "selected" re-chooses T on the calibration
-#: logits f(x + δ) by the mean ECE over SELECTION_BINS, on the grid SELECTION_STEP … SELECTION_T_MAX.
-TEMPERATURE_RULES = ("fitted", "selected")
+#: logits f(x + δ) by the mean ECE over SELECTION_BINS, on the grid SELECTION_STEP … SELECTION_T_MAX;
+#: "anchored" (the default, fast fitter only) chooses T that way on the unperturbed logits f(x) before
+#: δ is fitted, holds it fixed while δ is fitted, and keeps it.
+TEMPERATURE_RULES = ("anchored", "fitted", "selected")
 SELECTION_BINS = (10, 15, 20)
 SELECTION_STEP = 0.001
 SELECTION_T_MAX = 10.0
@@ -158,8 +165,8 @@ def _range_tensors(input_range: Any, shape: tuple[int, ...], device: torch.devic
     return out[0], out[1]
 
 
-def _rule_weight_decay(rule: str, z0: torch.Tensor, labels: torch.Tensor, gamma: float) -> float:
-    return WEIGHT_DECAY_RULES[rule] * mean_focal(z0, labels, gamma, 0.0)
+def _rule_weight_decay(rule: str, z0: torch.Tensor, labels: torch.Tensor, gamma: float, log_t: float = 0.0) -> float:
+    return WEIGHT_DECAY_RULES[rule] * mean_focal(z0, labels, gamma, log_t)
 
 
 def select_temperature(logits: torch.Tensor, labels: torch.Tensor, n_bins: Sequence[int] = SELECTION_BINS,
@@ -344,17 +351,20 @@ class NeuralClamping(_InputCalibrator):
     model: a frozen classifier taking a batch tensor (N, ...) and returning logits (N, K), K >= 2.
     gamma: focal-loss γ >= 0 (0 = cross entropy, "NC (CE)"), or "auto" (see the module docstring).
     weight_decay: λ >= 0, or a rule: "auto" = 0.1 × the unperturbed model's mean FL_γ on the split (the
-        paper's), "strong" = 1.0 × it; None = the fitter's own ("strong" for "fast", "auto" for "paper",
-        0.01 on the unsquared ‖δ‖₂ for "toolkit").
+        paper's; at the anchored T under temperature="anchored"), "strong" = 1.0 × it; None = the
+        fitter's own ("auto" for "fast" with the anchored T, "strong" for "fast" with another
+        temperature rule, "auto" for "paper", 0.01 on the unsquared ‖δ‖₂ for "toolkit").
     init: "random" (δ₀ ~ N(0, σ²), seeded; σ = ``init_std``) or "data" (Theorem 1's δ̃; needs ``input_range``).
     fitter: "fast" (L-BFGS, the default), "paper" (the paper's SGD recipe with momentum 0.9) or
         "toolkit" (the authors' released demo); ``RECIPES`` holds the recipes' settings.
     epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings; None = the recipe's own.
         For the fast fitter ``batch_size`` is only the chunk size of each pass on the CPU (on CUDA
         the free memory sets it; ``nctv.memory``).
-    temperature: "fitted" (T from the objective, as the paper) or "selected" (after fitting, T is
-        re-chosen on the calibration logits f(x + δ) to minimise the mean ECE over 10, 15 and 20 bins);
-        None = "selected" for the fast fitter, "fitted" for the recipes.
+    temperature: "anchored" (fast fitter only: T is chosen on the unperturbed calibration logits f(x)
+        to minimise the mean ECE over 10, 15 and 20 bins, then held fixed while δ minimises the
+        objective, and kept), "fitted" (T learned with δ from the objective, as the paper) or
+        "selected" (T learned with δ, then re-chosen on f(x + δ) by that mean ECE); None = "anchored"
+        for the fast fitter, "fitted" for the recipes.
     learn_delta: False keeps δ at 0 and fits T alone with the same fitter (the "δ frozen at 0" ablation:
         which part of the gain is the temperature's path rather than δ's).
     clamp: clamp x + δ to ``input_range``. input_range: (α, β), numbers or tensors of one input's shape.
@@ -432,9 +442,11 @@ class NeuralClamping(_InputCalibrator):
         if name == "init_std":
             return INIT_STD if recipe is None else recipe.init_std
         if name == "weight_decay":
-            return "strong" if recipe is None else recipe.weight_decay
+            if recipe is not None:
+                return recipe.weight_decay
+            return "auto" if self._setting("temperature") == "anchored" else "strong"
         if name == "temperature":
-            return "selected" if recipe is None else "fitted"
+            return "anchored" if recipe is None else "fitted"
         raise AttributeError(name)
 
     def _sgd(self) -> SGDSettings:
@@ -454,6 +466,9 @@ class NeuralClamping(_InputCalibrator):
             check_at_most(weight_decay, "weight_decay", WEIGHT_DECAY_MAX, "larger holds δ at 0")
         if self._setting("temperature") not in TEMPERATURE_RULES:
             raise ValueError(f"temperature must be one of {TEMPERATURE_RULES}; got {self.temperature!r}.")
+        if self._setting("temperature") == "anchored" and self._recipe() is not None:
+            raise ValueError(f"temperature='anchored' is a rule of the fast fitter; the {self.fitter!r} recipe "
+                             "learns T with δ: use temperature='fitted' or 'selected'.")
         if self.init not in _INITS:
             raise ValueError(f"init must be one of {_INITS}; got {self.init!r}.")
         # SGD settings are checked whenever they are given, even to a fitter that does not use them.
@@ -478,11 +493,17 @@ class NeuralClamping(_InputCalibrator):
             raise ValueError(f"{what} needs input_range=(alpha, beta): the preprocessed images of pixel values 0 and 1.")
         return gammas
 
-    def _lambda(self, start: _Start, labels: torch.Tensor, gamma: float) -> float:
+    def _lambda(self, start: _Start, labels: torch.Tensor, gamma: float, log_t: float = 0.0) -> float:
         weight_decay = self._setting("weight_decay")
         if isinstance(weight_decay, str):
-            return _rule_weight_decay(weight_decay, start.z0, labels, gamma)
+            return _rule_weight_decay(weight_decay, start.z0, labels, gamma, log_t)
         return float(weight_decay)
+
+    def _anchor(self, start: _Start, labels: torch.Tensor) -> float | None:
+        """log T of the anchored rule (chosen on the unperturbed logits), None under other rules."""
+        if self._setting("temperature") != "anchored":
+            return None
+        return math.log(select_temperature(start.z0, labels)[0])
 
     # ---- fitting -------------------------------------------------------------------------
 
@@ -600,6 +621,7 @@ class NeuralClamping(_InputCalibrator):
         fits: list[GammaFit] = []
         bar = self._bar(self.expected_passes(len(gammas)))
         memory: LBFGSMemory | None = None
+        anchor = None if self._recipe() is not None else self._anchor(start, problem.split.labels)
         try:
             for i, gamma in enumerate(gammas):
                 if fits and fits[-1].result.stopped:
@@ -612,17 +634,21 @@ class NeuralClamping(_InputCalibrator):
                     problem.weight_decay = self._lambda(start, problem.split.labels, gamma)
                     result = fit_sgd(problem, delta0, generator, self._sgd(), report)
                 else:
-                    problem.weight_decay = self._lambda(start, problem.split.labels, gamma)
+                    problem.weight_decay = self._lambda(start, problem.split.labels, gamma,
+                                                        0.0 if anchor is None else anchor)
                     if i == 0:
                         delta0, z_known = self._initial_delta(start, shape, generator, dev), start.z0
                         budget = float(self.max_passes) - start.passes
                     else:
                         delta0, z_known = fits[-1].result.delta, fits[-1].result.logits
                         budget = float(self.max_passes if later_passes is None else later_passes)
-                    log_t0 = best_log_temperature(z_known, problem.split.labels, gamma)
+                    if anchor is None:
+                        log_t0 = best_log_temperature(z_known, problem.split.labels, gamma)
+                    else:
+                        log_t0 = anchor
                     if self.learn_delta:
                         result, memory = fit_fast(problem, delta0, log_t0, max(budget, 1.0), float(self.tol), report,
-                                                  memory)
+                                                  memory, fixed_t=anchor is not None)
                     else:  # T alone: the exact 1-D optimum on the unperturbed logits, no further pass
                         result = FitResult(delta0, log_t0, problem.objective_from_logits(z_known, delta0, log_t0),
                                            z_known, report.history, 0.0)
@@ -653,12 +679,16 @@ def _choose(fits: list[GammaFit], labels: torch.Tensor, rule: str = "fitted") ->
     """The fit with the lowest calibration ECE (ties: the earlier one), and a summary per fit.
 
     With ``rule`` "selected" every fit's T is first re-chosen on its calibration logits (see
-    ``select_temperature``) and fits are compared by that criterion; "fitted" keeps the objective's
-    T and compares 15-bin ECE."""
+    ``select_temperature``) and fits are compared by that criterion; "anchored" keeps the anchored T
+    and compares the same criterion (mean ECE over ``SELECTION_BINS``) at it; "fitted" keeps the
+    objective's T and compares 15-bin ECE."""
     candidates = []
     for f in fits:
         if rule == "selected":
             t, criterion = select_temperature(f.result.logits, labels)
+        elif rule == "anchored":
+            t = math.exp(f.result.log_t)
+            criterion = float(np.mean([_ece(f.result.logits / t, labels, b) for b in SELECTION_BINS]))
         else:
             t = math.exp(f.result.log_t)
             criterion = _ece(f.result.logits / t, labels)

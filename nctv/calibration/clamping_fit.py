@@ -172,11 +172,10 @@ class Split:
         x, y = batch
         sizer = self._sizers[backward]
 
-        def run(start: int, stop: int):
-            xb = x[start:stop].to(self.device, torch.float32, non_blocking=True)
+        def run(xb: torch.Tensor, start: int, stop: int):
             return fn(xb, None if y is None else y[start:stop])
 
-        return sizer.map(run, int(x.shape[0]))
+        return sizer.map_inputs(x, run)
 
     def map(self, fn: Callable[[torch.Tensor, Any], Any], backward: bool = False) -> Iterator[Any]:
         """``fn(x, y)`` over the whole split in natural order, piece by piece (see ``pieces``)."""
@@ -192,7 +191,7 @@ class Split:
             groups = [(self._local(order[s : s + bs]) + start).tolist() for s in range(0, self.n, bs)]
         loader = torch.utils.data.DataLoader(
             src.dataset, batch_sampler=[g for g in groups if g], num_workers=src.num_workers,
-            collate_fn=src.collate_fn, pin_memory=src.pin_memory,
+            collate_fn=src.collate_fn, pin_memory=src.pin_memory or self.device.type == "cuda",
         )
         collect = order is None and self.labels is None
         seen = []
@@ -670,8 +669,9 @@ def _line_search(phi, f0: float, d0: float, t: float, max_evals: int, c1: float 
 
 
 def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: float, tol: float,
-             report: Reporter, memory: LBFGSMemory | None = None) -> tuple[FitResult, LBFGSMemory]:
+             report: Reporter, memory: LBFGSMemory | None = None, fixed_t: bool = False) -> tuple[FitResult, LBFGSMemory]:
     """Full-batch L-BFGS on (δ, log T) with a strong-Wolfe line search; every evaluation is 1 pass.
+    ``fixed_t``: T stays at ``log_t0`` and δ alone moves (its gradient in log T is taken as 0).
 
     Stops when an iteration lowers F by less than ``tol`` relative to |F|, when the gradient
     vanishes, or before an evaluation would take the split's pass count past ``max_passes``.
@@ -687,6 +687,8 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
         nonlocal evals
         d = x[:-1].view(shape)
         f, gd, gs, z = problem.value_and_grad(d, float(x[-1]))
+        if fixed_t:
+            gs = 0.0
         evals += 1
         if not best or f < best["f"]:
             best.update(f=f, x=x.detach().clone(), z=z)
@@ -732,7 +734,8 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
     except StopFitting:
         stopped = True
     xb = best["x"]
-    return FitResult(xb[:-1].view(shape).clone(), float(xb[-1]), best["f"], best["z"], report.history,
+    log_t = float(log_t0) if fixed_t else float(xb[-1])  # not the float32 copy of a fixed T
+    return FitResult(xb[:-1].view(shape).clone(), log_t, best["f"], best["z"], report.history,
                      split.passes - start, stopped), memory
 
 

@@ -179,9 +179,9 @@ def _nc_controls(gamma: bool = True, init: bool = True):
                                             "calibration ECE)")
         out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="default", allow_custom_value=True,
                                           label="Weight decay λ",
-                                          info=f"0 to {WEIGHT_DECAY_MAX:,.0f}; default = the fitter's own (fast: "
-                                               "strong = 1 × the unperturbed model's loss; recipes: theirs); auto = "
-                                               "0.1 × that loss (the paper)")
+                                          info=f"0 to {WEIGHT_DECAY_MAX:,.0f}; default = the fitter's own (fast and "
+                                               "paper: auto = 0.1 × the unperturbed model's loss, the paper's rule; "
+                                               "toolkit: 0.01 on ‖δ‖); strong = 1 × that loss")
     with gr.Row():
         if init:
             out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
-from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS, PRECISIONS, hub_datasets_available
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS, PRECISIONS, TEMPERATURE_RULES, hub_datasets_available
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
@@ -133,7 +133,10 @@ def _float_or(*words: str):
 
 def _nc_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The Neural Clamping settings given on the command line (the fitter's own for the others)."""
-    return {k: getattr(args, k) for k in ("weight_decay", "init", "lr") if getattr(args, k, None) is not None}
+    out = {k: getattr(args, k) for k in ("weight_decay", "init", "lr") if getattr(args, k, None) is not None}
+    if getattr(args, "temperature_rule", None) is not None:
+        out["temperature"] = args.temperature_rule
+    return out
 
 
 def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bins: bool = True,
@@ -177,6 +180,10 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--weight-decay", type=_float_or("auto", "strong"), default=None, metavar="L",
                    help="Neural Clamping's weight decay λ: a number, auto (0.1 × the unperturbed loss, the paper's "
                         "rule) or strong (1 × that loss) (default: the fitter's own; fast: auto)")
+    g.add_argument("--temperature-rule", choices=list(TEMPERATURE_RULES), default=None,
+                   help="how Neural Clamping sets T: anchored (fast fitter's default: chosen by calibration ECE "
+                        "before δ is fitted, then held), fitted (learned with δ; the recipes' default) or selected "
+                        "(learned with δ, then re-chosen by calibration ECE) (default: the fitter's own)")
     g.add_argument("--init", choices=["random", "data"], default=None,
                    help="δ initialisation: random (Gaussian) or data (Theorem 1) (default random)")
     g.add_argument("--lr", type=_float, default=None, metavar="LR",

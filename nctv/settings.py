@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 
-#: Neural Clamping fitters: "fast" (the default: L-BFGS, then T chosen by calibration ECE), and the
+#: Neural Clamping fitters: "fast" (the default: T chosen by calibration ECE, then δ by L-BFGS), and the
 #: two published SGD recipes run exactly, "paper" (the paper's text with the authors' momentum) and
 #: "toolkit" (the authors' released demo).
 FITTERS = ("fast", "paper", "toolkit")
+#: How Neural Clamping sets T (nctv.calibration.clamping: "anchored" is the fast fitter's default and
+#: its only, "fitted" the recipes' default).
+TEMPERATURE_RULES = ("anchored", "fitted", "selected")
 #: Precisions of the model's passes (nctv.precision): "auto" measures on a GPU; "fp32" forces full precision.
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 

@@ -162,3 +162,25 @@ def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
     assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
     bad = nctv("run", "--weight-decay", "lots", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "expected a number ≥ 0 or auto / strong" in bad.stderr
+
+
+@pytest.mark.filterwarnings("ignore:Neural Clamping. 300 calibration images")
+def test_run_takes_the_temperature_rule(tmp_path, default_model):
+    """--temperature-rule reaches the fast fitter: "selected" learns T with δ and re-chooses it, as the library does."""
+    from nctv import data
+    from nctv.calibration.clamping import NeuralClamping
+
+    out = tmp_path / "res"
+    nctv("run", "--seeds", "1", "--bins", "15", "--calibration-size", "300", "--test-size", "200", "--methods",
+         "nc-fl", "--temperature-rule", "selected", "--out", str(out), "--quiet", cwd=tmp_path)
+    res = json.loads((out / "results.json").read_text())
+    nc = res["methods"]["Neural Clamping (FL)"]["params"]
+    assert res["settings"]["nc"] == {"temperature": "selected"}
+    cal, _ = data.get_splits(default_model, calibration_size=300, test_size=200)
+    lib = NeuralClamping(default_model.model, temperature="selected", seed=0, progress=False).fit(cal.loader(batch_size=512))
+    anchored = NeuralClamping(default_model.model, seed=0, progress=False).fit(cal.loader(batch_size=512))
+    assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
+    assert nc["temperature"] != pytest.approx(anchored.temperature_, rel=1e-3)  # the rule changed the result
+    bad = nctv("run", "--fitter", "toolkit", "--temperature-rule", "anchored", "--methods", "nc-fl", "--seeds", "1",
+               "--calibration-size", "100", "--test-size", "100", "--quiet", cwd=tmp_path, check=False)
+    assert bad.returncode != 0 and "anchored" in bad.stderr and "Traceback" not in bad.stderr

@@ -77,7 +77,7 @@ from nctv.calibration.clamping_fit import (
     theorem1_delta,
 )
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
-from nctv.settings import FITTERS
+from nctv.settings import FITTERS, TEMPERATURE_RULES
 
 __all__ = [
     "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
@@ -98,8 +98,7 @@ WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
 #: Temperature rules: "fitted" keeps the objective's T; "selected" re-chooses T on the calibration
 #: logits f(x + δ) by the mean ECE over SELECTION_BINS, on the grid SELECTION_STEP … SELECTION_T_MAX;
 #: "anchored" (the default, fast fitter only) chooses T that way on the unperturbed logits f(x) before
-#: δ is fitted, holds it fixed while δ is fitted, and keeps it.
-TEMPERATURE_RULES = ("anchored", "fitted", "selected")
+#: δ is fitted, holds it fixed while δ is fitted, and keeps it. (TEMPERATURE_RULES: nctv.settings.)
 SELECTION_BINS = (10, 15, 20)
 SELECTION_STEP = 0.001
 SELECTION_T_MAX = 10.0

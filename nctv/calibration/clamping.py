@@ -295,6 +295,8 @@ class _Start:
     z0: torch.Tensor | None
     delta_tilde: torch.Tensor | None
     passes: float = 0.0
+    #: log T of the anchored rule, chosen on z0 once and shared by every fit on the split.
+    anchor: float | None = None
 
 
 @dataclass
@@ -502,7 +504,9 @@ class NeuralClamping(_InputCalibrator):
         """log T of the anchored rule (chosen on the unperturbed logits), None under other rules."""
         if self._setting("temperature") != "anchored":
             return None
-        return math.log(select_temperature(start.z0, labels)[0])
+        if start.anchor is None:
+            start.anchor = math.log(select_temperature(start.z0, labels)[0])
+        return start.anchor
 
     # ---- fitting -------------------------------------------------------------------------
 

@@ -103,6 +103,7 @@ class ChunkSizer:
         self.size = int(chunk)
         # Only CUDA reports free memory; elsewhere the configured chunk stands until it fails.
         self._measure = self.device.type == "cuda"
+        self._staging: Staging | None = None  # pinned blocks for host-held inputs (map_inputs)
 
     def map(self, fn: Callable[[int, int], T], n: int) -> Iterator[T]:
         """``fn(start, stop)`` on consecutive pieces of ``range(n)``, results yielded in order.
@@ -140,7 +141,8 @@ class ChunkSizer:
         ``piece`` = rows ``start:stop`` of ``x`` on the sizer's device as float32. A host-held batch
         on CUDA is staged through pinned memory, the next piece's copy overlapping this piece's
         compute (:class:`HostStager`; ``overlap`` forces it on or off)."""
-        with HostStager(x, self.device, overlap) as stager:
+        with HostStager(x, self.device, overlap, self._staging) as stager:
+            self._staging = stager.staging or self._staging  # its pinned blocks serve the next batch too
             yield from self.map(lambda start, stop: fn(stager.take(start, stop), start, stop), int(x.shape[0]))
 
     def _start_measuring(self) -> int:
@@ -174,37 +176,51 @@ class ChunkSizer:
 PINNED_BLOCK_BYTES = 64 << 20
 
 
+class Staging:
+    """A copy stream and two pinned host blocks of ``PINNED_BLOCK_BYTES`` for rows of one shape,
+    on one CUDA device. A sizer keeps its staging for every later batch and pass over its split, so
+    pinned memory is allocated once per split, not once per batch (a recipe's SGD step is a batch)."""
+
+    def __init__(self, device: torch.device, row_shape: tuple[int, ...]):
+        self.row_shape = row_shape
+        self.stream = torch.cuda.Stream(device)
+        self.rows = max(1, PINNED_BLOCK_BYTES // (4 * max(1, math.prod(row_shape))))
+        self.blocks = [torch.empty((self.rows, *row_shape), dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+        for event in self.events:
+            event.record(self.stream)
+
+
 class HostStager:
     """Pieces of a host-held batch, moved to the device with the next piece's copy running while the
     current piece computes.
 
     On CUDA, for a batch held in (pageable) host memory: :meth:`take` hands out one piece on the
     device as float32 and at once starts copying the following piece of the same size, in a worker
-    thread, through two pinned blocks of ``PINNED_BLOCK_BYTES`` into a device tensor on a copy
-    stream; the compute stream waits for that copy only when the piece is taken. The host-side copy
-    into pinned memory and the transfer both run while the model computes. A request for another
-    range than the one prefetched (the first piece after the sizer has measured the device, or a
-    piece after a back-off) discards the prefetched one and copies synchronously; a prefetch that
-    runs out of device memory is dropped likewise, never raised.
+    thread, through the two pinned blocks of a :class:`Staging` (``staging``, reused when its rows
+    have the batch's shape) into a device tensor on its copy stream; the compute stream waits for
+    that copy only when the piece is taken. The host-side copy into pinned memory and the transfer
+    both run while the model computes. A request for another range than the one prefetched (the
+    first piece after the sizer has measured the device, or a piece after a back-off) discards the
+    prefetched one and copies synchronously; a prefetch that runs out of device memory is dropped
+    likewise, never raised.
 
     Elsewhere (a batch already on the device, the CPU, MPS) pieces are plain slices, converted to
     float32 on the device, unless ``overlap=True`` asks for the worker thread anyway (the
     bookkeeping is then the same, without pinned memory or streams).
     """
 
-    def __init__(self, x: torch.Tensor, device: Any, overlap: bool | None = None):
+    def __init__(self, x: torch.Tensor, device: Any, overlap: bool | None = None, staging: Staging | None = None):
         self.x = x
         self.device = torch.device(device)
         cuda = self.device.type == "cuda" and x.device.type == "cpu"
         self.overlap = cuda if overlap is None else bool(overlap)
-        self._cuda = cuda and self.overlap
+        self.staging: Staging | None = None
+        if cuda and self.overlap:
+            row_shape = tuple(x.shape[1:])
+            self.staging = staging if staging is not None and staging.row_shape == row_shape else Staging(self.device, row_shape)
         self._pending: tuple[int, int, Any] | None = None
         self._pool = None
-        self._blocks: list[torch.Tensor] = []
-        self._block_events: list[Any] = []
-        self._stream = None
-        if self._cuda:
-            self._stream = torch.cuda.Stream(self.device)
         #: Pieces served from a prefetch, and pieces copied on request (for tests and the bench).
         self.prefetched = 0
         self.copied = 0
@@ -231,12 +247,11 @@ class HostStager:
         return piece
 
     def close(self) -> None:
-        """Waits for a copy still running and releases the worker and the pinned blocks."""
+        """Waits for a copy still running and releases the worker (the staging stays with its owner)."""
         self._drop()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._blocks, self._block_events = [], []
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -272,32 +287,21 @@ class HostStager:
 
     def _copy(self, start: int, stop: int) -> tuple[torch.Tensor, Any]:
         """Rows ``start:stop`` copied to the device; returns (tensor, event marking the end of the copy)."""
-        if not self._cuda:
+        st = self.staging
+        if st is None:
             return self.x[start:stop].to(self.device, torch.float32, copy=True), None
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            out = torch.empty((stop - start, *self.x.shape[1:]), dtype=torch.float32, device=self.device)
-            rows = self._block_rows()
-            for k, a in enumerate(range(start, stop, rows)):
-                b = min(stop, a + rows)
-                block, event = self._blocks[k % 2], self._block_events[k % 2]
+        with torch.cuda.device(self.device), torch.cuda.stream(st.stream):
+            out = torch.empty((stop - start, *st.row_shape), dtype=torch.float32, device=self.device)
+            for k, a in enumerate(range(start, stop, st.rows)):
+                b = min(stop, a + st.rows)
+                block, event = st.blocks[k % 2], st.events[k % 2]
                 event.synchronize()  # the block's previous transfer has left it
                 block[: b - a].copy_(self.x[a:b])
                 out[a - start : b - start].copy_(block[: b - a], non_blocking=True)
-                event.record(self._stream)
+                event.record(st.stream)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(st.stream)
         return out, done
-
-    def _block_rows(self) -> int:
-        row_bytes = 4 * max(1, math.prod(self.x.shape[1:]))
-        rows = max(1, PINNED_BLOCK_BYTES // row_bytes)
-        if not self._blocks or self._blocks[0].shape[0] != rows:
-            shape = (rows, *self.x.shape[1:])
-            self._blocks = [torch.empty(shape, dtype=torch.float32, pin_memory=True) for _ in range(2)]
-            self._block_events = [torch.cuda.Event() for _ in range(2)]
-            for event in self._block_events:
-                event.record(self._stream)
-        return rows
 
     def _wait(self, copied: tuple[torch.Tensor, Any]) -> torch.Tensor:
         out, done = copied

@@ -162,10 +162,13 @@ def test_pinned_staging_on_cuda(monkeypatch):
     sizer._measure = False  # keep 16 a piece so that the prefetched ranges match
     out = list(sizer.map_inputs(x, lambda piece, a, b: (piece * 2).cpu()))
     torch.testing.assert_close(torch.cat(out), x * 2, rtol=0, atol=0)
+    staging = sizer._staging
+    assert staging is not None and list(sizer.map_inputs(x[:16], lambda piece, a, b: 0)) == [0]
+    assert sizer._staging is staging  # pinned once per split, not per batch
     with memory.HostStager(x, "cuda") as stager:
         assert stager.overlap and stager.take(0, 16).device.type == "cuda"
         torch.testing.assert_close(stager.take(16, 32).cpu(), x[16:32], rtol=0, atol=0)
-        assert stager.prefetched == 1 and stager._blocks[0].is_pinned()
+        assert stager.prefetched == 1 and stager.staging.blocks[0].is_pinned()
 
 
 def test_sizer_takes_its_size_from_free_cuda_memory(monkeypatch):

@@ -291,7 +291,7 @@ def fidelity_summary(model: str, ours: list[dict], theirs_own: list[dict], same:
             (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
             tol = 2.0 * max(sa, sb)
             comp[f] = {"ours": (ma, sa), "nctoolkit": (mb, sb), "difference": ma - mb, "tolerance": tol,
-                       "within": abs(ma - mb) <= tol + 1e-12}
+                       "within": abs(ma - mb) <= tol + 1e-12, "welch_p": welch(a, b)["p"]}
         out["own_order"] = comp
     return out
 
@@ -408,7 +408,10 @@ def summarise(results: dict) -> dict:
         summary["from_reports"] = sorted({r["from_report"] for rs in runs.values() for r in rs if r.get("from_report")})
         summary["referenced_rows"] = [label for label, rs in runs.items() if rs and all(r.get("from_report") for r in rs)]
         out["panel"].append(summary)
-    for model in sorted({r["model"] for r in tk_all if r.get("order") == "same"}):
+    compared = {r["model"] for r in tk_all if r.get("order") == "same"}
+    compared |= {r["model"] for r in tk_all if r.get("order") == "own" and r.get("settings") == "toolkit"
+                 and _pick(nc_all, model=r["model"], row="NC toolkit")}
+    for model in sorted(compared):
         same = _pick(tk_all, model=model, settings="toolkit", order="same")
         ours_same = _pick(nc_all, model=model, row="NC toolkit", seed=0)
         ours = _pick(nc_all, model=model, row="NC toolkit")
@@ -433,11 +436,11 @@ def _ms(v: tuple[float, float] | None, digits: int = 2) -> str:
 def _same_order_rows(model: str, what: str, c: dict, with_ece: bool = False) -> list[str]:
     """Fidelity table rows of one same-batches comparison (see ``same_order_comparison``)."""
     (t_ours, t_theirs), (e_ours, e_theirs) = c["temperature"], c["test_ece_pt"]
-    rows = [f"| {model} | {what}, same batches: T | {t_ours:.6f} | {t_theirs:.6f} | {t_ours - t_theirs:.2e} | – | – |",
-            f"| {model} | {what}, same batches: max abs δ difference | | | {c['max_abs_delta_difference']:.2e} | – | – |"]
+    rows = [f"| {model} | {what}, same batches: T | {t_ours:.6f} | {t_theirs:.6f} | {t_ours - t_theirs:.2e} | – | – | – |",
+            f"| {model} | {what}, same batches: max abs δ difference | | | {c['max_abs_delta_difference']:.2e} | – | – | – |"]
     if with_ece:
         rows.append(f"| {model} | {what}, same batches: test ECE % | {e_ours:.3f} | {e_theirs:.3f} | "
-                    f"{e_ours - e_theirs:+.3f} | – | – |")
+                    f"{e_ours - e_theirs:+.3f} | – | – | – |")
     return rows
 
 
@@ -494,17 +497,43 @@ def markdown(summary: dict, settings: dict) -> list[str]:
                   "cannot be expressed in NCToolkit (it offers λ₁‖δ‖₂ only) and its focal loss clamps p_y, so the "
                   "paper recipe's optimiser, batches and δ₀ are compared with cross entropy and the penalty off on "
                   "both sides.", "",
-                  "| model | comparison | ours | NCToolkit | difference | tolerance | within |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+                  "| model | comparison | ours | NCToolkit | difference | tolerance | within | Welch p |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
         for f in summary["fidelity"]:
             if f.get("same_order"):
                 lines += _same_order_rows(f["model"], "toolkit", f["same_order"], with_ece=True)
             if f.get("paper_no_penalty_same_order"):
                 lines += _same_order_rows(f["model"], "paper, CE, no penalty", f["paper_no_penalty_same_order"])
             for field, c in (f.get("own_order") or {}).items():
-                label = {"temperature": "T", "delta_norm": "‖δ‖₂", "test_ece": "test ECE %"}[field]
+                label = FIDELITY_LABELS[field]
                 lines.append(f"| {f['model']} | toolkit, own order: {label} | {_ms(c['ours'], 3)} | "
                              f"{_ms(c['nctoolkit'], 3)} | {c['difference']:+.3f} | {c['tolerance']:.3f} | "
-                             f"{'yes' if c['within'] else '**no**'} |")
-        lines.append("")
+                             f"{'yes' if c['within'] else '**no**'} | {_p(c.get('welch_p'))} |")
+        lines += [""] + _own_order_verdict(summary["fidelity"])
     return lines
+
+
+FIDELITY_LABELS = {"temperature": "T", "delta_norm": "‖δ‖₂", "test_ece": "test ECE %"}
+
+
+def _p(p: float | None) -> str:
+    return "–" if p is None else f"{p:.3f}"
+
+
+def _own_order_verdict(fidelity: list[dict]) -> list[str]:
+    """One paragraph over every own-order comparison: how many lie within the tolerance, and whether any
+    difference is beyond chance once the number of comparisons is counted (Bonferroni at 5 %)."""
+    comps = [(f["model"], field, c) for f in fidelity for field, c in (f.get("own_order") or {}).items()]
+    if not comps:
+        return []
+    within = sum(c["within"] for _, _, c in comps)
+    tested = [(m, field, c["welch_p"]) for m, field, c in comps if c.get("welch_p") is not None]
+    line = f"Own order: {within} of {len(comps)} comparisons lie within the tolerance."
+    if tested:
+        bound = 0.05 / len(tested)
+        m, field, p = min(tested, key=lambda t: t[2])
+        beyond = [f"{m} {FIDELITY_LABELS[fd]}" for m, fd, q in tested if q < bound]
+        line += (f" Welch's t-test, {len(tested)} comparisons: the smallest p is {p:.3f} ({m}, {FIDELITY_LABELS[field]}); a p below "
+                 f"{bound:.4f} (5 % over {len(tested)} comparisons, Bonferroni) would be a difference that the order "
+                 "of batches does not explain: " + (", ".join(beyond) if beyond else "none") + ".")
+    return [line, ""]

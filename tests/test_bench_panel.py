@@ -91,3 +91,23 @@ def test_welch_matches_the_formula():
     t = (ma - mb) / math.sqrt(va / 3 + vb / 4)
     assert panel.welch(a, b)["t"] == pytest.approx(t, rel=1e-12)
     assert 0 < panel.welch(a, b)["p"] < 0.1
+
+
+def _runs(values):
+    return [dict(temperature=t, delta_norm=d, test_ece=e) for t, d, e in values]
+
+
+def test_own_order_fidelity_flags_only_differences_beyond_chance():
+    ours = _runs([(3.70, 1.20, 0.007), (3.71, 1.21, 0.008), (3.72, 1.22, 0.009)])
+    same = panel.fidelity_summary("m", ours, _runs([(3.71, 1.21, 0.008), (3.72, 1.20, 0.007), (3.70, 1.22, 0.009)]),
+                                  None, None)
+    t = same["own_order"]["temperature"]
+    assert t["difference"] == pytest.approx(0.0, abs=1e-12) and t["within"] and t["welch_p"] == pytest.approx(1.0)
+    assert t["tolerance"] == pytest.approx(0.02)                       # twice the seed-to-seed std (0.01)
+    far = panel.fidelity_summary("n", ours, _runs([(4.70, 1.20, 0.007), (4.71, 1.21, 0.008), (4.72, 1.22, 0.009)]),
+                                 None, None)
+    assert not far["own_order"]["temperature"]["within"]
+    verdict = " ".join(panel._own_order_verdict([same, far]))
+    assert "5 of 6 comparisons lie within the tolerance" in verdict   # only the far model's T is out
+    assert "below 0.0083" in verdict                                     # 5 % over 6 comparisons
+    assert verdict.strip().endswith("does not explain: n T.")

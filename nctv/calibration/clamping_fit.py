@@ -88,10 +88,11 @@ class Split:
                 x = x.float()
             self.n = int(x.shape[0])
             self.input_shape = tuple(x.shape[1:])
-            x = x[distributed.shard(self.n)]
+        self.rows = distributed.shard(self.n)
+        if x is not None:
+            x = x[self.rows]
             if x.numel() * 4 <= DEVICE_CACHE_BYTES:
                 x = x.to(device, torch.float32)
-        self.rows = distributed.shard(self.n)
         self.x = x
         self.labels = None if y is None else y.to(device)
         if need_labels and self.labels is None and self._loader is None:

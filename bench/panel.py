@@ -371,6 +371,7 @@ def add_reference_rows(results: dict, reports: list[Path]) -> None:
         return (r.get("model"), r.get("row")) if kind == "panel_nc" else (r.get("model"), r.get("settings"), r.get("order"))
 
     listed = results.setdefault("panel_references", [])
+    have = {kind: {key(kind, r) for r in results.get(kind, [])} for kind in ("panel_nc", "nctoolkit")}
     offers: dict[tuple, list[dict]] = {}
     for path in reports:
         report = json.loads(Path(path).read_text())
@@ -379,10 +380,9 @@ def add_reference_rows(results: dict, reports: list[Path]) -> None:
         listed.append({"report": str(path), "commit": run.get("commit"), "dirty": run.get("dirty"),
                        "started": run.get("started")})
         for kind in ("panel_nc", "nctoolkit"):
-            have = {key(kind, r) for r in results.get(kind, [])}
             rows: dict[tuple, list[dict]] = {}
             for r in report.get("results", {}).get(kind, []):
-                if key(kind, r) not in have and "error" not in r and not r.get("capped"):
+                if key(kind, r) not in have[kind] and "error" not in r and not r.get("capped"):
                     rows.setdefault((kind, *key(kind, r)), []).append(dict(r, from_report=r.get("from_report") or where))
             for k, runs in rows.items():
                 if len(runs) > len(offers.get(k, [])):

@@ -383,15 +383,29 @@ def read_card(path: Path | None) -> dict:
 
 def count_flops(model: torch.nn.Module, input_shape: Sequence[int]) -> int:
     """Forward FLOPs for one input, counted by ``torch.utils.flop_counter`` (2 FLOPs per multiply-add;
-    matrix products and convolutions only, so norms, activations and softmax are not included)."""
+    matrix products and convolutions only, so norms, activations and softmax are not included).
+
+    Attention runs on PyTorch's reference ("math") kernel while counting: it is made of matrix
+    products the counter sees in every release, whereas the fused CPU kernels are counted by some
+    releases and not by others (torch 2.14 counts nothing for them), which would make the figure
+    depend on the installed torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
     was_training = model.training
     model.eval()
     x = torch.zeros(1, *input_shape, device=next(model.parameters()).device)
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), _reference_attention(), FlopCounterMode(display=False) as counter:
             model(x)
     finally:
         model.train(was_training)
     return int(counter.get_total_flops())
+
+
+def _reference_attention():
+    """A context in which scaled_dot_product_attention takes the reference kernel."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch 2.2: the older switch, which the CPU kernel choice also reads
+        return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True, enable_mem_efficient=False)
+    return sdpa_kernel(SDPBackend.MATH)

@@ -57,6 +57,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nctv.calibration.base import BaseCalibrator
+from nctv.calibration.deploy import input_bounds
 from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_gamma, check_nonnegative,
                          check_positive, check_whole)
 from nctv.calibration.clamping_fit import (
@@ -145,25 +146,6 @@ def _compute_device(model: torch.nn.Module, device: Any) -> torch.device:
     return own if has_state else dev
 
 
-def _range_tensors(input_range: Any, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(α, β) as float32 tensors of one input's shape on ``device``; α <= β everywhere."""
-    if not isinstance(input_range, (tuple, list)) or len(input_range) != 2:
-        raise ValueError("input_range must be a pair (alpha, beta): the preprocessed images of pixel values 0 and 1.")
-    out = []
-    for name, v in zip(("alpha", "beta"), input_range):
-        t = torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v).to(device, torch.float32)
-        try:
-            t = torch.broadcast_to(t, shape).contiguous()
-        except RuntimeError:
-            raise ValueError(f"input_range {name} of shape {tuple(t.shape)} does not fit an input of shape {shape}.") from None
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"input_range {name} contains NaN or infinite values.")
-        out.append(t)
-    if bool((out[0] > out[1]).any()):
-        raise ValueError("input_range must have alpha <= beta everywhere (alpha: image of pixel 0, beta: of pixel 1).")
-    return out[0], out[1]
-
-
 def _rule_weight_decay(rule: str, z0: torch.Tensor, labels: torch.Tensor, gamma: float, log_t: float = 0.0) -> float:
     return WEIGHT_DECAY_RULES[rule] * mean_focal(z0, labels, gamma, log_t)
 
@@ -190,8 +172,9 @@ class _InputCalibrator(BaseCalibrator):
     model: torch.nn.Module
     _fit_arguments = "inputs, labels"
 
-    def _clamp_range(self, shape: tuple[int, ...], device: torch.device):
-        return _range_tensors(self.input_range, shape, device) if getattr(self, "clamp", False) else None
+    def clamp_bounds(self, shape: tuple[int, ...], device: torch.device):
+        """(α, β) of the input range on ``device`` when δ is clamped to it, else None."""
+        return input_bounds(self.input_range, shape, device) if getattr(self, "clamp", False) else None
 
     def predict_logits(self, inputs_or_loader: Any, labels: Any = None, use_delta: bool = True,
                        use_temperature: bool = True, batch_size: int = DEFAULT_BATCH_SIZE) -> torch.Tensor:
@@ -211,7 +194,7 @@ class _InputCalibrator(BaseCalibrator):
                     f"inputs have shape {split.input_shape} per sample but δ was fitted for {tuple(self.delta_.shape)}."
                 )
             delta = self.delta_.to(device) if use_delta else None
-            problem = Problem(self.model, split, 0.0, 0.0, self._clamp_range(split.input_shape, device))
+            problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, device))
             z = problem.logits(delta)
         if use_temperature:
             z = z / self.temperature_
@@ -236,7 +219,7 @@ def data_driven_delta(model: torch.nn.Module, inputs_or_loader: Any, input_range
     dev = _compute_device(model, device)
     with frozen(model):
         split = Split(inputs_or_loader, None, dev, batch_size, need_labels=False)
-        alpha, beta = _range_tensors(input_range, split.input_shape, dev)
+        alpha, beta = input_bounds(input_range, split.input_shape, dev)
         g, lo, hi, _ = entropy_gradient(Problem(model, split, 0.0, 0.0))
     return theorem1_delta(g, lo, hi, alpha, beta).cpu()
 
@@ -270,7 +253,7 @@ class EfficientNeuralClamping(_InputCalibrator):
         dev = _compute_device(self.model, self.device)
         with frozen(self.model):
             split = Split(inputs_or_loader, labels, dev, batch_size)
-            alpha, beta = _range_tensors(self.input_range, split.input_shape, dev)
+            alpha, beta = input_bounds(self.input_range, split.input_shape, dev)
             problem = Problem(self.model, split, 0.0, 0.0, (alpha, beta) if self.clamp else None)
             g, lo, hi, z0 = entropy_gradient(problem)
             check_label_range(split.labels, z0.shape[1])
@@ -576,7 +559,7 @@ class NeuralClamping(_InputCalibrator):
 
     def _problem(self, inputs: Any, labels: Any, dev: torch.device) -> Problem:
         split = Split(inputs, labels, dev, int(self._setting("batch_size")))
-        problem = Problem(self.model, split, 0.0, 0.0, self._clamp_range(split.input_shape, dev))
+        problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev))
         recipe = self._recipe()
         if recipe is not None:
             problem.penalty, problem.prob_floor = recipe.penalty, recipe.prob_floor
@@ -591,7 +574,7 @@ class NeuralClamping(_InputCalibrator):
         unperturbed logits alone when λ is "auto" or the fast fitter warm-starts T (0.5 pass)."""
         before = problem.split.passes
         if self.init == "data":
-            alpha, beta = _range_tensors(self.input_range, problem.split.input_shape, problem.split.device)
+            alpha, beta = input_bounds(self.input_range, problem.split.input_shape, problem.split.device)
             g, lo, hi, z0 = entropy_gradient(problem)
             start = _Start(z0, theorem1_delta(g, lo, hi, alpha, beta))
         elif isinstance(self._setting("weight_decay"), str) or self.fitter == "fast":

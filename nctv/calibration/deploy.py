@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from nctv.calibration.base import NotFittedError
 from nctv.inference import model_device
 
-__all__ = ["CalibratedModel", "TemperatureHead", "AffineHead"]
+__all__ = ["CalibratedModel", "TemperatureHead", "AffineHead", "input_bounds"]
 
 
 class TemperatureHead(torch.nn.Module):
@@ -78,13 +80,12 @@ class CalibratedModel(torch.nn.Module):
         self.eval()
 
     def _input_part(self, calibrator: Any) -> None:
-        from nctv.calibration.clamping import _range_tensors
-
-        calibrator._check_fitted("delta_")
+        if getattr(calibrator, "delta_", None) is None:
+            raise NotFittedError(f"{type(calibrator).__name__} is not fitted yet: fit it before CalibratedModel.")
         # On the model's device, so that a model already on a GPU needs no further .to().
         delta = calibrator.delta_.detach().to(model_device(self.model)).clone()
         self.register_buffer("delta", delta)
-        bounds = _range_tensors(calibrator.input_range, tuple(delta.shape), delta.device) if calibrator.clamp else None
+        bounds = calibrator.clamp_bounds(tuple(delta.shape), delta.device)
         self.register_buffer("lower", None if bounds is None else bounds[0])
         self.register_buffer("upper", None if bounds is None else bounds[1])
         self.head = TemperatureHead(calibrator.temperature_, in_float64=False)
@@ -95,3 +96,25 @@ class CalibratedModel(torch.nn.Module):
             if self.lower is not None:
                 x = torch.clamp(x, self.lower, self.upper)
         return self.head(self.model(x))
+
+
+def input_bounds(input_range: Any, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(α, β) as float32 tensors of one input's shape on ``device``; α <= β everywhere.
+
+    ``input_range`` is the pair of preprocessed images of pixel values 0 and 1 (numbers, arrays or
+    tensors that broadcast to ``shape``): the box Neural Clamping keeps x + δ in."""
+    if not isinstance(input_range, (tuple, list)) or len(input_range) != 2:
+        raise ValueError("input_range must be a pair (alpha, beta): the preprocessed images of pixel values 0 and 1.")
+    out = []
+    for name, v in zip(("alpha", "beta"), input_range):
+        t = torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v).to(device, torch.float32)
+        try:
+            t = torch.broadcast_to(t, shape).contiguous()
+        except RuntimeError:
+            raise ValueError(f"input_range {name} of shape {tuple(t.shape)} does not fit an input of shape {shape}.") from None
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"input_range {name} contains NaN or infinite values.")
+        out.append(t)
+    if bool((out[0] > out[1]).any()):
+        raise ValueError("input_range must have alpha <= beta everywhere (alpha: image of pixel 0, beta: of pixel 1).")
+    return out[0], out[1]

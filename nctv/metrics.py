@@ -511,13 +511,15 @@ def _top1_correct(logits: Any, labels: Any, from_probabilities: bool) -> tuple[n
     return conf.numpy(), (pred == y).double().numpy()
 
 
-def smooth_ece(logits: Any, labels: Any, bandwidth: float | None = None, from_probabilities: bool = False) -> float:
+def smooth_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False,
+               bandwidth: float | None = None) -> float:
     """Smooth ECE of the top-label confidence: kernel-smoothed calibration error (see the section comment).
 
     smECE_σ = Σ_t |r̂_σ(t)| ρ̂_σ(t) / Σ_t ρ̂_σ(t) over a mesh of [0, 1], where r̂_σ is the
     Nadaraya–Watson smoothing of the residuals c_i − [ŷ_i = y_i] and ρ̂_σ the kernel density of the
     confidences, both with a Gaussian kernel of width σ reflected at 0 and 1. ``bandwidth`` None (the
     default) takes σ* with smECE_σ* = σ*, found by bisection to a multiple of 2⁻¹⁰, as ``relplot.smECE``.
+    ``n_bins`` is ignored (nothing is binned); it keeps the arguments of every metric the same.
     """
     conf, correct = _top1_correct(logits, labels, from_probabilities)
     return float(smooth_ece_batch(conf, correct, bandwidth)[0][0])
@@ -549,9 +551,14 @@ def smooth_reliability_curves(confidence: Any, correct: Any, bandwidth: float) -
 class SmoothReliability:
     """The numbers behind a smoothed reliability diagram (top-label confidence).
 
-    Drawing: the curve (``confidence``, ``accuracy``) against the diagonal, its thickness or colour
-    following ``density``, and the density itself as a filled profile along the confidence axis.
-    ``smooth_ece`` is the density-weighted mean of |accuracy − confidence| over the mesh.
+    ``smooth_ece`` is the density-weighted mean of |accuracy − confidence| over the mesh, so the
+    picture and the number agree. To draw it: the diagonal; the curve (``confidence``, ``accuracy``),
+    its width or opacity growing with ``density`` so that stretches with few predictions fade; the
+    density as a filled profile along the confidence axis (scaled to a strip at the bottom); the
+    title "smECE = x % (σ = ``bandwidth``)". A band from bootstrap resamples comes from
+    ``smooth_reliability_curves`` at this ``bandwidth`` (same mesh), as pointwise quantiles.
+    Unlike relplot's own diagram, which kernel-regresses correctness on confidence, the curve is
+    t − r̂(t), the smoothed residual that smECE integrates.
     """
 
     confidence: np.ndarray  # mesh on [0, 1]
@@ -566,8 +573,8 @@ class SmoothReliability:
         return self.accuracy - self.confidence
 
 
-def smooth_reliability(logits: Any, labels: Any, bandwidth: float | None = None,
-                       from_probabilities: bool = False) -> SmoothReliability:
+def smooth_reliability(logits: Any, labels: Any, from_probabilities: bool = False,
+                       bandwidth: float | None = None) -> SmoothReliability:
     """Smoothed reliability diagram at the smooth ECE's bandwidth (σ* unless ``bandwidth`` is given)."""
     conf, correct = _top1_correct(logits, labels, from_probabilities)
     value, sigma = smooth_ece_batch(conf, correct, bandwidth)

@@ -58,6 +58,8 @@ def test_matches_relplot_on_the_shipped_test_logits(method):
     # relplot's own logits-to-confidences path, in float64 (in float32 its softmax rounds confidences).
     conf, correct = relplot.multiclass_logits_to_confidences(logits.astype(np.float64), labels)
     assert M.smooth_ece(logits, labels) == pytest.approx(relplot.smECE(conf, correct), abs=1e-6)
+    assert M.smooth_ece(logits, labels, bandwidth=0.03) == pytest.approx(relplot.smECE_sigma(conf, correct, 0.03),
+                                                                         abs=1e-6)
 
 
 def continuous_smooth_ece(conf, correct, sigma):

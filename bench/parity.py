@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     z, y = load_logits()
     missing = [lib for lib in PEERS if not available(lib)]
     if missing and args.write:
-        print(f"not installed: {', '.join(missing)}; the page needs every peer", file=sys.stderr)
+        print(f"cannot import {', '.join(missing)}; the page needs every library (see its docstring)", file=sys.stderr)
         return 1
     rows = [r for lib in PEERS if lib not in missing for r in peer_rows(lib, z, y)]
     text = render(rows, variants(z, y), facts(z, y))
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {PAGE.relative_to(REPO)}")
     else:
         if missing:
-            print(f"(not installed, left out: {', '.join(missing)})")
+            print(f"(cannot import, left out: {', '.join(missing)})")
         print(text)
     return 0
 

@@ -1,8 +1,12 @@
 """Stop means stopped: a cancelled run's worker thread ends within a second or two, closing the handler
 waits for it, and the next heavy run starts only after it; the cancellation checks change no result,
-and the slow logit-space fits report their folds and iterations."""
+and the slow logit-space fits report their folds and iterations. Last, through the launched app: a
+Stop during MS-ODIR leaves the server process idle within seconds."""
+import os
 import threading
 import time
+import urllib.parse
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,3 +203,55 @@ def test_an_uncancelled_single_fit_is_unchanged_and_reports_its_iterations(metho
     assert losses == sorted(losses, reverse=True)  # every accepted step lowers the objective
     assert losses[-1] == pytest.approx(fitted.objective_, rel=1e-9)
     assert reports[-1]["stage"] == "done" and reports[-1]["fraction"] == 1.0
+
+
+# --------------------------------------------------------------------------- the launched app
+
+
+def server_pid(url):
+    """The process id of the app serving ``url`` (a child of this test session)."""
+    port = urllib.parse.urlparse(url).port
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"PORT={port}".encode() in env and b"app.py" in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no app.py process serves port {port}")
+
+
+def cpu_seconds(pid):
+    """User plus system CPU time of a process so far (/proc/<pid>/stat, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the server's CPU time from /proc")
+def test_stop_in_the_launched_app_leaves_the_server_idle(server):
+    from gradio_client import Client
+
+    from nctv.ui.state import DEFAULT_DATASET_CHOICE
+    from nctv.zoo import DEFAULT_MODEL
+
+    pid = server_pid(server)
+    client = Client(server, verbose=False)
+    # MS-ODIR on 2,000 calibration images cross-validates for tens of seconds on a CPU.
+    job = client.submit(DEFAULT_MODEL, "", DEFAULT_DATASET_CHOICE, 2000, 300, 0, 15, ["MS-ODIR"], "auto", "default",
+                        "random", "fast", 100, api_name="/calibrate")
+    deadline = time.monotonic() + 600
+    while not any("MS-ODIR: " in str(out[0]) and " fold " in str(out[0]) for out in job.outputs()):
+        assert not job.done() and time.monotonic() < deadline, "the run ended before MS-ODIR reported a fold"
+        time.sleep(0.2)
+    busy = cpu_seconds(pid)
+    time.sleep(1.0)
+    assert cpu_seconds(pid) - busy > 0.1  # the fit computes
+    job.cancel()  # the Stop button's event, as the page sends it
+    time.sleep(2.0)  # the cancel request, the "Stopped" status and the worker's last iteration
+    idle = cpu_seconds(pid)
+    time.sleep(3.0)
+    assert cpu_seconds(pid) - idle < 0.3  # at most a tenth of a core: nothing computes any more
+    assert not job.outputs() or "Done" not in str(job.outputs()[-1][0])  # stopped, not finished

@@ -271,7 +271,10 @@ def _make(ctx: _Context, plan: MethodPlan, seed: int):
                                   (plan.name == "Temperature Scaling (FL)" and not isinstance(ctx.gamma, str))):
         kw.setdefault("gamma", ctx.gamma)  # "auto" is Neural Clamping's own choice of γ
     if not spec.needs_model:
-        return _quiet(spec.factory(**kw))
+        method = _quiet(spec.factory(**kw))
+        if getattr(method, "callback", False) is None:  # the affine fits report folds and iterations
+            method.callback = _fit_callback(ctx, plan.label)
+        return method
     kw.setdefault("device", ctx.device)
     if ctx.input_range is not None:
         kw.setdefault("input_range", ctx.input_range)
@@ -312,6 +315,26 @@ def _nc_callback(ctx: _Context, label: str, seed: int, holder: dict):
         ctx.progress.within(passes / holder["method"].expected_passes(), msg)
         if ctx.on_fit_step is not None:
             ctx.on_fit_step(label, dict(info))
+
+    return report
+
+
+def _fit_callback(ctx: _Context, label: str):
+    """Progress inside a logit-space fit from its progress dicts (``nctv.calibration.linear``):
+    the fold and grid point of a cross-validation, or the iteration of a single fit, with the time
+    the fit expects to need still."""
+    def report(info: dict) -> None:
+        stage = info["stage"]
+        if "fold" in info:
+            where = (f"{stage}, fold {info['fold']} of {info['folds']}, "
+                     f"candidate {info['candidate']} of {info['candidates']}")
+        elif stage == "done":
+            where = "done"
+        else:
+            where = f"{stage}, iteration {info['iteration']} (at most {info['max_iter']})"
+        left = info["seconds_left"]
+        tail = f", about {left:.0f} s left" if left is not None and stage != "done" else ""
+        ctx.progress.within(info["fraction"], f"{label}: {where}{tail}")
 
     return report
 

@@ -51,9 +51,11 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def cancellation(check: Callable[[], None]):
-    """Within the block, every model pass of this thread calls ``check()`` before each piece; it
-    raises to cancel (the app's Stop). Passes are the only long loops, so a cancelled job ends
-    within one piece of work, logits included."""
+    """Within the block, this thread's long loops call ``check()`` (:func:`check_cancelled`); it
+    raises to cancel (the app's Stop). They are every model pass (before each piece), reading a
+    split from its loader, every iteration of the logit-space fits (matrix and vector scaling, the
+    ODIR cross-validation) and every chunk of the temperature grid search, so a cancelled job ends
+    within one piece of work or one iteration, logits included."""
     previous = getattr(_local, "check", None)
     _local.check = check
     try:
@@ -63,6 +65,7 @@ def cancellation(check: Callable[[], None]):
 
 
 def check_cancelled() -> None:
+    """Calls the check of the enclosing :func:`cancellation` block, if any (it raises to cancel)."""
     check = getattr(_local, "check", None)
     if check is not None:
         check()

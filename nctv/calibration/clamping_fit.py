@@ -27,7 +27,7 @@ from nctv.calibration.base import focal_loss
 from nctv.calibration.lbfgs import two_loop
 from nctv.calibration.temperature import solve_log_temperature
 from nctv.inference import iter_batches
-from nctv.memory import ChunkSizer
+from nctv.memory import ChunkSizer, check_cancelled
 from nctv.precision import run_model
 
 #: Splits up to this many bytes (float32 inputs) are gathered once and kept on the compute device;
@@ -111,6 +111,7 @@ class Split:
                 return None, None
         xs, ys = [], []
         for xb, yb in iter_batches(inputs):
+            check_cancelled()  # reading a large split from its loader takes a while, with no model pass yet
             xs.append(torch.as_tensor(xb).detach().cpu())
             if yb is not None:
                 ys.append(yb.long().cpu())

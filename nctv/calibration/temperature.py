@@ -34,6 +34,7 @@ import nctv.metrics as metrics
 from nctv.calibration.base import Calibrator
 from nctv.calibration.deploy import TemperatureHead
 from nctv.checks import check_bins, check_logits, check_gamma, check_logits_labels, check_positive
+from nctv.memory import check_cancelled
 
 #: Temperatures are searched within these bounds (a model worse than chance, or separable data,
 #: would otherwise send T to infinity or zero).
@@ -346,9 +347,11 @@ class _GridProblem:
 def _evaluate(problem: _GridProblem, t_all: torch.Tensor, points: list[int], eces: np.ndarray,
               keep: dict[int, torch.Tensor] | None = None, bar=None) -> None:
     """ECE at the grid ``points`` into ``eces``, a chunk of temperatures at a time; the confidences
-    go into ``keep`` (by grid index) when given."""
+    go into ``keep`` (by grid index) when given. Each chunk first checks for cancellation (the
+    app's Stop): with many classes the whole grid takes seconds."""
     step = problem.chunk_size
     for c0 in range(0, len(points), step):
+        check_cancelled()
         chunk = points[c0 : c0 + step]
         conf = problem.confidences(t_all[chunk])
         eces[chunk] = problem.eces(conf).cpu().numpy()

@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -37,6 +38,17 @@ log = logging.getLogger("nctv.ui")
 HEAVY = "nctv-heavy"
 #: Seconds between two looks at a running worker (and the longest a Stop waits to be noticed).
 POLL_SECONDS = 0.25
+#: Seconds that closing a handler (Stop, or the page going away) waits for its worker to end. The
+#: library checks for a Stop within every iteration and piece of work, so a worker ends in well under
+#: this; a worker stuck in one long operation is left running (logged), and the next run waits for
+#: it at its start instead (the wait happens on Gradio's event loop, so it must stay short).
+STOP_JOIN_SECONDS = 3.0
+#: Longest a new run waits for the worker of an earlier one to end before starting anyway (logged):
+#: a worker stuck for good must not keep every later run waiting for ever.
+WAIT_FOR_PREVIOUS_SECONDS = 300.0
+#: Held by a worker's thread while it computes: one worker of the heavy jobs at a time, even after a
+#: Stop has freed Gradio's slot (``HEAVY``) before the stopped worker ended.
+_ONE_WORKER = threading.Lock()
 
 
 SERVER_PATH = "[server folder]"
@@ -139,7 +151,11 @@ class Worker:
 
     The generator that iterates :meth:`stream` sees lists of new items as they arrive. When that
     generator is closed (Gradio closes it on Stop or when the page goes away) the worker's next
-    ``report`` raises :class:`Cancelled`, so the work ends at its next progress report.
+    ``report``, and the library's next cancellation check (every iteration of a fit, every piece of
+    a model pass: :func:`nctv.memory.cancellation`), raises :class:`Cancelled`; closing waits for
+    the thread to end (at most ``STOP_JOIN_SECONDS``). A worker's thread starts only once the
+    worker of an earlier stream has ended (at most ``WAIT_FOR_PREVIOUS_SECONDS``), so a stopped run
+    that still computes never shares the machine with the next one.
     """
 
     def __init__(self, work: Callable[[Callable[[Any], None]], Any]):
@@ -151,6 +167,7 @@ class Worker:
         self.error: BaseException | None = None
         self.warnings: list[str] = []
         self._thread = threading.Thread(target=self._run, name="nctv-worker", daemon=True)
+        self._holds_gate = False
 
     def report(self, item: Any) -> None:
         self._check()
@@ -179,12 +196,29 @@ class Worker:
             self.error = e
         finally:
             self._queue.put(self._done)
+            if self._holds_gate:
+                _ONE_WORKER.release()
+
+    def _wait_for_previous(self) -> Iterator[list]:
+        """Takes the one-worker gate, yielding (so that a Stop can end the wait) until it is free;
+        the first yield says why the run has not started."""
+        deadline = time.monotonic() + WAIT_FOR_PREVIOUS_SECONDS
+        said = False
+        while not _ONE_WORKER.acquire(timeout=POLL_SECONDS):
+            if time.monotonic() >= deadline:
+                log.error("the worker of an earlier run is still busy after %.0f s; starting the next run anyway",
+                          WAIT_FOR_PREVIOUS_SECONDS)
+                return
+            yield [] if said else [("progress", 0.0, "waiting for the previous run to stop")]
+            said = True
+        self._holds_gate = True
 
     def stream(self) -> Iterator[list]:
         """Yield lists of reported items until the work ends; then raise its error, if any."""
-        self._thread.start()
         finished = False
         try:
+            yield from self._wait_for_previous()
+            self._thread.start()
             while not finished:
                 items = []
                 try:
@@ -200,8 +234,17 @@ class Worker:
                     yield items
         finally:
             self._stop.set()
+            self._join()
         if self.error is not None:
             raise self.error
+
+    def _join(self) -> None:
+        if self._thread.ident is None:  # closed while waiting to start: nothing runs
+            return
+        self._thread.join(STOP_JOIN_SECONDS)
+        if self._thread.is_alive():
+            log.warning("a stopped run's worker is still busy after %.0f s; the next run waits for it",
+                        STOP_JOIN_SECONDS)
 
 
 def with_warnings(status: str, worker: Worker) -> str:

@@ -4,7 +4,9 @@ A model's logits on a split are computed once per (weights, split content) and k
 files (tensors only, never pickle) under ``<cache dir>/logits/``; logit-space calibrators never touch
 the model again. The folder is kept under a size cap (``$NCTV_CACHE_MAX_MB``, default
 :data:`DEFAULT_CACHE_MAX_MB`): after each write the least recently used files go first. A file's
-modification time marks its last use: every cache hit touches it.
+modification time marks its last use: every cache hit touches it. Each file records the SHA-256 of
+its tensors' bytes; a file whose bytes no longer match (a flipped bit leaves the logits finite and
+plausible) is recomputed, as is a truncated one.
 """
 from __future__ import annotations
 
@@ -77,11 +79,16 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """SHA-256 of the model's class, parameter/buffer names, shapes, dtypes and values."""
     h = hashlib.sha256(type(model).__qualname__.encode())
     for name, t in sorted(model.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        # Raw bytes of any dtype (bfloat16 has no numpy equivalent); 0-d tensors need a 1-d view.
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _hash_tensor(h, t, name)
     return h.hexdigest()
+
+
+def _hash_tensor(h: Any, t: torch.Tensor, name: str = "") -> None:
+    """Feed a tensor's name, shape, dtype and raw bytes to the hash ``h``."""
+    t = t.detach().to("cpu").contiguous()
+    h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+    # Raw bytes of any dtype (bfloat16 has no numpy equivalent); 0-d tensors need a 1-d view.
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 @dataclass
@@ -134,20 +141,31 @@ def split_logits(
 
 
 def _read(path: Path, labels: torch.Tensor) -> torch.Tensor | None:
-    """The cached logits at ``path`` if the file is there, whole and for these labels (marked used)."""
-    from safetensors.torch import load_file
+    """The cached logits at ``path`` if the file is there, whole, unaltered and for these labels (marked used)."""
+    from safetensors import safe_open
 
     if not path.is_file():
         return None
     try:
-        stored = load_file(str(path))
-        z, y = stored["logits"], stored["labels"]
+        with safe_open(str(path), framework="pt") as f:
+            checksum = (f.metadata() or {}).get("sha256")
+            z, y = f.get_tensor("logits"), f.get_tensor("labels")
     except Exception:  # noqa: BLE001 - a damaged cache entry is simply recomputed
+        return None
+    if checksum != _checksum(z, y):
         return None
     if z.ndim == 2 and z.shape[0] == len(labels) and torch.equal(y, labels):
         _touch(path)
         return z
     return None
+
+
+def _checksum(z: torch.Tensor, labels: torch.Tensor) -> str:
+    """SHA-256 of the logits' and labels' raw bytes, with their shapes and dtypes."""
+    h = hashlib.sha256()
+    _hash_tensor(h, z, "logits")
+    _hash_tensor(h, labels, "labels")
+    return h.hexdigest()
 
 
 def _compute(model: torch.nn.Module, split: Any, labels: torch.Tensor, batch_size: int, device: Any) -> torch.Tensor:
@@ -170,7 +188,8 @@ def _write(path: Path, z: torch.Tensor, labels: torch.Tensor, split: Any, max_by
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_file({"logits": z.contiguous(), "labels": labels.contiguous()}, str(tmp),
-              metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint)})
+              metadata={"split": str(getattr(split, "name", "")), "fingerprint": str(split.fingerprint),
+                        "sha256": _checksum(z, labels)})
     os.replace(tmp, path)
     prune_cache(path.parent, max_bytes, keep=path)
 

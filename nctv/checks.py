@@ -6,6 +6,7 @@ and what to do, in the user's words.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -129,3 +130,56 @@ def check_at_most(value: Any, name: str, maximum: float, why: str = "") -> float
 def check_gamma(value: Any, name: str = "gamma") -> float:
     """A focal-loss γ in [0, :data:`GAMMA_MAX`]."""
     return check_at_most(value, name, GAMMA_MAX, "the paper uses 0 to 5")
+
+
+def env_number(name: str, default: float, minimum: float, whole: bool = False) -> float:
+    """A setting from environment variable ``name`` (``default`` when unset): a finite number >=
+    ``minimum``, whole if ``whole``. Anything else stops the program at start, in words: falling back
+    to the default could quietly allow more than the operator meant to."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum or (whole and value != int(value)):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"The environment variable {name} must be {kind} ≥ {minimum:g}; it is {text!r}.")
+    return value
+
+
+def env_limit(name: str, default: int) -> int:
+    """A size or count cap: the whole number >= 1 in environment variable ``name``, else ``default``."""
+    return int(env_number(name, default, 1, whole=True))
+
+
+#: Largest count (runs, bins, images, batch size) a command-line option accepts: far beyond any real
+#: use, and still a machine integer for every library it reaches.
+COUNT_MAX = 2**31 - 1
+#: Seeds lie in [0, SEED_MAX]: numpy's generators refuse larger ones.
+SEED_MAX = 2**32 - 1
+
+
+def check_finite(value: Any, name: str) -> float:
+    """A real number (not a bool) that is finite: neither NaN nor ±infinity, nor too large for a float."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number; got {value!r}.")
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a finite number; got {value!r}.") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number; got {value!r}.")
+    return v
+
+
+def check_whole_range(value: Any, name: str, minimum: int, maximum: int) -> int:
+    """A whole number in [``minimum``, ``maximum``]."""
+    v = check_whole(value, name, minimum)
+    if v > maximum:
+        raise ValueError(f"{name} must be at most {maximum:,}; got {value!r}.")
+    return v
+#: Finest temperature grid step a command accepts (the paper's finest is 0.001): T = step … 5 then
+#: has 5 million points; finer grids only cost memory and time.
+GRID_STEP_MIN = 1e-6

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import textwrap
@@ -96,14 +97,26 @@ class CLIError(Exception):
 # --------------------------------------------------------------------------- parser
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str, minimum: int, maximum: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
+    if not minimum <= v <= maximum:
+        raise argparse.ArgumentTypeError(f"expected a whole number from {minimum} to {maximum:,}, got {text}")
     return v
+
+
+def _positive_int(text: str) -> int:
+    from nctv.checks import COUNT_MAX  # at parse time: `nctv --help` imports no torch
+
+    return _whole(text, 1, COUNT_MAX)
+
+
+def _seed(text: str) -> int:
+    from nctv.checks import SEED_MAX
+
+    return _whole(text, 0, SEED_MAX)
 
 
 def _size(text: str) -> int | None:
@@ -113,10 +126,33 @@ def _size(text: str) -> int | None:
 
 
 def _float(text: str) -> float:
+    """A finite number: "inf", "nan" and values beyond a float's range (1e999) are refused."""
     try:
-        return float(text)
+        v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _grid_step(text: str) -> float:
+    """A temperature grid step: the grid T = step, 2·step, … must stay a grid a computer can hold."""
+    from nctv.checks import GRID_STEP_MIN
+
+    v = _float(text)
+    if not GRID_STEP_MIN <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a grid step from {GRID_STEP_MIN:g} to 1, got {text}")
+    return v
+
+
+def _gamma(text: str) -> float:
+    from nctv.checks import GAMMA_MAX
+
+    v = _float(text)
+    if not 0 <= v <= GAMMA_MAX:
+        raise argparse.ArgumentTypeError(f"expected a gamma from 0 to {GAMMA_MAX:g}, got {text}")
+    return v
 
 
 def _float_or(*words: str):
@@ -148,7 +184,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--dataset", default=None, metavar="NAME",
                    help="fashion-mnist, bloodmnist, cifar100, folder:<path>"
                         + (", hf-dataset:<id>" if hub_datasets_available() else "") + " (default: the model's own)")
-    g.add_argument("--calibration-seed", type=int, default=0, metavar="S",
+    g.add_argument("--calibration-seed", type=_seed, default=0, metavar="S",
                    help="seed of the calibration subsample drawn from the pool (default 0)")
     g.add_argument("--calibration-size", type=_size, default=DEFAULT_CALIBRATION_SIZE, metavar="N",
                    help="calibration images drawn from the calibration pool ('all' for the whole pool; "
@@ -237,17 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
                  "TS by grid search and NC (Eff.) at grid resolutions 0.01 and 0.001, and NC (FL): accuracy, "
                  "entropy, ECE and seconds to fit.")
     _add_common(p, "timing", seeds=False)
-    p.add_argument("--resolutions", type=_float, nargs="+", default=[0.01, 0.001], metavar="STEP",
+    p.add_argument("--resolutions", type=_grid_step, nargs="+", default=[0.01, 0.001], metavar="STEP",
                    help="temperature grid steps (default 0.01 0.001)")
 
     p = _command(sub, "sweep-gamma", "ECE, entropy and loss against gamma (Figure 2)",
                  "Fit Neural Clamping for every gamma and plot ECE, entropy and training loss on the calibration "
                  "and test splits.")
     _add_common(p, "sweep-gamma", seeds=False, bins=False, gamma=False)
-    p.add_argument("--gammas", type=_float, nargs="+", default=None, metavar="G",
+    p.add_argument("--gammas", type=_gamma, nargs="+", default=None, metavar="G",
                    help="gamma values (default 0, 0.05, ..., 1 as in the paper)")
     p.add_argument("--n-bins", type=_positive_int, default=15, metavar="M", help="ECE bins (default 15)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random delta initialisation (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random delta initialisation (default 0)")
 
     p = _command(sub, "init-study", "random vs data-driven delta initialisation (Figure 3)",
                  "Fit Neural Clamping from random and from data-driven (Theorem 1) δ₀, --seeds runs each, and draw "
@@ -272,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=128, help="training batch size")
     p.add_argument("--lr", type=_float, default=2e-3, help="peak learning rate (AdamW, cosine schedule)")
     p.add_argument("--train-size", type=_size, default=None, metavar="N", help="use only the first N training images")
-    p.add_argument("--seed", type=int, default=0, help="training seed")
+    p.add_argument("--seed", type=_seed, default=0, help="training seed")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
     p.add_argument("--out", type=Path, default=Path("out") / "train", metavar="DIR", help="model folder to write")
     p.add_argument("--quiet", action="store_true", help="no progress bars; only the summary line")
@@ -582,6 +618,7 @@ def cmd_apply(args: argparse.Namespace) -> str:
     from nctv import zoo
     from nctv.calibration import CalibratedModel, load_calibrator
     from nctv.calibration.saving import calibrator_folder, read_config
+    from nctv.hub import max_model_bytes
 
     paths = [_image_file(text) for text in args.images]  # before anything loads: a typo fails at once
     folder = calibrator_folder(args.calibrator)
@@ -591,14 +628,21 @@ def cmd_apply(args: argparse.Namespace) -> str:
         raise CLIError(f"The calibrator {args.calibrator} does not record which model it was fitted for; "
                        "name the model with --model.")
     device = _device(args.device)
-    loaded = zoo.load_model(name, device=device)
+    # A model the calibrator names was chosen by whoever wrote the calibrator: the app's cap on Hub
+    # weights applies to it. One named with --model is the user's own choice.
+    loaded = zoo.load_model(name, device=device, max_weight_bytes=None if args.model else max_model_bytes())
     _check_saved_for(config, loaded, args.calibrator)
     calibrated = CalibratedModel(loaded, load_calibrator(folder, model=loaded))
     k = min(args.top_k, loaded.num_classes)
     for path in paths:
         x = _image_input(path, loaded).to(device)
         with torch.no_grad():
-            _print_top(path, torch.softmax(calibrated(x[None]).double(), dim=1)[0], loaded.class_names, k)
+            p = torch.softmax(calibrated(x[None]).double(), dim=1)[0]
+        if not bool(torch.isfinite(p).all()):
+            raise CLIError(f"The calibrated confidences of {path} are not numbers (NaN or infinite): the calibrator "
+                           f"{args.calibrator} does not give usable results with {loaded.name}; fit and save it "
+                           "again.")
+        _print_top(path, p, loaded.class_names, k)
     return (f"apply: {config['method']} from {args.calibrator} on {len(paths)} image{'s' * (len(paths) != 1)} "
             f"with {loaded.name} (top {k}, calibrated confidences)")
 

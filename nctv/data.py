@@ -536,9 +536,16 @@ def allowed_folder(text: str, roots: Sequence[str | os.PathLike] | None) -> Path
         return Path(text).expanduser()
     # No "~" expansion: a visitor has no business with the server's home folder.
     folder = Path(text).resolve()
-    if not any(folder.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
+    if not _inside(folder, roots):
         raise ValueError(FOLDERS_REFUSED)
     return folder
+
+
+def _inside(path: Path, roots: Sequence[str | os.PathLike]) -> bool:
+    """Whether ``path``, its symlinks resolved, lies inside one of ``roots``."""
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
+
 
 
 def _folder_pools(text: str, model_class_names: Sequence[str], num_classes: int,
@@ -557,6 +564,10 @@ def _folder_pools(text: str, model_class_names: Sequence[str], num_classes: int,
         labels += [mapping[name]] * len(files)
     if not paths:
         raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) found under {text}.")
+    # The folder itself is inside a root; a class folder or an image may still be a link out of it.
+    if roots is not None and not all(_inside(p, roots) for p in [*(root / name for name in classes), *paths]):
+        raise ValueError(f"{text} links to files outside the data folders this server allows (NCTV_DATA_ROOTS); "
+                         "put the images themselves in the folder, not links to them.")
     # Named as the person typed it: results and messages never show where the server keeps it.
     return Pools(f"folder:{text}", tuple(model_class_names),
                  whole=(FileImages(root, paths, f"folder:{text}"), np.asarray(labels, dtype=np.int64)))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 __all__ = [
     "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubOfflineError", "hub_reachable", "hub_file",
-    "check_weight_size", "snapshot_folder", "model_folder", "model_card",
+    "check_weight_size", "snapshot_folder", "model_folder", "model_card", "DEFAULT_MAX_MODEL_MB", "max_model_bytes",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -29,6 +29,18 @@ CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+#: Largest Hub model weights, in MB (10⁶ bytes), loaded when someone else picks the model: a visitor
+#: of the app, or the config of a calibrator given to ``nctv apply``.
+DEFAULT_MAX_MODEL_MB = 500
+
+
+def max_model_bytes() -> int:
+    """The largest Hub model weights loaded for another's choice: ``$NCTV_MAX_MODEL_MB`` megabytes."""
+    from nctv.checks import env_number  # torch comes with it; the rest of this module needs none
+
+    return int(env_number("NCTV_MAX_MODEL_MB", DEFAULT_MAX_MODEL_MB, 0) * 1e6)
 
 
 class HubOfflineError(ValueError):

@@ -184,3 +184,22 @@ def test_run_takes_the_temperature_rule(tmp_path, default_model):
     bad = nctv("run", "--fitter", "toolkit", "--temperature-rule", "anchored", "--methods", "nc-fl", "--seeds", "1",
                "--calibration-size", "100", "--test-size", "100", "--quiet", cwd=tmp_path, check=False)
     assert bad.returncode != 0 and "anchored" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--seeds", "99999999999999999999"], "argument --seeds: expected a whole number from 1 to 2,147,483,647"),
+    (["run", "--batch-size", "0"], "argument --batch-size: expected a whole number from 1"),
+    (["run", "--calibration-seed", "18446744073709551616"], "argument --calibration-seed: expected a whole number "
+                                                            "from 0 to 4,294,967,295"),
+    (["sweep-gamma", "--seed", "-1"], "argument --seed: expected a whole number from 0"),
+    (["timing", "--resolutions", "1e-310"], "argument --resolutions: expected a grid step from 1e-06 to 1, got 1e-310"),
+    (["timing", "--resolutions", "nan"], "argument --resolutions: expected a finite number, got 'nan'"),
+    (["sweep-gamma", "--gammas", "0", "1e999"], "argument --gammas: expected a finite number, got '1e999'"),
+    (["sweep-gamma", "--gammas", "11"], "argument --gammas: expected a gamma from 0 to 10, got 11"),
+    (["run", "--lr", "inf"], "argument --lr: expected a finite number, got 'inf'"),
+])
+def test_numbers_beyond_range_are_refused_in_the_commands_words(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err and "Overflow" not in err

@@ -280,3 +280,28 @@ def test_folder_roots_allow_only_folders_inside_them(tmp_path, default_model):
     assert len(cal) + len(test) == 4 and cal.name == f"folder:{root}/set calibration"
     with pytest.raises(ValueError, match="not among them"):
         d.get_splits(default_model, dataset=f"folder:{root}/link", folder_roots=roots)
+
+
+def test_links_out_of_the_data_roots_inside_an_allowed_folder_are_refused(tmp_path, default_model):
+    root, outside = tmp_path / "data", tmp_path / "private"
+    for cls in ("Bag", "Trouser"):
+        (outside / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.new("L", (28, 28), 40 * i).save(outside / cls / f"{i}.png")
+    (root / "classes").mkdir(parents=True)
+    (root / "classes" / "Bag").symlink_to(outside / "Bag", target_is_directory=True)  # a class folder
+    (root / "images" / "Bag").mkdir(parents=True)
+    (root / "images" / "Bag" / "0.png").symlink_to(outside / "Bag" / "0.png")  # one image
+    (root / "inner" / "Bag").mkdir(parents=True)
+    Image.new("L", (28, 28), 0).save(root / "inner" / "Bag" / "0.png")
+    (root / "inner" / "Trouser").symlink_to(root / "inner" / "Bag", target_is_directory=True)
+    roots = [str(root)]
+    for name in ("classes", "images"):
+        with pytest.raises(ValueError, match="links to files outside the data folders this server allows") as e:
+            d.get_splits(default_model, dataset=f"folder:{root}/{name}", calibration_size=None, folder_roots=roots)
+        assert str(outside) not in str(e.value)  # the server's layout beyond the typed folder stays unsaid
+    # A link that stays inside the roots reads as before, and the command line (no roots) reads links out.
+    cal, test = d.get_splits(default_model, dataset=f"folder:{root}/inner", calibration_size=None, folder_roots=roots)
+    assert len(cal) + len(test) == 2
+    cal, test = d.get_splits(default_model, dataset=f"folder:{root}/classes", calibration_size=None)
+    assert len(cal) + len(test) == 2

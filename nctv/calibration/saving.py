@@ -14,6 +14,7 @@ values and safetensors tensors: nothing is unpickled, nothing named in the files
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -26,8 +27,10 @@ import torch
 
 from nctv import __version__
 from nctv.calibration.base import BaseCalibrator, NotFittedError
+from nctv.checks import check_finite, check_gamma, check_nonnegative, env_limit
 
-__all__ = ["FORMAT_VERSION", "CONFIG_NAME", "TENSORS_NAME", "ModelMismatchWarning", "save_calibrator",
+__all__ = ["FORMAT_VERSION", "CONFIG_NAME", "TENSORS_NAME", "MAX_CONFIG_BYTES", "MAX_TENSORS_BYTES", "MAX_INPUT_VALUES",
+           "FILE_CAPS", "ModelMismatchWarning", "save_calibrator",
            "load_calibrator", "read_config", "calibrator_folder", "method_name", "saved_for"]
 
 #: Version of the layout below; a loader refuses files of a later version.
@@ -39,6 +42,16 @@ TENSORS_NAME = "calibrator.safetensors"
 _NOT_SAVED = ("model", "device", "callback")
 _TENSOR = "__tensor__"
 _FITTED_NAME = re.compile(r"[a-z][a-z0-9_]*_")
+
+#: Caps on a saved calibrator's files, checked before either is read. config.json holds settings and
+#: fitted numbers (kilobytes; a long SGD history a few MB); calibrator.safetensors holds δ (one input
+#: of the model) or a K×K matrix (8 MB for 1,000 classes).
+MAX_CONFIG_BYTES = env_limit("NCTV_MAX_CONFIG_BYTES", 16 * 2**20)
+MAX_TENSORS_BYTES = env_limit("NCTV_MAX_CALIBRATOR_BYTES", 512 * 2**20)
+FILE_CAPS = {CONFIG_NAME: MAX_CONFIG_BYTES, TENSORS_NAME: MAX_TENSORS_BYTES}
+#: Most values in one model input (δ's size) when the model given does not say its input shape (a
+#: bare nn.Module) and the calibrator records none: 16 Mi values is a 3×2048×2048 image and more.
+MAX_INPUT_VALUES = env_limit("NCTV_MAX_INPUT_VALUES", 16 * 2**20)
 
 
 class ModelMismatchWarning(UserWarning):
@@ -193,30 +206,35 @@ def load_calibrator(source: str | os.PathLike, model: Any = None) -> BaseCalibra
     :class:`ModelMismatchWarning` says so and the calibrator is still returned: a model converted or
     moved between formats keeps its behaviour but not its fingerprint, so refusing would be wrong as
     often as right. ``nctv apply`` refuses instead.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
+    The files may come from anyone, so everything is checked before it is used: each file's size;
+    each tensor's dtype and shape, from the file's header, before its data is read (δ: the model's
+    input shape; weights: K×K and K; grids: the length their settings give); the fitted numbers
+    (T finite and within [T_MIN, T_MAX] of the temperature fitters, γ, λ, δ and weights finite).
+    A Neural Clamping calibrator must record its model's fingerprint. Anything else: ValueError.
+    """
     folder = calibrator_folder(source)
     config = read_config(folder)
     cls, spec = _registry_class(config)
+    module = _module(model)
+    _check_model(config, module, spec)
     try:
-        tensors = load_file(str(folder / TENSORS_NAME))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{folder / TENSORS_NAME} could not be read as safetensors ({e}); save the calibrator "
-                         "again.") from None
-    # Settings come back as tuples (the constructors' own defaults are tuples); fitted lists stay lists.
-    params = _decode(config.get("params", {}), tensors, folder, tuple)
+        references = _references(config, folder)
+        expected = _Expected(config, model)
+        tensors = _read_tensors(folder / TENSORS_NAME, references, expected)
+        # Settings come back as tuples (the constructors' own defaults are tuples); fitted lists stay lists.
+        params = _decode(config.get("params", {}), tensors, tuple)
+        fitted = _decode(config.get("fitted", {}), tensors)
+    except RecursionError:
+        raise ValueError(f"{folder / CONFIG_NAME} nests its values too deeply; it was not written by "
+                         "save_pretrained.") from None
     unknown = [k for k in params if k not in cls._param_names()]
     if unknown:
         raise ValueError(f"{folder / CONFIG_NAME} has settings this NCTV does not know ({', '.join(unknown)}); "
                          "it may come from a newer version: upgrade nctv.")
-    module = _module(model)
-    _check_model(config, module, spec)
+    _check_fitted(fitted, spec, folder, expected.delta_bound)
     calibrator = cls(module, **params) if spec.needs_model else cls(**params)
-    for key, value in _decode(config.get("fitted", {}), tensors, folder).items():
-        if not _FITTED_NAME.fullmatch(key):
-            raise ValueError(f"{folder / CONFIG_NAME}: {key!r} is not a fitted value's name (they end in '_').")
+    for key, value in fitted.items():
         setattr(calibrator, key, value)
     return calibrator
 
@@ -224,9 +242,12 @@ def load_calibrator(source: str | os.PathLike, model: Any = None) -> BaseCalibra
 def read_config(folder: Path) -> dict:
     """The checked ``config.json`` of a saved calibrator folder."""
     path = Path(folder) / CONFIG_NAME
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_CONFIG_BYTES:,} bytes (NCTV_MAX_CONFIG_BYTES); a saved "
+                         "calibrator's config.json is far smaller.")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or a 5,000-digit number
         raise ValueError(f"{path} is not valid JSON ({e}); save the calibrator again.") from None
     version = config.get("nctv_format") if isinstance(config, dict) else None
     if isinstance(version, bool) or not isinstance(version, int):
@@ -235,6 +256,12 @@ def read_config(folder: Path) -> dict:
     if version > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer NCTV (format {version}; this one reads up to "
                          f"{FORMAT_VERSION}): upgrade nctv.")
+    for key in ("params", "fitted", "model", "data_config"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise ValueError(f"{path}: {key!r} must be a JSON object; it was not written by save_pretrained.")
+    for key, value in (config.get("fitted") or {}).items():
+        if not _FITTED_NAME.fullmatch(key):
+            raise ValueError(f"{path}: {key!r} is not a fitted value's name (they end in '_').")
     return config
 
 
@@ -249,18 +276,233 @@ def _registry_class(config: dict):
     return calibration_class(spec.cls), spec
 
 
-def _decode(value: Any, tensors: dict[str, torch.Tensor], folder: Path, sequence: type = list) -> Any:
-    """A value from its JSON form: tensor references resolved, arrays as ``sequence``."""
+def _references(config: dict, folder: Path) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Tensor name in the file -> (where config.json names it, whether it comes back as a numpy array)."""
+    found: dict[str, tuple[tuple[str, ...], bool]] = {}
+
+    def walk(value: Any, path: tuple[str, ...]) -> None:
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, (*path, str(i)))
+        elif isinstance(value, dict) and _TENSOR in value:
+            if not isinstance(value[_TENSOR], str):
+                raise ValueError(f"{folder / CONFIG_NAME}: {'.'.join(path)} names a tensor by {value[_TENSOR]!r}, "
+                                 "not by a name; it was not written by save_pretrained.")
+            found[value[_TENSOR]] = (path, bool(value.get("numpy")))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, (*path, k))
+
+    for section in ("params", "fitted"):
+        walk(config.get(section) or {}, (section,))
+    return found
+
+
+# safetensors' dtype names of floating-point tensors; those numpy holds too (no bfloat16).
+_FLOATS = ("F16", "BF16", "F32", "F64")
+_NUMPY_FLOATS = ("F16", "F32", "F64")
+# ODIR's tables of which cross-validation fits converged and were refined: booleans.
+_FLAGS = ("cv_converged_", "cv_refined_")
+# Settings saved as tensors other than input_range: lists of numbers (a grid of λ, of γ).
+_MAX_SETTING_VALUES = 2**16
+
+
+class _Expected:
+    """The shape each tensor of a calibrator must have, from the model given or the config."""
+
+    def __init__(self, config: dict, model: Any):
+        self.input_shape = self._input_shape(config, model)
+        self.classes = getattr(model, "num_classes", None)  # a LoadedModel knows its class count
+        # and its input range (α, β): a δ wider than β − α would move an input off every image.
+        bounds = getattr(model, "input_range", None)
+        self.delta_bound = float((bounds[1] - bounds[0]).abs().max()) if bounds is not None else None
+        params = config.get("params") or {}
+        self.grid = self._grid_length(params) if {"grid_step", "t_max"} <= params.keys() else None
+        # ODIR's cross-validation tables: one row per λ, one column per μ.
+        self.cv = [len(params.get(k)) if isinstance(params.get(k), list) else None for k in ("lambdas", "mus")]
+
+    @staticmethod
+    def _input_shape(config: dict, model: Any) -> tuple[int, ...] | None:
+        shape = getattr(model, "input_shape", None)  # a LoadedModel's own; else what the config records
+        if shape is not None:
+            return tuple(shape)
+        size = (config.get("data_config") or {}).get("input_size")
+        if size is None:
+            return None
+        if (not isinstance(size, list) or not 1 <= len(size) <= 4
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size)
+                or math.prod(size) > MAX_INPUT_VALUES):
+            raise ValueError(f"The calibrator's data_config.input_size {size!r} is not an input shape (1 to 4 whole "
+                             f"numbers, at most {MAX_INPUT_VALUES:,} values in all).")
+        return tuple(size)
+
+    @staticmethod
+    def _grid_length(params: dict) -> int:
+        step, t_max = params["grid_step"], params["t_max"]
+        ratio = check_finite(t_max, "t_max") / check_finite(step, "grid_step") if step else math.inf
+        if not (math.isfinite(ratio) and ratio >= 1 and step > 0):
+            raise ValueError(f"The calibrator's temperature grid (grid_step {step!r}, t_max {t_max!r}) is not a grid "
+                             "of positive temperatures.")
+        return int(math.floor(ratio * (1 + 1e-12)))  # as temperature_grid counts it
+
+    def problem(self, path: tuple[str, ...], shape: list[int], header: dict) -> str | None:
+        """What is wrong with a tensor of ``shape`` named at ``path`` (None: nothing)."""
+        key = path[1] if len(path) > 1 else ""
+        if path[0] == "fitted" and key == "delta_":
+            if self.input_shape is not None:
+                return None if tuple(shape) == self.input_shape else f"the model's input shape {list(self.input_shape)}"
+            return None if 1 <= len(shape) <= 4 and math.prod(shape) <= MAX_INPUT_VALUES else \
+                f"one model input (1 to 4 dimensions, at most {MAX_INPUT_VALUES:,} values)"
+        if path[0] == "params" and key == "input_range":
+            target = self.input_shape or (1,) * len(shape)
+            fits = len(shape) <= len(target) and all(a in (1, b) for a, b in zip(shape[::-1], target[::-1]))
+            return None if fits and math.prod(shape) <= MAX_INPUT_VALUES else \
+                f"a shape that broadcasts to one model input{f' {list(self.input_shape)}' if self.input_shape else ''}"
+        if path[0] == "fitted" and key in ("weight_", "bias_"):
+            k = self.classes or self._bias_length(header)
+            if k is None:
+                return "[K] with K >= 2 classes" if key == "bias_" else "[K, K], K the length of bias_"
+            want = [k, k] if key == "weight_" else [k]
+            return None if shape == want else f"{want} ({k} classes)"
+        if path[0] == "fitted" and key in ("grid_", "ece_grid_"):
+            return None if self.grid is not None and shape == [self.grid] else \
+                f"[{self.grid}] (the grid its grid_step and t_max give)"
+        if path[0] == "fitted" and key in ("cv_nll_",) + _FLAGS:
+            return None if shape == self.cv else f"{self.cv} (one row per lambda, one column per mu)"
+        if path[0] == "params":
+            return None if len(shape) <= 1 and math.prod(shape) <= _MAX_SETTING_VALUES else \
+                f"a list of at most {_MAX_SETTING_VALUES:,} numbers"
+        return "none: NCTV saves no such tensor"
+
+    @staticmethod
+    def _bias_length(header: dict) -> int | None:
+        """K from the file's bias_, when no model says it (logit calibrators load without one)."""
+        names = [n for n, v in header.items() if v.get("shape") is not None and n.endswith("bias_")]
+        shape = header[names[0]]["shape"] if len(names) == 1 else None
+        return shape[0] if isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) \
+            and shape[0] >= 2 else None
+
+
+def _read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (the tensors' dtypes, shapes and offsets), its size capped."""
+    size = path.stat().st_size
+    if size > MAX_TENSORS_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_TENSORS_BYTES:,} bytes (NCTV_MAX_CALIBRATOR_BYTES); a saved "
+                         "calibrator's tensors are far smaller.")
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"{path} is not a safetensors file (its header length is wrong); save the calibrator "
+                             "again.")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            header = None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise ValueError(f"{path} is not a safetensors file (its header is not valid); save the calibrator again.")
+    header.pop("__metadata__", None)
+    return header
+
+
+def _read_tensors(path: Path, references: dict[str, tuple], expected: _Expected) -> dict[str, torch.Tensor]:
+    """The tensors config.json names, each checked from the file's header before any data is read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    header = _read_header(path)
+    missing = [name for name in references if name not in header]
+    if missing:
+        raise ValueError(f"{path} lacks the tensor {missing[0]!r} that config.json names; the two files do not "
+                         "belong together. Save the calibrator again.")
+    extra = [name for name in header if name not in references]
+    if extra:
+        raise ValueError(f"{path} holds tensors that config.json does not name ({', '.join(map(repr, extra[:3]))}); "
+                         "it was not written by save_pretrained.")
+    for name, (where, is_numpy) in references.items():
+        dtype, shape = header[name].get("dtype"), header[name].get("shape")
+        if not isinstance(shape, list) or not all(isinstance(v, int) and v >= 0 for v in shape):
+            raise ValueError(f"{path}: the tensor {name!r} has no valid shape; save the calibrator again.")
+        kinds = ("BOOL",) if where[-1] in _FLAGS else _NUMPY_FLOATS if is_numpy else _FLOATS
+        if dtype not in kinds:
+            raise ValueError(f"The calibrator's {'.'.join(where)} is stored as {dtype}; it must hold "
+                             f"{'true/false values' if kinds == ('BOOL',) else 'floating-point numbers'}. It was not "
+                             "written by save_pretrained.")
+        wrong = expected.problem(where, shape, header)
+        if wrong:
+            raise ValueError(f"The calibrator's {'.'.join(where)} has shape {shape}; it must have {wrong}. It does "
+                             "not belong to this model: load the calibrator saved for it.")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} could not be read as safetensors ({e}); save the calibrator again.") from None
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor], sequence: type = list) -> Any:
+    """A value from its JSON form: tensor references resolved (all are known present), arrays as ``sequence``."""
     if isinstance(value, list):
-        return sequence(_decode(v, tensors, folder, sequence) for v in value)
+        return sequence(_decode(v, tensors, sequence) for v in value)
     if isinstance(value, dict) and _TENSOR in value:
-        t = tensors.get(value[_TENSOR])
-        if t is None:
-            raise ValueError(f"{folder / TENSORS_NAME} lacks the tensor {value[_TENSOR]!r} that config.json names; "
-                             "the two files do not belong together. Save the calibrator again.")
+        t = tensors[value[_TENSOR]]
         return t.numpy() if value.get("numpy") else t
     if isinstance(value, dict):
-        return {k: _decode(v, tensors, folder, sequence) for k, v in value.items()}
+        return {k: _decode(v, tensors, sequence) for k, v in value.items()}
+    return value
+
+
+# The fitted values each class maps logits or inputs with: loading without them would fail only later.
+_NEEDS = {"TemperatureScaling": ("temperature_",), "GridSearchTemperature": ("temperature_",),
+          "FocalTemperatureScaling": ("temperature_",), "VectorScaling": ("weight_", "bias_"),
+          "MatrixScaling": ("weight_", "bias_"), "MatrixScalingODIR": ("weight_", "bias_"),
+          "DirichletODIR": ("weight_", "bias_"), "NeuralClamping": ("delta_", "temperature_"),
+          "EfficientNeuralClamping": ("delta_", "temperature_")}
+# Fitted values that are tensors in every saved calibrator; a number there would broadcast silently.
+_TENSORS = ("delta_", "weight_", "bias_", "grid_", "ece_grid_")
+
+
+def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | None) -> None:
+    """Refuse fitted numbers no fitter produces: non-finite, out of range, or of the wrong kind.
+    ``delta_bound``: the width of the model's input range, which no entry of δ may exceed."""
+    from nctv.calibration.temperature import T_MAX, T_MIN
+
+    path = folder / CONFIG_NAME
+    missing = [k for k in _NEEDS.get(spec.cls, ()) if k not in fitted]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}, which {spec.name} needs; save the calibrator again.")
+    for key in (k for k in _TENSORS if k in fitted):
+        if not isinstance(fitted[key], (torch.Tensor, np.ndarray)):
+            raise ValueError(f"{path}: {key} must be a tensor in {TENSORS_NAME}; got {fitted[key]!r}.")
+        t = torch.as_tensor(fitted[key])
+        # ece_grid_ is NaN where the grid search proved a temperature cannot win; never infinite.
+        if bool((t.isinf() if key == "ece_grid_" else ~t.isfinite()).any()):
+            raise ValueError(f"The calibrator's {key} holds NaN or infinite values; no fit produces them. Fit and "
+                             "save the calibrator again.")
+    if delta_bound is not None and "delta_" in fitted:
+        largest = float(torch.as_tensor(fitted["delta_"]).abs().max())
+        if largest > delta_bound:
+            raise ValueError(f"The calibrator's δ moves inputs by up to {largest:.3g}, more than the model's whole "
+                             f"input range ({delta_bound:.3g}); no fit produces that. Fit and save it again.")
+    if "temperature_" in fitted:
+        t = _number(fitted["temperature_"], "temperature T", path)
+        if not T_MIN <= t <= T_MAX:
+            raise ValueError(f"The calibrator's temperature T = {t:g} is outside [{T_MIN:g}, {T_MAX:g}], where every "
+                             "NCTV fitter searches (T <= 0 would flip or void the confidences). Fit it again.")
+    for key, check in (("fitted_temperature_", _positive), ("gamma_", check_gamma),
+                       ("weight_decay_", check_nonnegative), ("lambda_", check_nonnegative),
+                       ("mu_", check_nonnegative)):
+        if key in fitted:
+            check(_number(fitted[key], key, path), f"The calibrator's {key}")
+
+
+def _number(value: Any, name: str, path: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}: {name} must be a number; got {value!r}.")
+    return check_finite(value, f"The calibrator's {name}")
+
+
+def _positive(value: float, name: str) -> float:
+    if value <= 0:
+        raise ValueError(f"{name} must be greater than 0; got {value!r}.")
     return value
 
 
@@ -276,11 +518,19 @@ def _check_model(config: dict, module: torch.nn.Module | None, spec: Any) -> Non
     from nctv.cache import model_fingerprint
 
     fingerprint = (config.get("model") or {}).get("fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise ValueError(f"The calibrator's model fingerprint {fingerprint!r} is not a fingerprint; it was not "
+                         "written by save_pretrained.")
     if module is None:
         if spec.needs_model:
             raise ValueError(f"{spec.name} works on the model's inputs: pass the model it was fitted for "
                              f"(load_calibrator(..., model=...)); it was saved for {saved_for(config)}.")
         return
+    if spec.needs_model and not fingerprint:
+        # save_pretrained always records it for Neural Clamping (δ belongs to one model's inputs).
+        raise ValueError(f"This {spec.name} calibrator does not record the fingerprint of the model it was fitted "
+                         "for, so nothing shows that its δ suits the model given; save it again with "
+                         "save_pretrained.")
     if fingerprint and model_fingerprint(module) != fingerprint:
         warnings.warn(f"This {spec.name} calibrator was fitted for {saved_for(config)} (fingerprint "
                       f"{fingerprint[:12]}…), but the model given ({type(module).__name__}) has other weights; its "

@@ -24,7 +24,7 @@ from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.ui.common import HEAVY, on_gpu
 from nctv.ui.images import MAX_FILE_SIZE, CheckedImage
-from nctv.ui.upload_calibrator import load_calibrators
+from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.state import (
     DEFAULT_BINS,
     DEFAULT_CALIBRATION_SIZE,
@@ -375,7 +375,7 @@ def _initial_learn():
 def build_app() -> gr.Blocks:
     """The whole app (not launched). Initial values come from the shipped pre-computed result."""
     with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(3600, 24 * 3600)) as demo:
-        state = gr.State(None)  # this visitor's latest Calibration
+        state = gr.State(None, time_to_live=CALIBRATION_TTL_S)  # this visitor's latest Calibration
         gr.Markdown(INTRO)
         shared = _shared_panel()
         with gr.Tabs(overflow_behavior="wrap"):

@@ -4,7 +4,6 @@ and the per-visitor :class:`Calibration` that lives in a ``gr.State`` (no visito
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -15,7 +14,9 @@ from typing import Any, Callable
 
 import torch
 
+from nctv.checks import env_number as _env_number
 from nctv.data import DATASETS, allowed_folder, assets_dir
+from nctv.hub import max_model_bytes
 
 from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available  # noqa: E402 - the app's default is the library's
 DEFAULT_BINS = 15
@@ -38,33 +39,13 @@ def examples_dir() -> Path:
 # Safe by default on a public server: no server folders, Hub models of bounded size, few in memory.
 # docs/app.md, "Running a public copy", lists every variable.
 
-DEFAULT_MAX_MODEL_MB = 500
 DEFAULT_MAX_MODELS = 3
-
-
-def _env_number(name: str, default: float, minimum: float, whole: bool = False) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < minimum or (whole and value != int(value)):
-        kind = "a whole number" if whole else "a number"
-        raise ValueError(f"The environment variable {name} must be {kind} ≥ {minimum:g}; it is {text!r}.")
-    return value
 
 
 def data_roots() -> list[Path]:
     """Folders inside which visitors may name image folders as datasets: ``$NCTV_DATA_ROOTS``
     (separated by ``os.pathsep``); none when unset."""
     return [Path(p) for p in os.environ.get("NCTV_DATA_ROOTS", "").split(os.pathsep) if p.strip()]
-
-
-def max_model_bytes() -> int:
-    """The largest Hub model weights the app loads: ``$NCTV_MAX_MODEL_MB`` megabytes (10⁶ bytes)."""
-    return int(_env_number("NCTV_MAX_MODEL_MB", DEFAULT_MAX_MODEL_MB, 0) * 1e6)
 
 
 def hub_datasets_allowed() -> bool:

@@ -11,39 +11,59 @@ from __future__ import annotations
 import tempfile
 import warnings
 import zipfile
+import zlib
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import gradio as gr
 
-from nctv.calibration.saving import CONFIG_NAME, TENSORS_NAME, ModelMismatchWarning, load_calibrator, read_config
+from nctv.calibration.saving import (CONFIG_NAME, FILE_CAPS, TENSORS_NAME, ModelMismatchWarning, load_calibrator,
+                                     read_config)
+from nctv.checks import env_limit
 from nctv.settings import DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import user_errors
 from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_model, ts_temperature_of
 
-#: Caps on a visitor's zip: its size, its unpacked size and its number of files.
-MAX_ZIP_BYTES = 50 * 2**20
-MAX_UNPACKED_BYTES = 200 * 2**20
-MAX_MEMBERS = 64
+#: Caps on a visitor's zip: its size, its unpacked size (bytes really decompressed, whatever the
+#: zip claims) and its number of files. Each file is also held to its own cap (saving.FILE_CAPS).
+MAX_ZIP_BYTES = env_limit("NCTV_MAX_ZIP_BYTES", 50 * 2**20)
+MAX_UNPACKED_BYTES = env_limit("NCTV_MAX_UNPACKED_BYTES", 200 * 2**20)
+MAX_MEMBERS = env_limit("NCTV_MAX_ZIP_MEMBERS", 64)
+# Stored and deflate are what Python's zipfile writes (the Calibrate tab's download is deflate). A
+# bzip2 or LZMA member can only be read by decompressing whole blocks at once, so a few hundred bytes
+# of them can expand to gigabytes before any count could stop them.
+#: Seconds a visitor's calibration (run or loaded) stays in the session after its last change; an open
+#: tab is never closed by itself, so without it every idle session would hold its δ for good. Its size
+#: is bounded too: load_calibrator holds δ to the model's input shape (3×224×224 float32: 0.6 MB).
+CALIBRATION_TTL_S = env_limit("NCTV_CALIBRATION_TTL_S", 3600)
+_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+_CHUNK = 2**20
 _NAMES = (CONFIG_NAME, TENSORS_NAME)
 
 
 def unpack(path: str | Path, into: Path) -> list[Path]:
-    """The calibrator folders of a zip, written under ``into``; ValueError for anything else."""
+    """The calibrator folders of a zip, written under ``into``; ValueError for anything else.
+
+    Members are streamed in chunks and their real bytes counted, so a member that claims fewer bytes
+    than it holds is stopped at its cap: memory never holds more than one chunk of it."""
     path = Path(path)
     if path.stat().st_size > MAX_ZIP_BYTES:
-        raise ValueError(f"The zip is larger than {MAX_ZIP_BYTES // 2**20} MB; a saved calibrator is far smaller.")
+        raise ValueError(f"The zip is larger than {_mb(MAX_ZIP_BYTES)}; a saved calibrator is far smaller.")
     if not zipfile.is_zipfile(path):
         raise ValueError("That file is not a zip. Load the calibrators.zip that the Calibrate tab offers for "
                          "download (or a zip of folders written by save_pretrained).")
-    with zipfile.ZipFile(path) as archive:
-        members = [m for m in archive.infolist() if not m.is_dir()]
-        _check_members(members)
-        for m in members:
-            target = into.joinpath(*PurePosixPath(m.filename).parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(archive.read(m))
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = [m for m in archive.infolist() if not m.is_dir()]
+            _check_members(members)
+            left = MAX_UNPACKED_BYTES
+            for m in members:
+                target = into.joinpath(*PurePosixPath(m.filename).parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                left -= _copy(archive, m, target, left)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise ValueError(f"The zip is damaged ({e}); download calibrators.zip from the Calibrate tab again.") from None
     folders = sorted({into.joinpath(*PurePosixPath(m.filename).parts).parent for m in members
                       if PurePosixPath(m.filename).name == CONFIG_NAME})
     if not folders:
@@ -51,13 +71,31 @@ def unpack(path: str | Path, into: Path) -> list[Path]:
     return folders
 
 
+def _copy(archive: zipfile.ZipFile, member: zipfile.ZipInfo, target: Path, left: int) -> int:
+    """Write one member to ``target`` chunk by chunk; its real size, refused past its cap or ``left``."""
+    name = PurePosixPath(member.filename).name
+    cap = min(FILE_CAPS[name], left)
+    written = 0
+    with archive.open(member) as source, target.open("wb") as sink:
+        while chunk := source.read(min(_CHUNK, cap - written + 1)):
+            written += len(chunk)
+            if written > cap:
+                what = f"{member.filename} unpacks" if cap == FILE_CAPS[name] else "The zip unpacks"
+                raise ValueError(f"{what} to more than {_mb(cap)}; that is no saved calibrator.")
+            sink.write(chunk)
+    return written
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:g} MB"
+
+
 def _check_members(members: list[zipfile.ZipInfo]) -> None:
     if len(members) > MAX_MEMBERS:
         raise ValueError(f"The zip holds {len(members)} files; a zip of saved calibrators holds at most "
                          f"{MAX_MEMBERS}.")
     if sum(m.file_size for m in members) > MAX_UNPACKED_BYTES:
-        raise ValueError(f"The zip unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MB; that is no saved "
-                         "calibrator.")
+        raise ValueError(f"The zip unpacks to more than {_mb(MAX_UNPACKED_BYTES)}; that is no saved calibrator.")
     for m in members:
         name = PurePosixPath(m.filename)
         if name.is_absolute() or ".." in name.parts or "\\" in m.filename or len(name.parts) > 3:
@@ -65,6 +103,15 @@ def _check_members(members: list[zipfile.ZipInfo]) -> None:
         if name.name not in _NAMES:
             raise ValueError(f"The zip holds {name.name!r}; a saved calibrator has only {CONFIG_NAME} and "
                              f"{TENSORS_NAME}.")
+        if m.compress_type not in _METHODS:
+            raise ValueError(f"{m.filename} is compressed with a method NCTV does not read (only "
+                             f"{' or '.join(_METHODS.values())}); zip the calibrator folders again with an "
+                             "ordinary zip tool, or use the Calibrate tab's download.")
+        # Stored data is as large as it says and deflate at most a little larger (5 bytes per 64 KB block of
+        # incompressible data): more compressed bytes than that hide more than the entry admits to.
+        if m.compress_size > m.file_size + m.file_size // 1000 + 64:
+            raise ValueError(f"{m.filename} holds more data than it claims ({m.file_size:,} bytes); the zip's sizes "
+                             "are false, so it was not made by NCTV or a zip tool.")
 
 
 def _model_of(configs: dict[Path, dict], state: Calibration | None) -> str:

@@ -4,7 +4,6 @@ and the per-visitor :class:`Calibration` that lives in a ``gr.State`` (no visito
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -15,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from nctv.checks import env_number as _env_number
 from nctv.data import DATASETS, allowed_folder, assets_dir
 
 from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available  # noqa: E402 - the app's default is the library's
@@ -40,20 +40,6 @@ def examples_dir() -> Path:
 
 DEFAULT_MAX_MODEL_MB = 500
 DEFAULT_MAX_MODELS = 3
-
-
-def _env_number(name: str, default: float, minimum: float, whole: bool = False) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < minimum or (whole and value != int(value)):
-        kind = "a whole number" if whole else "a number"
-        raise ValueError(f"The environment variable {name} must be {kind} ≥ {minimum:g}; it is {text!r}.")
-    return value
 
 
 def data_roots() -> list[Path]:

@@ -177,7 +177,7 @@ def flatten(img: PIL.Image.Image, background: tuple[int, int, int] = (0, 0, 0)) 
         # 16-bit files (PNG opens some as mode "I"); plain 8-bit values pass unchanged.
         img = PIL.Image.fromarray((arr >> 8 if arr.max(initial=0) > 255 else arr).clip(0, 255).astype(np.uint8))
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
+        rgba = img if img.mode == "RGBA" else img.convert("RGBA")  # convert() copies even to the same mode
         base = PIL.Image.new("RGBA", rgba.size, background + (255,))
         return PIL.Image.alpha_composite(base, rgba).convert("RGB")
     return img

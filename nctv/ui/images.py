@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import math
 from typing import Any
 
@@ -35,8 +36,8 @@ def inline_bytes(url: str) -> bytes:
     """The file inside a ``data:…;base64,…`` URL, its length checked before it is decoded."""
     header, _, encoded = url.partition(",")
     if len(encoded) > 4 * math.ceil(MAX_UPLOAD_BYTES / 3):
-        raise ImageError(f"The picture sent inline is about {len(encoded) * 3 / 4 / 1e6:,.0f} MB; this app accepts "
-                         f"at most {MAX_UPLOAD_BYTES / 1e6:,.0f} MB.")
+        raise ImageError(f"The picture sent inline is about {len(encoded) * 3 / 4 / 1e6:,.1f} MB; this app accepts "
+                         f"at most {MAX_UPLOAD_BYTES / 1e6:,.1f} MB.")
     if not header.endswith(";base64"):
         raise ImageError("A picture sent inline must be base64-encoded: data:image/png;base64,…")
     try:
@@ -45,16 +46,23 @@ def inline_bytes(url: str) -> bytes:
         raise ImageError("The picture sent inline is not valid base64.") from None
 
 
-def _as_message(e: Exception) -> gr.Error:
-    """A refusal for the page; decoder errors that the header check did not foresee included."""
-    if isinstance(e, ImageError):
-        return gr.Error(str(e), print_exception=False)
-    if isinstance(e, (PIL.Image.DecompressionBombError, PIL.Image.DecompressionBombWarning)):
-        return gr.Error("The image is too large for this app. Please shrink it.", print_exception=False)
-    if isinstance(e, PIL.UnidentifiedImageError):
-        return gr.Error("That file is not an image this app can read. Please upload a PNG, JPEG, WebP, BMP or GIF "
-                        "picture.", print_exception=False)
-    return gr.Error("The image could not be read. It may be damaged.", print_exception=False)
+@contextlib.contextmanager
+def _refusals():
+    """Any error while reading a picture becomes a refusal for the page: Gradio's own message would
+    show the upload's path on the server."""
+    try:
+        yield
+    except gr.Error:
+        raise
+    except ImageError as e:
+        raise gr.Error(str(e), print_exception=False) from None
+    except PIL.Image.DecompressionBombError:
+        raise gr.Error("The image is too large for this app. Please shrink it.", print_exception=False) from None
+    except PIL.UnidentifiedImageError:
+        raise gr.Error("That file is not an image this app can read. Please upload a PNG, JPEG, WebP, BMP or GIF "
+                       "picture.", print_exception=False) from None
+    except Exception:  # noqa: BLE001 - whatever the decoder met, the person gets one sentence
+        raise gr.Error("The image could not be read. It may be damaged.", print_exception=False) from None
 
 
 class CheckedImage(gr.Image):
@@ -66,7 +74,7 @@ class CheckedImage(gr.Image):
     def preprocess(self, payload: ImageData | None) -> Any:  # noqa: D401 - Gradio hook
         if payload is None:
             return None
-        try:
+        with _refusals():
             if payload.url and payload.url.startswith("data:"):
                 data = inline_bytes(payload.url)
                 with open_checked(data, "The picture sent inline") as img:
@@ -77,8 +85,6 @@ class CheckedImage(gr.Image):
             elif payload.path:
                 open_checked(payload.path, "The uploaded file").close()
             return super().preprocess(payload)
-        except (ImageError, OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombWarning) as e:
-            raise _as_message(e) from None
 
 
 class CheckedSketchpad(gr.Sketchpad):
@@ -92,13 +98,11 @@ class CheckedSketchpad(gr.Sketchpad):
     def accept_blobs(self, data: Any) -> None:
         """Where the browser sends a drawing's parts before the event that reads them."""
         blob = data.files[0][1] if data.files else b""
-        try:
+        with _refusals():
             if len(blob) > MAX_UPLOAD_BYTES:
-                raise ImageError(f"The drawing is {len(blob) / 1e6:,.0f} MB; this app accepts at most "
-                                 f"{MAX_UPLOAD_BYTES / 1e6:,.0f} MB.")
+                raise ImageError(f"The drawing is {len(blob) / 1e6:,.1f} MB; this app accepts at most "
+                                 f"{MAX_UPLOAD_BYTES / 1e6:,.1f} MB.")
             open_checked(blob, "The drawing").close()
-        except (ImageError, OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombWarning) as e:
-            raise _as_message(e) from None
         super().accept_blobs(data)
         while len(self.blob_storage) > 1 and _stored_bytes(self.blob_storage) > PENDING_DRAWING_BYTES:
             self.blob_storage.pop(next(iter(self.blob_storage)))
@@ -106,14 +110,12 @@ class CheckedSketchpad(gr.Sketchpad):
     def preprocess(self, payload: Any) -> Any:  # noqa: D401 - Gradio hook
         if payload is None:
             return None
-        try:
+        with _refusals():
             total = sum(_header_bytes(part) for part in self._parts(payload))
             if total > MAX_IMAGE_BYTES:
                 raise ImageError(f"The drawing's layers would take {total / 1e6:,.0f} MB once decoded; this app "
                                  f"accepts at most {MAX_IMAGE_BYTES / 1e6:,.0f} MB.")
             return super().preprocess(payload)
-        except (ImageError, OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombWarning) as e:
-            raise _as_message(e) from None
 
     def _parts(self, payload: Any) -> list:
         """Every picture of a drawing, as a path or bytes (what Gradio's own preprocessing decodes)."""

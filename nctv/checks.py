@@ -65,7 +65,7 @@ def check_logits_labels(logits: Any, labels: Any) -> tuple[torch.Tensor, torch.T
 def check_bins(n_bins: int) -> int:
     """A bin count >= 1. More bins than samples is allowed: the metrics define empty bins (they add 0)."""
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive whole number; got {n_bins!r}.")
+        raise ValueError(f"n_bins must be a positive whole number; got {shown(n_bins)}.")
     return int(n_bins)
 
 
@@ -73,23 +73,23 @@ def check_nonnegative(value: float, name: str) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number; got {value!r}.") from None
+        raise ValueError(f"{name} must be a number; got {shown(value)}.") from None
     if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be a finite number >= 0; got {value!r}.")
+        raise ValueError(f"{name} must be a finite number >= 0; got {shown(value)}.")
     return v
 
 
 def check_positive(value: float, name: str) -> float:
     v = check_nonnegative(value, name)
     if v == 0:
-        raise ValueError(f"{name} must be greater than 0; got {value!r}.")
+        raise ValueError(f"{name} must be greater than 0; got {shown(value)}.")
     return v
 
 
 def check_whole(value: Any, name: str, minimum: int = 1) -> int:
     """A whole number (not a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be a whole number >= {minimum}; got {value!r}.")
+        raise ValueError(f"{name} must be a whole number >= {minimum}; got {shown(value)}.")
     return int(value)
 
 
@@ -122,8 +122,8 @@ def check_at_most(value: Any, name: str, maximum: float, why: str = "") -> float
     """A finite number in [0, ``maximum``]; ``why`` (a clause) says where the bound comes from."""
     v = check_nonnegative(value, name)
     if v > maximum:
-        shown = f"{maximum:,.0f}" if maximum == int(maximum) else f"{maximum:g}"
-        raise ValueError(f"{name} must be at most {shown}{f' ({why})' if why else ''}; got {value!r}.")
+        bound = f"{maximum:,.0f}" if maximum == int(maximum) else f"{maximum:g}"
+        raise ValueError(f"{name} must be at most {bound}{f' ({why})' if why else ''}; got {shown(value)}.")
     return v
 
 
@@ -145,7 +145,7 @@ def env_number(name: str, default: float, minimum: float, whole: bool = False) -
         value = math.nan
     if not math.isfinite(value) or value < minimum or (whole and value != int(value)):
         kind = "a whole number" if whole else "a number"
-        raise ValueError(f"The environment variable {name} must be {kind} ≥ {minimum:g}; it is {text!r}.")
+        raise ValueError(f"The environment variable {name} must be {kind} ≥ {minimum:g}; it is {shown(text)}.")
     return value
 
 
@@ -164,13 +164,13 @@ SEED_MAX = 2**32 - 1
 def check_finite(value: Any, name: str) -> float:
     """A real number (not a bool) that is finite: neither NaN nor ±infinity, nor too large for a float."""
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number; got {value!r}.")
+        raise ValueError(f"{name} must be a number; got {shown(value)}.")
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be a finite number; got {value!r}.") from None
+        raise ValueError(f"{name} must be a finite number; got {shown(value)}.") from None
     if not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number; got {value!r}.")
+        raise ValueError(f"{name} must be a finite number; got {shown(value)}.")
     return v
 
 
@@ -178,8 +178,33 @@ def check_whole_range(value: Any, name: str, minimum: int, maximum: int) -> int:
     """A whole number in [``minimum``, ``maximum``]."""
     v = check_whole(value, name, minimum)
     if v > maximum:
-        raise ValueError(f"{name} must be at most {maximum:,}; got {value!r}.")
+        raise ValueError(f"{name} must be at most {maximum:,}; got {shown(value)}.")
     return v
+
+
 #: Finest temperature grid step a command accepts (the paper's finest is 0.001): T = step … 5 then
 #: has 5 million points; finer grids only cost memory and time.
 GRID_STEP_MIN = 1e-6
+
+
+#: Characters of a person's value that a message repeats; the rest becomes "…".
+ECHO_CHARS = 80
+#: Longest typed value (a model id, a dataset name, a setting) accepted; longer ones are refused
+#: before any work is done on them. ``$NCTV_MAX_TEXT_CHARS``.
+MAX_TEXT_CHARS = int(env_number("NCTV_MAX_TEXT_CHARS", 1000, 1, whole=True))
+
+
+def shown(value: Any, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters with "…": a value sent to a
+    public server may be megabytes long, and a message repeats only enough of it to recognise."""
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + "…"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def check_text(value: Any, name: str) -> Any:
+    """``value`` unchanged unless it is a string longer than :data:`MAX_TEXT_CHARS`."""
+    if isinstance(value, str) and len(value) > MAX_TEXT_CHARS:
+        raise ValueError(f"{name} is {len(value):,} characters long; at most {MAX_TEXT_CHARS:,} are accepted.")
+    return value

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from nctv.checks import check_text, shown
 from nctv.hub import hub_file
 from nctv.inference import DEFAULT_BATCH_SIZE
 from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available
@@ -646,7 +647,7 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
     ``folder_roots`` unless it is None (see :func:`allowed_folder`)."""
     if not isinstance(dataset, str) or not dataset.strip():
         raise ValueError(f"A dataset is named by a string; known: {', '.join(dataset_names())}.")
-    name = dataset.strip()
+    name = check_text(dataset, "The dataset name").strip()
     if name == "fashion-mnist":
         return _fashion_mnist_pools()
     if name == "bloodmnist":
@@ -662,7 +663,7 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
             "ImageNet cannot be downloaded automatically. Use dataset='folder:/path/to/imagenet/val' (synset "
             "folders) or dataset='hf-dataset:ILSVRC/imagenet-1k@validation' with your Hub token."
         )
-    raise ValueError(f"Unknown dataset {name!r}; known: {', '.join(dataset_names())}.")
+    raise ValueError(f"Unknown dataset {shown(name)}; known: {', '.join(dataset_names())}.")
 
 
 # ----------------------------------------------------------------------------- get_splits

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from timm.models import register_model
 
+from nctv.checks import check_text, shown
 from nctv.data import assets_dir, image_mode, make_preprocess
 from nctv.hub import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, HubOfflineError, model_card, model_folder
 from nctv.inference import freeze, resolve_device
@@ -118,7 +119,7 @@ def get_entry(name: str) -> ZooEntry:
 
 def _unknown_message(name: Any) -> str:
     return (
-        f"Unknown model {name!r}. Known names: {', '.join(ENTRIES)}. Any timm model on the Hugging Face Hub "
+        f"Unknown model {shown(name)}. Known names: {', '.join(ENTRIES)}. Any timm model on the Hugging Face Hub "
         "also works as 'hf-hub:<org>/<name>', and a folder with config.json + model.safetensors as "
         "'local-dir:<path>'."
     )
@@ -182,7 +183,7 @@ def parse_model_id(name_or_id: str) -> tuple[ModelSource, ZooEntry | None]:
     """
     if not isinstance(name_or_id, str) or not name_or_id.strip():
         raise ValueError(_unknown_message(name_or_id))
-    text = name_or_id.strip()
+    text = check_text(name_or_id, "The model name").strip()
     entry = ENTRIES.get(text)
     if entry is not None:
         text = entry.source
@@ -199,9 +200,9 @@ def parse_model_id(name_or_id: str) -> tuple[ModelSource, ZooEntry | None]:
 def _hub_source(text: str) -> ModelSource:
     repo, _, revision = text.strip().partition("@")
     if not _REPO_ID.fullmatch(repo) or ".." in repo or "--" in repo:
-        raise ValueError(f"'{repo}' is not a valid Hugging Face model id; it looks like <org>/<name>, e.g. timm/resnet18.a1_in1k.")
+        raise ValueError(f"{shown(repo)} is not a valid Hugging Face model id; it looks like <org>/<name>, e.g. timm/resnet18.a1_in1k.")
     if revision and (not _REVISION.fullmatch(revision) or ".." in revision):
-        raise ValueError(f"'{revision}' is not a valid revision (a branch, tag or commit hash).")
+        raise ValueError(f"{shown(revision)} is not a valid revision (a branch, tag or commit hash).")
     return ModelSource("hf-hub", repo, revision or None)
 
 

@@ -34,9 +34,10 @@ from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn, state, try_image
-from nctv.ui.common import SERVER_PATH, Worker, parse_gamma, parse_weight_decay, parse_whole, user_errors
-from nctv.images import MAX_PIXELS, ImageError, match_channels, to_pil
-from nctv.ui.images import CheckedImage
+from nctv.ui import images as ui_images
+from nctv.ui.common import SERVER_PATH, Worker, parse_gamma, parse_weight_decay, parse_whole, redact, user_errors
+from nctv.images import MAX_PIXELS, ImageError, decoded_bytes, match_channels, to_pil
+from nctv.ui.images import CheckedImage, CheckedSketchpad
 from nctv.training import train_classifier
 from nctv.zoo import DEFAULT_MODEL
 
@@ -525,6 +526,80 @@ def test_checked_image_turns_decoder_errors_into_messages(tmp_path):
     ok = tmp_path / "ok.png"
     Image.new("L", (5, 4), 7).save(ok)
     assert comp.preprocess(ImageData(path=str(ok), orig_name="ok.png")) == str(ok)
+
+
+def test_pictures_are_measured_in_decoded_bytes_from_their_header(tmp_path):
+    from test_hostile_http import png
+
+    deep = tmp_path / "deep.png"
+    deep.write_bytes(png(4000, 4000, 16, 6))  # 16 megapixels, 8 bytes each: 128 MB
+    with Image.open(deep) as img:
+        assert decoded_bytes(img) == 4000 * 4000 * 8
+    with pytest.raises(ImageError, match="128 MB once decoded .* 4 channels of 16 bits.*at most 120 MB"):
+        to_pil(str(deep))
+    flat = tmp_path / "flat.png"
+    flat.write_bytes(png(4000, 4000, 8, 6))  # the same picture in 8 bits: 64 MB
+    assert to_pil(str(flat)).size == (4000, 4000)
+    grey = tmp_path / "grey.png"
+    grey.write_bytes(png(30, 20, 16, 0))
+    with Image.open(grey) as img:
+        assert decoded_bytes(img) == 30 * 20 * 2
+
+
+def test_inline_pictures_are_capped_before_decoding_and_kept_as_sent():
+    import base64
+
+    from gradio.data_classes import ImageData
+    from test_hostile_http import png
+
+    comp = CheckedImage(type="filepath", image_mode=None, render=False)
+    small = png(30, 20, 8, 0)
+    path = comp.preprocess(ImageData(url="data:image/png;base64," + base64.b64encode(small).decode()))
+    assert Path(path).read_bytes() == small and path in comp.temp_files  # not re-encoded; deleted with uploads
+    assert ui_images.MAX_UPLOAD_BYTES == 25 * 2**20
+    over = "data:image/png;base64," + "A" * (4 * 10**7)  # 30 MB once decoded
+    with pytest.raises(gr.Error, match="sent inline is about 30.0 MB; this app accepts at most 26.2 MB"):
+        comp.preprocess(ImageData(url=over))
+    with pytest.raises(gr.Error, match="not valid base64"):
+        comp.preprocess(ImageData(url="data:image/png;base64,%%%%"))
+
+
+def test_drawings_waiting_to_be_read_are_bounded(monkeypatch):
+    from gradio.components.image_editor import AcceptBlobs
+    from test_hostile_http import png
+
+    sketch = CheckedSketchpad(type="numpy", image_mode="RGB", render=False)
+    blob = png(28, 28, 8, 2)
+    monkeypatch.setattr(ui_images, "PENDING_DRAWING_BYTES", 2 * len(blob))
+    for i in range(5):
+        sketch.accept_blobs(AcceptBlobs(data={"type": "composite", "index": None, "file": b"", "id": str(i)},
+                                        files=[("blob", blob)]))
+    assert list(sketch.blob_storage) == ["3", "4"]  # the newest, within the bound
+    with pytest.raises(gr.Error, match="8900 × 8900 pixels"):
+        sketch.accept_blobs(AcceptBlobs(data={"type": "composite", "index": None, "file": b"", "id": "x"},
+                                        files=[("blob", png(8900, 8900, 8, 0))]))
+    drawing = sketch.preprocess(sketch.data_model(id="4"))
+    assert drawing["composite"].shape == (28, 28, 3)
+
+
+def test_long_values_are_refused_or_quoted_only_in_part(monkeypatch):
+    from nctv.data import load_pools
+    from nctv.zoo import parse_model_id
+
+    with pytest.raises(ValueError, match="^Focal-loss gamma \\(γ\\) is 5,000 characters long; at most 1,000"):
+        parse_gamma("1" * 5000)
+    with pytest.raises(ValueError, match="^The model name is 2,000 characters long"):
+        parse_model_id("m" * 2000)
+    with pytest.raises(ValueError) as e:
+        parse_whole("y" * 900, "Seed")
+    assert str(e.value) == "Seed must be a whole number; got '" + "y" * 80 + "'…."
+    with pytest.raises(ValueError) as e:
+        load_pools("q" * 900)
+    assert str(e.value).startswith("Unknown dataset '" + "q" * 80 + "'…; known:") and "q" * 81 not in str(e.value)
+    # Gradio's upload folder is a server folder wherever it is; a message is never longer than 600.
+    monkeypatch.setenv("GRADIO_TEMP_DIR", "/srv/gradio-uploads")
+    assert redact("see /srv/gradio-uploads/ab12/x.png") == f"see {SERVER_PATH}/ab12/x.png"
+    assert len(redact("z" * 10**6)) == 601
 
 
 def test_channel_conversion_both_ways():

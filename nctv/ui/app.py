@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
+from starlette.middleware import Middleware
 
-from nctv.checks import GAMMA_MAX, WEIGHT_DECAY_MAX
+from nctv.checks import GAMMA_MAX, MAX_TEXT_CHARS, WEIGHT_DECAY_MAX
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
@@ -23,7 +24,8 @@ from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.ui.common import HEAVY, on_gpu
-from nctv.ui.images import MAX_FILE_SIZE, CheckedImage
+from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
+from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.state import (
     DEFAULT_BINS,
@@ -148,7 +150,7 @@ def _shared_panel() -> Shared:
         with gr.Row():
             model = gr.Dropdown(model_choices(), value=DEFAULT_MODEL, label="Model", scale=2)
             hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
-                                placeholder="e.g. timm/resnet18.a1_in1k", scale=2)
+                                placeholder="e.g. timm/resnet18.a1_in1k", scale=2, max_length=MAX_TEXT_CHARS)
             dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
                                   label="Calibration pool (dataset)", scale=2, info=dataset_hint())
         with gr.Row():
@@ -187,7 +189,7 @@ def _nc_controls(gamma: bool = True, init: bool = True):
             out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
         out["fitter"] = gr.Radio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
         out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
-        out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)",
+        out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
                                info="default = the recipe's own (paper 0.001, toolkit 0.01); or above 0, at most 10")
     return out
 
@@ -302,10 +304,11 @@ def _try_tab(state: gr.State):
                     gr.Examples([[p] for p in examples], inputs=[image], label="Or pick a shipped example",
                                 examples_per_page=12, cache_examples=False, api_visibility="private")
             with gr.Tab("Draw"):
-                sketch = gr.Sketchpad(label="Draw a piece of clothing (white on black)", type="numpy",
-                                      image_mode="RGB", canvas_size=(280, 280), value=_black_canvas(),
-                                      brush=gr.Brush(colors=["#ffffff", "#bbbbbb", "#777777"], default_color="#ffffff",
-                                                     default_size=14), height=320, elem_id="try-sketch")
+                sketch = CheckedSketchpad(label="Draw a piece of clothing (white on black)", type="numpy",
+                                          image_mode="RGB", canvas_size=(280, 280), value=_black_canvas(),
+                                          brush=gr.Brush(colors=["#ffffff", "#bbbbbb", "#777777"],
+                                                         default_color="#ffffff", default_size=14),
+                                          height=320, elem_id="try-sketch")
                 draw_btn = gr.Button("Classify the drawing", variant="primary")
             upload = gr.UploadButton("Load saved calibrators (.zip)", file_types=[".zip"], file_count="single",
                                      size="sm", elem_id="try-load-calibrator")
@@ -374,7 +377,8 @@ def _initial_learn():
 
 def build_app() -> gr.Blocks:
     """The whole app (not launched). Initial values come from the shipped pre-computed result."""
-    with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(3600, 24 * 3600)) as demo:
+    # Uploads are deleted once UPLOAD_KEEP_S old, looked for every third of that.
+    with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(UPLOAD_KEEP_S // 3, UPLOAD_KEEP_S)) as demo:
         state = gr.State(None, time_to_live=CALIBRATION_TTL_S)  # this visitor's latest Calibration
         gr.Markdown(INTRO)
         shared = _shared_panel()
@@ -417,7 +421,7 @@ def warm_up() -> None:
 
 def launch(demo: gr.Blocks | None = None, **overrides: Any):
     """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
-    (default 7860), with the upload cap and error display the app relies on."""
+    (default 7860), with the upload and request caps and error display the app relies on."""
     demo = demo or build_app()
     threading.Thread(target=warm_up, name="nctv-warm-up", daemon=True).start()
     port = os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or "7860"
@@ -425,7 +429,8 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
         server_port=int(port),
         show_error=True,
-        max_file_size=MAX_FILE_SIZE,
+        max_file_size=MAX_UPLOAD_BYTES,
+        app_kwargs={"middleware": [Middleware(RequestGuard)]},
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
         css=APP_CSS,

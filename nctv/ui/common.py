@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import GAMMA_MAX, LR_MAX, WEIGHT_DECAY_MAX, number_or_word
+from nctv.checks import GAMMA_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_text, number_or_word, shown
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -52,27 +52,37 @@ _ONE_WORKER = threading.Lock()
 
 
 SERVER_PATH = "[server folder]"
+#: Longest message a visitor sees: a library message quoting a visitor's value, or a framework's,
+#: is cut there (the values themselves are cut shorter where they are quoted, see ``nctv.checks.shown``).
+MAX_MESSAGE_CHARS = 600
 
 
 def _server_folders() -> list[str]:
     """Folders of this server that messages may name, longest first (so a cache inside the home
     folder goes as a whole)."""
+    from gradio.utils import get_upload_folder
     from huggingface_hub import constants
 
     from nctv.data import assets_dir, cache_dir
 
     folders = [Path.home(), cache_dir(), Path(constants.HF_HOME), Path(constants.HF_HUB_CACHE), assets_dir(),
-               Path(__file__).resolve().parents[2], Path(sys.prefix), Path(tempfile.gettempdir())]
+               Path(__file__).resolve().parents[2], Path(sys.prefix), Path(tempfile.gettempdir()),
+               Path(get_upload_folder())]
     names = {str(f) for f in folders} | {str(f.resolve()) for f in folders}
     return sorted((n for n in names if len(Path(n).parts) > 1), key=len, reverse=True)  # "/" names nothing
 
 
 def redact(text: str) -> str:
-    """``text`` with every server folder (see :func:`_server_folders`) replaced by :data:`SERVER_PATH`."""
+    """``text`` with every server folder (see :func:`_server_folders`) replaced by :data:`SERVER_PATH`,
+    cut to :data:`MAX_MESSAGE_CHARS`."""
+    # Cut before the search too (a quoted value of megabytes costs seconds there), with room for a
+    # folder that straddles the cut to be found whole.
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: 2 * MAX_MESSAGE_CHARS]
     for folder in _server_folders():
         # Whole path components only: "/app" is hidden in "/app/x", not in "org/app" or "/apple".
         text = re.sub(r"(?<![\w.\-])" + re.escape(folder) + r"(?![\w\-]|\.[\w\-])", SERVER_PATH, text)
-    return text
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "…"
 
 
 def _message(exc: BaseException) -> gr.Error:
@@ -286,12 +296,13 @@ def export_dir(prefix: str) -> Path:
 
 def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
     """A whole number from a form field, or a ValueError naming the field."""
+    check_text(value, name)
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a whole number; got {value!r}.") from None
+        raise ValueError(f"{name} must be a whole number; got {shown(value)}.") from None
     if not math.isfinite(f) or f != int(f):
-        raise ValueError(f"{name} must be a whole number; got {value!r}.")
+        raise ValueError(f"{name} must be a whole number; got {shown(value)}.")
     n = int(f)
     if n < minimum or (maximum is not None and n > maximum):
         upper = f" and at most {maximum}" if maximum is not None else ""
@@ -301,10 +312,11 @@ def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = N
 
 def parse_gamma(value: Any, name: str = "Focal-loss gamma") -> float | str:
     """``"auto"`` or a γ in [0, GAMMA_MAX] from a form field."""
+    check_text(value, f"{name} (γ)")
     parsed = "auto" if value is None else number_or_word(value, ("", "auto"))
     if parsed is None or (isinstance(parsed, float) and parsed > GAMMA_MAX):
         raise ValueError(f"{name} (γ) must be a number from 0 to {GAMMA_MAX:g} (the paper uses 0 to 5) or 'auto'; "
-                         f"got {value!r}.")
+                         f"got {shown(value)}.")
     return "auto" if parsed == "" else parsed
 
 
@@ -313,22 +325,24 @@ def parse_weight_decay(value: Any) -> float | str | None:
     number from 0 to WEIGHT_DECAY_MAX."""
     from nctv.calibration.clamping import WEIGHT_DECAY_RULES
 
+    check_text(value, "Weight decay (λ)")
     parsed = None if value is None else number_or_word(value, ("", "default", *WEIGHT_DECAY_RULES))
     if value is None or parsed in ("", "default"):
         return None
     if parsed is None or (isinstance(parsed, float) and parsed > WEIGHT_DECAY_MAX):
         raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:,.0f}, 'default', or one of "
-                         f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {value!r}.")
+                         f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {shown(value)}.")
     return parsed
 
 
 def parse_lr(value: Any) -> float | None:
     """A recipe's learning rate from the form: None for "default" (the recipe's own), else a number
     in (0, LR_MAX]."""
+    check_text(value, "The learning rate")
     parsed = None if value is None else number_or_word(value, ("", "default"))
     if value is None or parsed in ("", "default"):
         return None
     if not isinstance(parsed, float) or not 0 < parsed <= LR_MAX:
         raise ValueError(f"The learning rate must be 'default' (the recipe's own: 0.001 for the paper, 0.01 for the "
-                         f"toolkit) or a number above 0 and at most {LR_MAX:g}; got {value!r}.")
+                         f"toolkit) or a number above 0 and at most {LR_MAX:g}; got {shown(value)}.")
     return parsed

@@ -82,3 +82,13 @@ def test_hostile_or_wrong_zips_are_refused_in_words(run_and_zip, tmp_path):
     text.write_text("not a zip")
     with pytest.raises(gr.Error, match="not a zip"):
         load_calibrators(str(text), None)
+
+
+def test_the_visitors_calibration_expires_from_the_session():
+    from nctv.ui.app import build_app
+    from nctv.ui.upload_calibrator import CALIBRATION_TTL_S
+
+    # Gradio drops a closed tab's state by itself; an open, idle tab's only by its time to live.
+    states = [b for b in build_app().blocks.values() if isinstance(b, gr.State)]
+    assert any(s.time_to_live == CALIBRATION_TTL_S for s in states)
+    assert not [s for s in states if s.time_to_live == float("inf")]

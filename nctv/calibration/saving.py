@@ -338,15 +338,16 @@ class _Expected:
 
     @staticmethod
     def _grid_length(params: dict) -> int:
-        step, t_max = params["grid_step"], params["t_max"]
-        ratio = check_finite(t_max, "t_max") / check_finite(step, "grid_step") if step else math.inf
-        if not (math.isfinite(ratio) and ratio >= 1 and step > 0):
+        step, t_max = check_finite(params["grid_step"], "grid_step"), check_finite(params["t_max"], "t_max")
+        ratio = t_max / step if step > 0 else -1.0  # a tiny step makes it inf, not an error
+        if not (math.isfinite(ratio) and ratio >= 1):
             raise ValueError(f"The calibrator's temperature grid (grid_step {step!r}, t_max {t_max!r}) is not a grid "
-                             "of positive temperatures.")
+                             "of positive temperatures a computer can hold.")
         return int(math.floor(ratio * (1 + 1e-12)))  # as temperature_grid counts it
 
-    def problem(self, path: tuple[str, ...], shape: list[int], header: dict) -> str | None:
-        """What is wrong with a tensor of ``shape`` named at ``path`` (None: nothing)."""
+    def problem(self, path: tuple[str, ...], shape: list[int], shapes: dict[tuple[str, ...], list]) -> str | None:
+        """What is wrong with a tensor of ``shape`` named at ``path`` (None: nothing); ``shapes``: those of
+        all the calibrator's tensors, by path."""
         key = path[1] if len(path) > 1 else ""
         if path[0] == "fitted" and key == "delta_":
             if self.input_shape is not None:
@@ -359,28 +360,23 @@ class _Expected:
             return None if fits and math.prod(shape) <= MAX_INPUT_VALUES else \
                 f"a shape that broadcasts to one model input{f' {list(self.input_shape)}' if self.input_shape else ''}"
         if path[0] == "fitted" and key in ("weight_", "bias_"):
-            k = self.classes or self._bias_length(header)
+            bias = shapes.get(("fitted", "bias_"))  # K, when no model says it (logit calibrators need none)
+            known = isinstance(bias, list) and len(bias) == 1 and isinstance(bias[0], int) and bias[0] >= 2
+            k = self.classes or (bias[0] if known else None)
             if k is None:
                 return "[K] with K >= 2 classes" if key == "bias_" else "[K, K], K the length of bias_"
             want = [k, k] if key == "weight_" else [k]
             return None if shape == want else f"{want} ({k} classes)"
         if path[0] == "fitted" and key in ("grid_", "ece_grid_"):
-            return None if self.grid is not None and shape == [self.grid] else \
-                f"[{self.grid}] (the grid its grid_step and t_max give)"
+            if self.grid is None:
+                return "none: it has no grid_step and t_max"
+            return None if shape == [self.grid] else f"[{self.grid}] (the grid its grid_step and t_max give)"
         if path[0] == "fitted" and key in ("cv_nll_",) + _FLAGS:
             return None if shape == self.cv else f"{self.cv} (one row per lambda, one column per mu)"
         if path[0] == "params":
             return None if len(shape) <= 1 and math.prod(shape) <= _MAX_SETTING_VALUES else \
                 f"a list of at most {_MAX_SETTING_VALUES:,} numbers"
         return "none: NCTV saves no such tensor"
-
-    @staticmethod
-    def _bias_length(header: dict) -> int | None:
-        """K from the file's bias_, when no model says it (logit calibrators load without one)."""
-        names = [n for n, v in header.items() if v.get("shape") is not None and n.endswith("bias_")]
-        shape = header[names[0]]["shape"] if len(names) == 1 else None
-        return shape[0] if isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) \
-            and shape[0] >= 2 else None
 
 
 def _read_header(path: Path) -> dict:
@@ -419,8 +415,9 @@ def _read_tensors(path: Path, references: dict[str, tuple], expected: _Expected)
     if extra:
         raise ValueError(f"{path} holds tensors that config.json does not name ({', '.join(map(repr, extra[:3]))}); "
                          "it was not written by save_pretrained.")
+    shapes = {where: header[name].get("shape") for name, (where, _) in references.items()}
     for name, (where, is_numpy) in references.items():
-        dtype, shape = header[name].get("dtype"), header[name].get("shape")
+        dtype, shape = header[name].get("dtype"), shapes[where]
         if not isinstance(shape, list) or not all(isinstance(v, int) and v >= 0 for v in shape):
             raise ValueError(f"{path}: the tensor {name!r} has no valid shape; save the calibrator again.")
         kinds = ("BOOL",) if where[-1] in _FLAGS else _NUMPY_FLOATS if is_numpy else _FLOATS
@@ -428,7 +425,7 @@ def _read_tensors(path: Path, references: dict[str, tuple], expected: _Expected)
             raise ValueError(f"The calibrator's {'.'.join(where)} is stored as {dtype}; it must hold "
                              f"{'true/false values' if kinds == ('BOOL',) else 'floating-point numbers'}. It was not "
                              "written by save_pretrained.")
-        wrong = expected.problem(where, shape, header)
+        wrong = expected.problem(where, shape, shapes)
         if wrong:
             raise ValueError(f"The calibrator's {'.'.join(where)} has shape {shape}; it must have {wrong}. It does "
                              "not belong to this model: load the calibrator saved for it.")

@@ -66,7 +66,7 @@ def test_delta_image_data_in_pixel_units():
     assert d.difference[0, 0, 0] == pytest.approx(0.0)  # clipped: already white
     np.testing.assert_allclose(d.combined, d.delta.mean(0))
     assert d.limit == pytest.approx(np.abs(d.delta).max())
-    assert d.channel_names == ("R", "G", "B")
+    assert d.channel_names == ("red", "green", "blue")
 
 
 def test_delta_image_data_errors():

@@ -386,8 +386,8 @@ def delta_sentence(data: DeltaImageData) -> str:
              else f" (in the {data.channel_names[int(np.unravel_index(size.argmax(), size.shape)[0])]} channel)")
     levels = "grey levels" if data.channel_names == ("brightness",) else "levels"
     return (f"δ is one small pattern added to every picture before the model sees it; its largest change is "
-            f"{largest:.1f} of 255 {levels}{where}, {100 * largest / 255:.1f} % of the image's range, and its "
-            f"average change is {float(size.mean()):.2f}.")
+            f"{largest:.1f} of 255 {levels}{where}, {100 * largest / 255:.1f} % of the image's range, and on "
+            f"average it changes a pixel by {float(size.mean()):.1f} {levels}.")
 
 
 def _to_numpy(x: Any) -> np.ndarray:

@@ -219,7 +219,8 @@ def delta_view(data: Any, effect: str = "") -> str:
 
     c, h, w = data.delta.shape
     names = data.channel_names
-    what = "brightness" if names == ("brightness",) else "colour"
+    what, reading = (("Brightness", "lighter = brighter, darker = dimmer") if names == ("brightness",) else
+                     ("Colour", "lighter = brighter, a tint = more of that colour"))
     channels = "" if len(names) == 1 else f" Channels: {', '.join(names)}."
     radios = "".join(f'<label><input type="radio" name="nctv-amplify" value="{k}"{" checked" if k == 1 else ""}>'
                      f'×{k}{" (true size)" if k == 1 else ""}</label>' for k in AMPLIFICATIONS)
@@ -238,8 +239,9 @@ def delta_view(data: Any, effect: str = "") -> str:
             f'<canvas data-panel="input" width="{w}" height="{h}"></canvas></figure>'
             f'<figure><figcaption data-caption="blend">Picture + δ × 1</figcaption>'
             f'<canvas data-panel="blend" width="{w}" height="{h}"></canvas></figure>'
-            f'<figure><figcaption data-caption="change">The {what} change δ × 1 (mid-grey = no change, lighter = '
-            f'brighter)</figcaption><canvas data-panel="change" width="{w}" height="{h}"></canvas></figure></div>'
+            f'<figure><figcaption data-caption="change">{what} change δ × 1</figcaption>'
+            f'<canvas data-panel="change" width="{w}" height="{h}"></canvas></figure></div>'
+            f'<p class="nctv-delta-reading">{what} change: mid-grey = no change; {reading}.</p>'
             f'<p class="nctv-delta-scale">At ×1 the largest change is {largest:.1f} of 255 levels.</p>'
             + (f'<p class="nctv-delta-effect">{html.escape(effect)}</p>' if effect else "") + '</div>')
 
@@ -308,10 +310,10 @@ DELTA_CSS = """
 .nctv-blend { flex-wrap:wrap; }
 .nctv-blend input { width:160px; }
 .nctv-panels { display:flex; flex-wrap:wrap; gap:12px; }
-.nctv-panels figure { flex:1 1 130px; max-width:240px; margin:0; }
+.nctv-panels figure { flex:0 0 auto; width:calc((100% - 24px) / 3); min-width:130px; max-width:240px; margin:0; }
 .nctv-panels figcaption { font-size:0.9em; line-height:1.3; margin-bottom:4px; min-height:2.6em; }
 .nctv-panels canvas { width:100%; height:auto; image-rendering:pixelated; border:1px solid rgba(128,128,128,0.4); }
-.nctv-delta-scale, .nctv-delta-effect { margin:8px 0 0 0; font-size:0.9em; }
+.nctv-delta-reading, .nctv-delta-scale, .nctv-delta-effect { margin:6px 0 0 0; font-size:0.9em; }
 """
 
 

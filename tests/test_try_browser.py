@@ -4,6 +4,7 @@ the page (positions, computed styles, text, canvas pixels) is checked against wh
 the shipped calibration say. Screenshots go to test-artifacts/."""
 import html
 import json
+import os
 import re
 
 import numpy as np
@@ -14,8 +15,8 @@ from PIL import Image
 from test_browser import ARTIFACTS, CHROMIUM, boxes_overlap, browser, open_app  # noqa: F401 - browser: a fixture
 from nctv.ui import state, try_image
 
-pytestmark = [pytest.mark.browser, pytest.mark.skipif(
-    not __import__("os").path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
 SIZES = [(390, 844), (1280, 720), (1400, 1000)]
 
 #: Every visible piece of text in ``root`` as the boxes of its lines ({node, text, x, y, width, height}).

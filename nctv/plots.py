@@ -352,8 +352,7 @@ def delta_image_data(
         raise ValueError(f"δ has {c} channel(s) but the normalisation has {len(s)} std value(s); they must match.")
     if np.any(s <= 0):
         raise ValueError("Normalisation std values must be positive.")
-    names = tuple(channel_names) if channel_names is not None else (
-        ("R", "G", "B") if c == 3 else ("grey",) if c == 1 else tuple(f"channel {i}" for i in range(c)))
+    names = tuple(channel_names) if channel_names is not None else default_channel_names(c)
     if len(names) != c:
         raise ValueError(f"{len(names)} channel names for {c} channels.")
     d_pix = d * s[:, None, None]
@@ -366,6 +365,29 @@ def delta_image_data(
         pert = np.clip(ex + d_pix, 0.0, 1.0)
         diff = 255.0 * (pert - ex)
     return DeltaImageData(255.0 * d_pix, names, ex, pert, diff, title)
+
+
+def default_channel_names(channels: int) -> tuple[str, ...]:
+    """Channels named in words: one channel is brightness, three are red, green and blue."""
+    if channels == 1:
+        return ("brightness",)
+    if channels == 3:
+        return ("red", "green", "blue")
+    return tuple(f"channel {i + 1}" for i in range(channels))
+
+
+def delta_sentence(data: DeltaImageData) -> str:
+    """One sentence for a newcomer: what δ is and how large it is beside the images' 0–255 range."""
+    size = np.abs(data.delta)
+    if not size.size or float(size.max()) == 0.0:
+        return "δ is zero here: the model sees every picture unchanged."
+    largest = float(size.max())
+    where = ("" if len(data.channel_names) == 1
+             else f" (in the {data.channel_names[int(np.unravel_index(size.argmax(), size.shape)[0])]} channel)")
+    levels = "grey levels" if data.channel_names == ("brightness",) else "levels"
+    return (f"δ is one small pattern added to every picture before the model sees it; its largest change is "
+            f"{largest:.1f} of 255 {levels}{where}, {100 * largest / 255:.1f} % of the image's range, and on "
+            f"average it changes a pixel by {float(size.mean()):.1f} {levels}.")
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -381,16 +403,20 @@ def _as_rgb(img: np.ndarray) -> np.ndarray:
     return np.transpose(img[:3], (1, 2, 0))
 
 
+#: At most three δ panels side by side: with short titles they stay apart in a phone-wide box.
+_DELTA_COLUMNS = 3
+
+
 def _delta_panels(d: DeltaImageData) -> list[tuple[str, np.ndarray, str]]:
     """(title, array, kind) with kind 'image' (H, W, 3 in [0, 1]) or 'signed' (H, W, 0–255 scale)."""
     panels: list[tuple[str, np.ndarray, str]] = []
+    several = d.delta.shape[0] > 1
     if d.example is not None:
-        several = d.difference.shape[0] > 1
         panels += [("Input", _as_rgb(d.example), "image"), ("Input + δ", _as_rgb(d.perturbed), "image"),
-                   ("Difference" + (" (mean over channels)" if several else ""), d.difference.mean(axis=0), "signed")]
-    if d.delta.shape[0] > 1:
-        panels.append(("δ (mean over channels)", d.combined, "signed"))
-    panels += [(f"δ {name}", d.delta[i], "signed") for i, name in enumerate(d.channel_names)]
+                   ("Change" + (" (mean)" if several else ""), d.difference.mean(axis=0), "signed")]
+    if several:
+        panels.append(("δ (mean)", d.combined, "signed"))
+    panels += [(f"δ: {name}", d.delta[i], "signed") for i, name in enumerate(d.channel_names)]
     return panels
 
 
@@ -403,7 +429,7 @@ def delta_figure(data: DeltaImageData, backend: str = "matplotlib"):
     if _check_backend(backend) == "plotly":
         return _delta_plotly(data, panels, lim)
     n = len(panels)
-    cols = min(n, 4)
+    cols = min(n, _DELTA_COLUMNS)
     rows = math.ceil(n / cols)
     fig = _new_figure(2.6 * cols + 0.6, 2.6 * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)
@@ -430,10 +456,11 @@ def _delta_plotly(data: DeltaImageData, panels, lim: float):
     from plotly.subplots import make_subplots
 
     n = len(panels)
-    cols = min(n, 4)
+    cols = min(n, _DELTA_COLUMNS)
     rows = math.ceil(n / cols)
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.03,
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06,
                         vertical_spacing=0.08)
+    fig.update_annotations(font_size=12)
     first_signed = True
     for k, (title, arr, kind) in enumerate(panels):
         r, c = divmod(k, cols)

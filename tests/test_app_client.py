@@ -64,28 +64,40 @@ def test_explore_temperature_matches_metrics_of_the_shipped_logits(client):
     assert "ECE" in text and "12 bins" in text
 
 
-def _check_label(page, k=5):
-    """A block of confidence bars (HTML): k rows, highest first, probabilities (data-confidence)
-    summing to at most 1, each shown as a percentage with one decimal; returns the top class."""
-    assert isinstance(page, str) and page.startswith('<div class="nctv-confidences"'), page
-    rows = re.findall(r'data-class="([^"]*)" data-confidence="([^"]*)"', page)
-    confs = [float(p) for _, p in rows]
-    assert len(confs) == k and confs == sorted(confs, reverse=True)
-    assert all(0.0 <= c <= 1.0 for c in confs) and sum(confs) <= 1.0 + 1e-9
-    shown = [html.unescape(t) for t in re.findall(r">((?:&lt; |&gt; )?\d{1,3}\.\d %)<", page)]
-    assert len(shown) == k
-    for c, text in zip(confs, shown):
-        assert text[0] in "<>" or float(text[:-2]) == pytest.approx(100 * c, abs=0.05)
-    return html.unescape(rows[0][0])
+def _check_chart(page, methods=("raw", "ts", "nc")):
+    """A confidence chart (HTML): at least five classes, each with one bar per method, probabilities
+    (data-confidence) from 0 to 1 shown as percentages with one decimal, the most likely
+    (uncalibrated) class first; returns {class: {method: probability}}."""
+    assert isinstance(page, str) and page.startswith('<div class="nctv-chart'), page
+    rows = {}
+    for part in page.split('<div class="nctv-class" data-class="')[1:]:
+        bars = re.findall(r'data-method="(\w+)" data-confidence="([^"]*)".*?<span class="nctv-value">([^<]*)<', part)
+        assert tuple(m for m, _, _ in bars) == methods
+        for _, p, shown in bars:
+            shown = html.unescape(shown)
+            assert 0.0 <= float(p) <= 1.0 and re.fullmatch(r"(< |> )?\d{1,3}\.\d %", shown)
+            assert shown[0] in "<>" or float(shown[:-2]) == pytest.approx(100 * float(p), abs=0.05)
+        rows[html.unescape(part.split('"', 1)[0])] = {m: float(p) for m, p, _ in bars}
+    assert len(rows) >= 5
+    raw = [bars["raw"] for bars in rows.values()]
+    assert raw == sorted(raw, reverse=True)
+    for m in methods:
+        assert sum(bars[m] for bars in rows.values()) <= 1.0 + 1e-9
+    return rows
+
+
+def _top(rows, method):
+    return max(rows, key=lambda c: rows[c][method])
 
 
 def test_classify_an_example(client):
-    note, fig, raw, ts, nc = client.predict(handle_file(example_images()[0]), api_name="/classify")
-    assert state.PRECOMPUTED_LABEL in note and fig["type"] == "plotly"
-    assert "This model knows 10 classes" in note and "passes the out-of-distribution check" in note
+    verdict, chart, view, note = client.predict(handle_file(example_images()[0]), api_name="/classify")
+    assert state.PRECOMPUTED_LABEL in note and "This model knows 10 classes" in note
+    assert "looks like the data the model knows" in verdict and 'data-flagged="false"' in verdict
+    assert 'data-delta="[' in view and "<canvas" in view
     # Temperature scaling never changes the predicted class.
-    assert _check_label(raw) == _check_label(ts)
-    _check_label(nc)
+    rows = _check_chart(chart)
+    assert _top(rows, "raw") == _top(rows, "ts") == next(iter(rows))
 
 
 def test_classify_a_drawing(client, tmp_path):
@@ -94,9 +106,10 @@ def test_classify_a_drawing(client, tmp_path):
     path = tmp_path / "drawing.png"
     Image.fromarray(canvas).save(path)
     value = {"background": handle_file(str(path)), "layers": [], "composite": handle_file(str(path))}
-    note, _, raw, ts, nc = client.predict(value, api_name="/classify_drawing")
+    verdict, chart, view, note = client.predict(value, api_name="/classify_drawing")
     assert "280 × 280" in note
-    assert _check_label(raw) == _check_label(ts)
+    rows = _check_chart(chart)
+    assert _top(rows, "raw") == _top(rows, "ts")
 
 
 def test_calibrate_small_run(client, default_model):
@@ -148,7 +161,7 @@ def test_bad_input_gets_clear_messages_and_the_server_keeps_serving(client, tmp_
     with pytest.raises(AppError, match="too large|megapixels"):
         client.predict(handle_file(str(huge)), api_name="/classify")
     # A colour picture for the grey default model is converted, and says so.
-    note, *_ = client.predict(handle_file(str(colour)), api_name="/classify")
+    *_, note = client.predict(handle_file(str(colour)), api_name="/classify")
     assert "converted to grey" in note
     with pytest.raises(AppError, match="not in the list of choices"):
         client.predict("no-such-model", *SHARED[1:], ["Temperature Scaling"], "1", "auto", "random", "fast", 100,
@@ -171,4 +184,4 @@ def test_bad_input_gets_clear_messages_and_the_server_keeps_serving(client, tmp_
     # Still serving: a light and a heavy endpoint both answer.
     plot, table, _ = client.predict(1.0, 15, api_name="/explore_temperature")
     assert "| T = 1.00 (slider) |" in table
-    assert _check_label(client.predict(handle_file(example_images()[1]), api_name="/classify")[2])
+    assert _check_chart(client.predict(handle_file(example_images()[1]), api_name="/classify")[1])

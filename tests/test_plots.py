@@ -66,7 +66,21 @@ def test_delta_image_data_in_pixel_units():
     assert d.difference[0, 0, 0] == pytest.approx(0.0)  # clipped: already white
     np.testing.assert_allclose(d.combined, d.delta.mean(0))
     assert d.limit == pytest.approx(np.abs(d.delta).max())
-    assert d.channel_names == ("R", "G", "B")
+    assert d.channel_names == ("red", "green", "blue")
+
+
+def test_delta_sentence_says_how_large_delta_is_in_pixel_levels():
+    grey = plots.delta_image_data(torch.tensor([[[0.1, -0.2], [0.0, 0.0]]]), (0.5,), (0.5,))
+    assert grey.channel_names == ("brightness",)
+    # δ · std · 255: 12.75 and −25.5 grey levels; the mean size over four pixels is 38.25 / 4.
+    assert plots.delta_sentence(grey) == (
+        "δ is one small pattern added to every picture before the model sees it; its largest change is 25.5 of 255 "
+        "grey levels, 10.0 % of the image's range, and on average it changes a pixel by 9.6 grey levels.")
+    colour = torch.zeros(3, 2, 2)
+    colour[2, 1, 0] = -0.04
+    text = plots.delta_sentence(plots.delta_image_data(colour, (0.5,) * 3, (0.25,) * 3))
+    assert "largest change is 2.5 of 255 levels (in the blue channel), 1.0 % of the image's range" in text
+    assert plots.delta_sentence(plots.delta_image_data(torch.zeros(1, 2, 2), (0.5,), (0.5,))).startswith("δ is zero")
 
 
 def test_delta_image_data_errors():

@@ -626,49 +626,55 @@ def test_channel_conversion_both_ways():
 # --------------------------------------------------------------------------- try your own image
 
 
-def _softmax_top(z: torch.Tensor, names, k=5):
-    p = torch.softmax(z.double(), dim=-1)[0]
-    top = torch.topk(p, k)
-    return {names[int(i)]: float(v) for v, i in zip(top.values, top.indices)}
+def _softmax(z: torch.Tensor) -> np.ndarray:
+    return torch.softmax(z.double(), dim=-1)[0].numpy()
 
 
-_BAR = re.compile(r'<div class="nctv-confidence" data-class="([^"]*)" data-confidence="([^"]*)".*?'
-                  r'<span[^>]*>[^<]*</span><span[^>]*>([^<]*)</span>')
+_ROW = re.compile(r'<div class="nctv-class" data-class="([^"]*)"><div class="nctv-class-name">([^<]*)</div>(.*?)'
+                  r'(?=<div class="nctv-class"|</div></div></div>$)')
+_BAR = re.compile(r'data-method="(\w+)" data-confidence="([^"]*)".*?<span class="nctv-value">([^<]*)</span>')
 
 
-def bars(page: str) -> dict[str, float]:
-    """{class: probability} read from the data attributes of a confidence_html block, after
-    checking that each row shows its probability as a percentage with one decimal."""
+def chart(page: str) -> dict[str, dict[str, float]]:
+    """{class: {method: probability}} read from the data attributes of a confidence chart, after
+    checking that each class is named in full and each bar shows its probability with one decimal."""
     out = {}
-    for name, p, shown in _BAR.findall(page):
-        p = float(p)
-        assert re.fullmatch(r"(< |> )?\d{1,3}\.\d %", html.unescape(shown)), shown
-        if html.unescape(shown)[0] not in "<>":
-            assert float(html.unescape(shown)[:-2]) == pytest.approx(100 * p, abs=0.05)
-        out[html.unescape(name)] = p
+    for name, shown_name, bars in _ROW.findall(page):
+        assert shown_name == name
+        out[html.unescape(name)] = {}
+        for method, p, shown in _BAR.findall(bars):
+            p, shown = float(p), html.unescape(shown)
+            assert re.fullmatch(r"(< |> )?\d{1,3}\.\d %", shown), shown
+            if shown[0] not in "<>":
+                assert float(shown[:-2]) == pytest.approx(100 * p, abs=0.05)
+            out[html.unescape(name)][method] = p
     return out
 
 
-def _assert_three_calibrations(model, picture, cal, raw, ts, nc):
-    """The top-5 of the uncalibrated, TS and NC outputs equal those computed here from the model."""
-    raw, ts, nc = bars(raw), bars(ts), bars(nc)
+def _assert_three_calibrations(model, picture, cal, page):
+    """The chart's rows are the classes in any method's top 5, most likely first, with the
+    uncalibrated, TS and NC probabilities computed here from the model."""
+    rows = chart(page)
     x = model.preprocess(picture)
     z = model_logits(model.model, x[None])
-    names = model.class_names
-    assert raw == pytest.approx(_softmax_top(z, names))
-    assert ts == pytest.approx(_softmax_top(z / cal.ts_temperature, names))
-    z_nc = model_logits(model.model, x[None], delta=cal.delta) / cal.nc_temperature
-    assert nc == pytest.approx(_softmax_top(z_nc, names))
+    expected = {"raw": _softmax(z), "ts": _softmax(z / cal.ts_temperature),
+                "nc": _softmax(model_logits(model.model, x[None], delta=cal.delta) / cal.nc_temperature)}
+    top = {model.class_names[int(i)] for p in expected.values() for i in np.argsort(-p)[:5]}
+    assert set(rows) == top and len(rows) >= 5
+    assert [expected["raw"][model.class_names.index(c)] for c in rows] == sorted(
+        (expected["raw"][model.class_names.index(c)] for c in rows), reverse=True)
+    for name, bars in rows.items():
+        i = model.class_names.index(name)
+        assert bars == pytest.approx({m: float(p[i]) for m, p in expected.items()})
 
 
 def test_classify_shows_three_calibrations_of_the_same_picture(run, default_model, tmp_path):
     _, calibration, _ = run
     example = try_image.example_images()[0]
-    note, fig, raw, ts, nc = try_image.classify(example, calibration)
-    _assert_three_calibrations(default_model, Image.open(example), calibration, raw, ts, nc)
-    confs = list(bars(raw).values())
-    assert confs == sorted(confs, reverse=True) and len(confs) == 5 and sum(confs) <= 1 + 1e-9
-    assert "your run" in note and [t.name for t in fig.data][:2] == ["Input", "Input + δ"]
+    verdict, page, view, note = try_image.classify(example, calibration)
+    _assert_three_calibrations(default_model, Image.open(example), calibration, page)
+    assert 'data-flagged="false"' in verdict and 'data-flagged="false"' in page and "nctv-chart nctv-dim" not in page
+    assert "your run" in note and "canvas" in view
     # The run's own splits (300 calibration images) feed the out-of-distribution check.
     assert "This model knows 10 classes: T-shirt/top, Trouser" in note and "300 calibration images" in note
 
@@ -677,9 +683,33 @@ def test_classify_without_a_run_uses_the_shipped_calibration_and_converts_colour
     cal = state.load_precomputed().calibration
     rgb = tmp_path / "colour.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(rgb)
-    note, _, raw, ts, nc = try_image.classify(str(rgb), None)
+    _, page, _, note = try_image.classify(str(rgb), None)
     assert state.PRECOMPUTED_LABEL in note and "converted to grey" in note and "40 × 30" not in note
-    _assert_three_calibrations(default_model, Image.open(rgb).convert("L"), cal, raw, ts, nc)
+    _assert_three_calibrations(default_model, Image.open(rgb).convert("L"), cal, page)
+
+
+def test_the_delta_view_carries_the_calibrations_delta_in_pixel_levels(default_model):
+    cal = state.load_precomputed().calibration
+    example = try_image.example_images()[3]
+    _, _, view, _ = try_image.classify(example, None)
+    attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', view.split(">", 1)[0]))
+    std = torch.tensor(default_model.data_config["std"], dtype=torch.float64).reshape(-1, 1, 1)
+    mean = torch.tensor(default_model.data_config["mean"], dtype=torch.float64).reshape(-1, 1, 1)
+    x = default_model.preprocess(Image.open(example)).double()
+    assert (attrs["channels"], attrs["height"], attrs["width"]) == ("1", "28", "28")
+    np.testing.assert_allclose(json.loads(attrs["delta"]), (255 * cal.delta.double() * std).numpy().ravel(), atol=1e-4)
+    np.testing.assert_allclose(json.loads(attrs["input"]), (255 * (x * std + mean).clamp(0, 1)).numpy().ravel(),
+                               atol=1e-3)
+    assert float(attrs["largest"]) == pytest.approx(float((255 * cal.delta.double() * std).abs().max()))
+    # The sentence gives the same largest change, on the 0–255 scale and as a share of it.
+    largest = float(attrs["largest"])
+    assert f"its largest change is {largest:.1f} of 255 grey levels, {100 * largest / 255:.1f} % of the image" in view
+    # What δ alone does here: NC's top class at NC's T, without and with δ.
+    z = model_logits(default_model.model, x.float()[None])
+    with_delta = _softmax(model_logits(default_model.model, x.float()[None], delta=cal.delta) / cal.nc_temperature)
+    top = int(np.argmax(with_delta))
+    assert html.escape(f"from {try_image.percent(float(_softmax(z / cal.nc_temperature)[top]))} (Neural Clamping's "
+                       f"temperature alone) to {try_image.percent(float(with_delta[top]))}") in view
 
 
 def test_grey_picture_for_a_colour_model(tmp_path):
@@ -695,14 +725,16 @@ def test_grey_picture_for_a_colour_model(tmp_path):
                             source="a test calibration")
     grey = tmp_path / "grey.png"
     Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(grey)
-    note, fig, raw, ts, nc = try_image.classify(str(grey), cal)
+    verdict, page, view, note = try_image.classify(str(grey), cal)
     assert "three colour channels" in note and "was not part of this run" in note
-    assert "knows 3 classes: a, b, c" in note and "check is unavailable: this calibration came without its images" in note
+    assert "knows 3 classes: a, b, c" in note and "check is unavailable: this calibration came without its images" in verdict
+    assert 'data-flagged="unknown"' in verdict and "no δ to show" in view and "Neural Clamping was not part" in page
     loaded = state.get_model(name)
     z = model_logits(loaded.model, loaded.preprocess(Image.open(grey).convert("RGB"))[None])
-    assert bars(raw) == pytest.approx(_softmax_top(z, ["a", "b", "c"], 3))
-    assert bars(ts) == pytest.approx(_softmax_top(z / 2.0, ["a", "b", "c"], 3))
-    assert bars(nc) == {} and "Neural Clamping was not part of this run" in nc and fig is None
+    rows = chart(page)
+    assert set(rows) == {"a", "b", "c"} and all(set(bars) == {"raw", "ts"} for bars in rows.values())
+    for i, c in enumerate("abc"):
+        assert rows[c] == pytest.approx({"raw": float(_softmax(z)[i]), "ts": float(_softmax(z / 2.0)[i])})
 
 
 def test_drawings_are_classified_and_empty_ones_refused():
@@ -711,8 +743,9 @@ def test_drawings_are_classified_and_empty_ones_refused():
         try_image.classify_drawing({"background": canvas, "layers": [], "composite": canvas}, None)
     drawn = canvas.copy()
     drawn[60:220, 100:180] = 255  # a bright block: something trouser-like
-    note, _, raw, ts, nc = try_image.classify_drawing({"background": canvas, "layers": [], "composite": drawn}, None)
-    assert "280 × 280" in note and len(bars(raw)) == len(bars(ts)) == len(bars(nc)) == 5
+    _, page, _, note = try_image.classify_drawing({"background": canvas, "layers": [], "composite": drawn}, None)
+    rows = chart(page)
+    assert "280 × 280" in note and len(rows) >= 5 and all(len(bars) == 3 for bars in rows.values())
 
 
 def _text_page() -> Image.Image:
@@ -725,15 +758,17 @@ def _text_page() -> Image.Image:
     return page
 
 
-def test_the_note_flags_foreign_pictures_and_says_how(tmp_path):
+def test_a_foreign_picture_is_flagged_first_and_its_answer_dimmed(tmp_path):
     page = tmp_path / "page.png"
     _text_page().save(page)
-    note, *_ = try_image.classify(str(page), None)
-    assert "⚠ **This picture looks unlike the images the model was made for**" in note
-    assert "the 99th percentile on 1,000 test images" in note and "suspicion" in note
-    assert "Mahalanobis distance" in note and "2,000 calibration images" in note
-    passed, *_ = try_image.classify(try_image.example_images()[0], None)
-    assert "⚠" not in passed and "passes the out-of-distribution check" in passed and "Mahalanobis" in passed
+    verdict, bars, _, note = try_image.classify(str(page), None)
+    assert 'data-flagged="true"' in verdict and html.escape(try_image.MEANS_LITTLE) in verdict
+    assert bars.startswith('<div class="nctv-chart nctv-dim" data-flagged="true">') and len(chart(bars)) >= 5
+    assert "the 99th percentile on 1,000 test images" in note and "Mahalanobis distance" in note
+    assert "2,000 calibration images" in note
+    passed, bars, *_ = try_image.classify(try_image.example_images()[0], None)
+    assert 'data-flagged="false"' in passed and "looks like the data the model knows" in passed
+    assert "nctv-chart nctv-dim" not in bars
     # The shipped calibration's images are the page's default splits: the check fits on exactly them.
     pre = state.load_precomputed()
     assert state.get_splits(pre.split)[0].fingerprint == pre.result.calibration["fingerprint"]
@@ -742,19 +777,36 @@ def test_the_note_flags_foreign_pictures_and_says_how(tmp_path):
 def test_the_ood_check_is_unavailable_rather_than_failing(tmp_path):
     cal = dataclasses.replace(state.load_precomputed().calibration, source="a test calibration",
                               split=state.SplitSpec(DEFAULT_MODEL, "folder:/no/such/folder", 20, 0, 20))
-    note, _, raw, *_ = try_image.classify(try_image.example_images()[0], cal)
-    assert "check is unavailable: its images could not be loaded" in note and len(bars(raw)) == 5
+    verdict, page, *_ = try_image.classify(try_image.example_images()[0], cal)
+    assert "check is unavailable: its images could not be loaded" in verdict and len(chart(page)) >= 5
+    assert "nctv-chart nctv-dim" not in page
 
 
-def test_confidence_bars_show_one_decimal_and_escape_names():
-    page = try_image.confidence_html({"<b>bag</b>": 0.8734, 'a "quoted" & name': 0.12, "tiny": 0.00001, "none": 0.0})
-    assert "<b>" not in page and bars(page) == {"<b>bag</b>": 0.8734, 'a "quoted" & name': 0.12, "tiny": 0.00001,
-                                                 "none": 0.0}
+def test_nothing_to_classify_gives_the_hint_and_no_earlier_result():
+    verdict, page, view, note = try_image.classify(None, None)
+    assert try_image.HINT in verdict and page == view == note == ""
+    assert (verdict, page, view, note) == try_image.cleared()
+
+
+def test_the_chart_shows_one_decimal_and_escapes_names():
+    names = ["<b>bag</b>", 'a "quoted" & name', "tiny", "none"]
+    probs = {"raw": np.array([0.8734, 0.12, 0.00001, 0.0]), "ts": np.array([0.5, 0.3, 0.1, 0.1]),
+             "nc": np.array([0.99996, 0.00004, 0.0, 0.0])}
+    page = try_image.confidence_chart(names, probs)
+    assert "<b>bag</b>" not in page
+    assert chart(page) == {n: {m: float(p[i]) for m, p in probs.items()} for i, n in enumerate(names)}
     assert ">87.3 %<" in page and ">12.0 %<" in page and ">&lt; 0.1 %<" in page and ">0.0 %<" in page
+    assert ">&gt; 99.9 %<" in page and "The model's answer: <b>&lt;b&gt;bag&lt;/b&gt;</b>" in page
     assert try_image.percent(0.99996) == "> 99.9 %" and try_image.percent(1.0) == "100.0 %"
-    assert "nothing here" in try_image.confidence_html({}, empty="nothing here") and not bars(try_image.confidence_html({}))
+    assert try_image.confidence_chart(names, {}) == ""
     with pytest.raises(ValueError, match="from 0 to 1"):
-        try_image.confidence_html({"x": 1.5})
+        try_image.confidence_chart(names, {"raw": np.array([1.5, 0, 0, 0])})
+    with pytest.raises(ValueError, match="one per class"):
+        try_image.confidence_chart(names, {"raw": np.array([1.0])})
+    # Neural Clamping's own answer is named when it differs.
+    flipped = try_image.confidence_chart(["a", "b"], {"raw": np.array([0.6, 0.4]), "ts": np.array([0.55, 0.45]),
+                                                      "nc": np.array([0.4, 0.6])})
+    assert "The model's answer: <b>a</b> (with Neural Clamping: <b>b</b>)" in flipped
     many = try_image.classes_sentence([f"class {i}" for i in range(1000)])
     assert many.startswith("This model knows 1,000 classes, among them class 0, class 1") and "class 999" not in many
 

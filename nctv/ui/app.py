@@ -293,6 +293,7 @@ def _try_tab(state: gr.State):
     gr.Markdown("One picture through the model as it is, with temperature scaling and with Neural Clamping, using "
                 "your latest calibration from the first tab (or the pre-computed one). The embedded models know "
                 "Fashion-MNIST: clothing, light on a dark background.")
+    # Two columns on a wide screen; on a phone they stack, the picture first, then the result in one column.
     with gr.Row():
         with gr.Column(scale=1, min_width=300):
             with gr.Tab("Picture"):
@@ -300,9 +301,9 @@ def _try_tab(state: gr.State):
                 image = CheckedImage(examples[0] if examples else None, type="filepath", image_mode=None,
                                      sources=["upload", "clipboard", "webcam"], label="Upload, paste or take a picture",
                                      height=300, elem_id="try-image")
-                if examples:
-                    gr.Examples([[p] for p in examples], inputs=[image], label="Or pick a shipped example",
-                                examples_per_page=12, cache_examples=False, api_visibility="private")
+                shipped = gr.Examples([[p] for p in examples], inputs=[image], label="Or pick a shipped example",
+                                      examples_per_page=12, cache_examples=False,
+                                      api_visibility="private") if examples else None
             with gr.Tab("Draw"):
                 sketch = CheckedSketchpad(label="Draw a piece of clothing (white on black)", type="numpy",
                                           image_mode="RGB", canvas_size=(280, 280), value=_black_canvas(),
@@ -314,23 +315,27 @@ def _try_tab(state: gr.State):
                                      size="sm", elem_id="try-load-calibrator")
             loaded_note = gr.Markdown("Or load the calibrators.zip that the Calibrate tab offers for download.",
                                       elem_id="try-loaded")
-        with gr.Column(scale=2):
-            note = gr.Markdown(elem_id="try-note")
-            figure = gr.Plot(label="Input, input + δ, and δ", elem_id="try-delta")
+        with gr.Column(scale=2, min_width=300):
+            # The verdict first: a foreign picture's confidences below it are dimmed.
+            verdict = gr.HTML(try_tab.verdict_html(None), css_template=try_tab.VERDICT_CSS, js_on_load=None,
+                              elem_id="try-verdict")
             # HTML bars, not gr.Label, which rounds to whole percent and so hides calibration's effect.
-            with gr.Row():
-                raw = gr.HTML(label="Uncalibrated", show_label=True, container=True, elem_id="label-raw", padding=True)
-                ts = gr.HTML(label="Temperature scaling", show_label=True, container=True, elem_id="label-ts", padding=True)
-                nc = gr.HTML(label="Neural Clamping", show_label=True, container=True, elem_id="label-nc", padding=True)
-    outputs = [note, figure, raw, ts, nc]
-    image.change(_plots_fit(try_tab.classify), [image, state], outputs, api_name="classify",
-                 concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
-    draw_btn.click(_plots_fit(try_tab.classify_drawing), [sketch, state], outputs, api_name="classify_drawing",
-                   concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+            chart = gr.HTML(css_template=try_tab.CHART_CSS, js_on_load=None, elem_id="try-chart")
+            delta = gr.HTML(css_template=try_tab.DELTA_CSS, js_on_load=try_tab.DELTA_JS, elem_id="try-delta")
+            note = gr.Markdown(elem_id="try-note")
+    outputs = [verdict, chart, delta, note]
+    light = dict(concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+    # "input", not "change": the picture's change event fires twice per upload, which doubled both the
+    # work and the error message. A failed picture leaves no earlier result behind, nor a broken preview.
+    image.input(try_tab.classify, [image, state], outputs, api_name="classify", **light).failure(
+        lambda: (None,) + try_tab.cleared(), None, [image] + outputs, queue=False, api_visibility="private")
+    if shipped is not None:
+        shipped.load_input_event.then(try_tab.classify, [image, state], outputs, api_visibility="private", **light)
+    draw_btn.click(try_tab.classify_drawing, [sketch, state], outputs, api_name="classify_drawing", **light).failure(
+        try_tab.cleared, None, outputs, queue=False, api_visibility="private")
     upload.upload(load_calibrators, [upload, state], [state, loaded_note], api_visibility="private",
                   concurrency_limit=LIGHT_CONCURRENCY).success(
-        _plots_fit(try_tab.classify), [image, state], outputs, api_visibility="private",
-        concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+        try_tab.classify, [image, state], outputs, api_visibility="private", **light)
     return image, outputs
 
 

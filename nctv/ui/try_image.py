@@ -2,13 +2,23 @@
 temperature scaling (z/T) and with Neural Clamping (f(x + δ)/T) — using the visitor's latest
 calibration, or the one shipped with the app before any run.
 
-The note says which classes the model knows (any picture gets one of them) and whether the picture
-looks like the model's images at all (:mod:`nctv.ood`, fitted once per model and calibration split);
-confidences are drawn as HTML bars with one decimal (``gr.Label`` rounds to whole percent)."""
+What the tab shows, top to bottom (one column, so that a phone reads it as well as a projector):
+
+* the verdict of the out-of-distribution check (:mod:`nctv.ood`, fitted once per model and
+  calibration split): whether the picture looks like the model's images at all;
+* one chart, a row per class with three bars (uncalibrated, temperature scaling, Neural Clamping)
+  and one-decimal percentages; dimmed when the check flags the picture;
+* δ made visible: the picture, picture + δ and the change, drawn in the page on canvases from the
+  pixel arrays the server sends once (:data:`DELTA_JS`), so that amplifying δ or blending it in
+  needs no round trip;
+* the details: the classes the model knows, the calibration in use, how the picture was resized.
+"""
 from __future__ import annotations
 
 import html
+import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +35,16 @@ TOP_CLASSES = 5
 #: Up to this many classes the note names them all; beyond, it names the first SOME_CLASSES.
 MAX_NAMED_CLASSES = 20
 SOME_CLASSES = 8
+#: The three ways a picture is scored: key, short tag beside each bar, full name, bar colour. The
+#: colours read on light and dark themes; the tags say the same without colour.
+METHODS = (("raw", "uncal.", "uncalibrated", "#94a3b8"),
+           ("ts", "TS", "temperature scaling", "#3b82f6"),
+           ("nc", "NC", "Neural Clamping", "#f97316"))
+#: What a flagged picture's result is shown under.
+MEANS_LITTLE = "This picture does not look like the data the model knows: its answer means little."
+HINT = "Upload, paste or take a picture, pick an example, or draw one."
+#: The amplifications of δ the page offers (×1 is δ's true size).
+AMPLIFICATIONS = (1, 10, 50)
 
 
 def example_images() -> list[str]:
@@ -42,12 +62,6 @@ def current_calibration(state: Calibration | None) -> Calibration:
     return pre.calibration
 
 
-def _confidences(logits: torch.Tensor, class_names: list[str]) -> dict[str, float]:
-    p = torch.softmax(logits.double(), dim=-1)[0]
-    top = torch.topk(p, min(TOP_CLASSES, p.numel()))
-    return {class_names[int(i)]: float(v) for v, i in zip(top.values, top.indices)}
-
-
 def percent(p: float) -> str:
     """A probability as a percentage with one decimal ("87.3 %"); a value that is not exactly 0 or 1
     never shows as "0.0 %" or "100.0 %"."""
@@ -59,32 +73,259 @@ def percent(p: float) -> str:
     return f"{text} %"
 
 
-_ROW = ('<div class="nctv-confidence" data-class="{name}" data-confidence="{p!r}" style="margin:0 0 10px 0">'
-        '<div style="display:flex;justify-content:space-between;gap:12px;line-height:1.35">'
-        '<span style="overflow-wrap:anywhere;font-weight:{weight}">{name}</span>'
-        '<span style="white-space:nowrap;font-variant-numeric:tabular-nums;font-weight:{weight}">{shown}</span></div>'
-        '<div aria-hidden="true" style="height:8px;margin-top:3px;border-radius:4px;overflow:hidden;'
-        'background:rgba(128,128,128,0.25)"><div style="height:100%;width:{width:.2f}%;border-radius:4px;'
-        'background:{colour}"></div></div></div>')
-#: The top class in Gradio's orange, the others in a mid blue: both read on light and dark themes.
-_TOP_COLOUR, _OTHER_COLOUR = "#f97316", "#60a5fa"
+# --------------------------------------------------------------------------- out-of-distribution verdict
 
 
-def confidence_html(confidences: dict[str, float], empty: str = "No confidences to show.") -> str:
-    """The classes' confidences as horizontal bars, highest first, with one-decimal percentages;
-    each row carries ``data-class`` and ``data-confidence`` (the probability). Inline styles only,
-    text in the page's own colour. ``empty`` is said when there are none."""
-    if not confidences:
-        return (f'<div class="nctv-confidences nctv-empty" style="opacity:0.75;font-style:italic">'
-                f'{html.escape(empty)}</div>')
-    if not all(0.0 <= float(p) <= 1.0 for p in confidences.values()):
-        raise ValueError("Confidences must be probabilities from 0 to 1.")
-    ranked = sorted(confidences.items(), key=lambda kv: -float(kv[1]))
-    rows = [_ROW.format(name=html.escape(str(name), quote=True), p=float(p), shown=html.escape(percent(float(p))),
-                        width=100 * float(p), weight=600 if i == 0 else 400,
-                        colour=_TOP_COLOUR if i == 0 else _OTHER_COLOUR)
-            for i, (name, p) in enumerate(ranked)]
-    return '<div class="nctv-confidences" role="list">' + "".join(rows) + "</div>"
+@dataclass(frozen=True)
+class Verdict:
+    """The out-of-distribution check on one picture: ``flagged`` is None when the check could not
+    run; ``headline`` comes first on the page, ``how`` goes with the details."""
+
+    flagged: bool | None
+    headline: str
+    how: str = ""
+    #: The numbers behind the headline ("distance 34.3; pictures above 16.8 are flagged").
+    measured: str = ""
+
+
+def ood_verdict(cal: Calibration, x: torch.Tensor) -> Verdict:
+    """Whether the picture (preprocessed ``x``) looks like the model's images, and how that is judged."""
+    from nctv.ood import penultimate_features
+
+    spec = cal.split
+    if spec is None:
+        return Verdict(None, "The out-of-distribution check is unavailable: this calibration came without its images.")
+    try:
+        detector = get_ood_detector(spec)
+    except ValueError as exc:
+        return Verdict(None, "The out-of-distribution check is unavailable: its images could not be loaded "
+                             f"({redact(str(exc))}).")
+    except Exception:  # noqa: BLE001 - the check is an extra; the picture's confidences still show
+        log.exception("fitting the out-of-distribution check failed")
+        return Verdict(None, "The out-of-distribution check is unavailable: its images could not be loaded.")
+    score = float(detector.score(penultimate_features(get_model(cal.model).model, x[None]))[0])
+    how = (f"How the picture was judged: the Mahalanobis distance of its penultimate-layer features to the nearest "
+           f"class mean (Lee et al., 2018), with class means and one shared covariance from "
+           f"{detector.n_samples_fit_:,} calibration images; pictures above {detector.threshold_:.1f}, the "
+           f"{100 * detector.quantile:g}th percentile on {detector.held_out_scores_.numel():,} test images, are flagged.")
+    where = f"distance {score:.1f}; pictures above {detector.threshold_:.1f} are flagged"
+    if score > detector.threshold_:
+        return Verdict(True, MEANS_LITTLE, how, where)
+    return Verdict(False, "This picture looks like the data the model knows, which is no proof that it shows one of "
+                          "the model's classes.", how, where)
+
+
+def verdict_html(verdict: Verdict | None) -> str:
+    """The verdict as the first line of the result; None (no picture yet) gives the hint."""
+    if verdict is None:
+        return f'<div class="nctv-verdict" data-flagged="none">{html.escape(HINT)}</div>'
+    state = {True: "true", False: "false", None: "unknown"}[verdict.flagged]
+    mark = {True: "⚠ ", False: "✓ ", None: ""}[verdict.flagged]
+    measured = f' <span class="nctv-measured">({html.escape(verdict.measured)})</span>' if verdict.measured else ""
+    return (f'<div class="nctv-verdict" data-flagged="{state}"><span class="nctv-headline">{mark}'
+            f'{html.escape(verdict.headline)}</span>{measured}</div>')
+
+
+# --------------------------------------------------------------------------- the confidence chart
+
+
+def probabilities(logits: torch.Tensor) -> np.ndarray:
+    """softmax of one picture's logits (1, K) in float64, as (K,)."""
+    return torch.softmax(logits.double(), dim=-1)[0].numpy()
+
+
+def shown_classes(probs: dict[str, np.ndarray], k: int = TOP_CLASSES) -> list[int]:
+    """The classes worth a row: every class in any method's top ``k``, most likely (uncalibrated) first."""
+    keep = set()
+    for p in probs.values():
+        keep.update(int(i) for i in np.argsort(-p, kind="stable")[:k])
+    first = probs["raw"]
+    return sorted(keep, key=lambda i: (-first[i], i))
+
+
+def _bar(key: str, tag: str, name: str, colour: str, p: float) -> str:
+    return (f'<div class="nctv-bar" data-method="{key}" data-confidence="{p!r}" title="{name}">'
+            f'<span class="nctv-tag">{tag}</span>'
+            f'<span class="nctv-track"><span class="nctv-fill" style="width:{100 * p:.2f}%;background:{colour}">'
+            f'</span></span><span class="nctv-value">{html.escape(percent(p))}</span></div>')
+
+
+def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagged: bool | None = False) -> str:
+    """One chart of the classes' confidences: per class its name on a line of its own and a bar
+    per method in ``probs`` ({"raw"|"ts"|"nc": (K,) probabilities}), with one-decimal percentages.
+    Each row carries ``data-class``, each bar ``data-method`` and ``data-confidence``. A
+    ``flagged`` picture's chart is dimmed (class ``nctv-dim``)."""
+    if not probs:
+        return ""
+    for p in probs.values():
+        if len(p) != len(class_names) or not ((p >= 0) & (p <= 1)).all():
+            raise ValueError("Confidences must be probabilities from 0 to 1, one per class.")
+    methods = [m for m in METHODS if m[0] in probs]
+    legend = "".join(f'<span class="nctv-key"><i style="background:{colour}"></i>{tag} = {name}</span>'
+                     for key, tag, name, colour in methods)
+    if "nc" not in probs:
+        legend += '<span class="nctv-key">Neural Clamping was not part of this run.</span>'
+    rows = []
+    for i in shown_classes(probs):
+        name = html.escape(str(class_names[i]), quote=True)
+        bars = "".join(_bar(key, tag, name_, colour, float(probs[key][i])) for key, tag, name_, colour in methods)
+        rows.append(f'<div class="nctv-class" data-class="{name}"><div class="nctv-class-name">{name}</div>{bars}</div>')
+    answer = class_names[int(np.argmax(probs["raw"]))]
+    line = f"The model's answer: <b>{html.escape(str(answer))}</b>"
+    if "nc" in probs and int(np.argmax(probs["nc"])) != int(np.argmax(probs["raw"])):
+        line += f" (with Neural Clamping: <b>{html.escape(str(class_names[int(np.argmax(probs['nc']))]))}</b>)"
+    dim = " nctv-dim" if flagged else ""
+    return (f'<div class="nctv-chart{dim}" data-flagged="{str(bool(flagged)).lower()}">'
+            f'<div class="nctv-title">How sure the model is, per class</div><div class="nctv-legend">{legend}</div><div class="nctv-dimmed"><p class="nctv-answer">{line}</p>'
+            f'<div class="nctv-rows" role="list">{"".join(rows)}</div></div></div>')
+
+
+#: Styles of the chart (scoped by Gradio to its component).
+CHART_CSS = """
+.nctv-title { font-weight:600; font-size:1.1em; margin-bottom:6px; }
+.nctv-legend { display:flex; flex-wrap:wrap; gap:4px 14px; font-size:0.9em; margin-bottom:6px; }
+.nctv-key { display:inline-flex; align-items:center; gap:6px; white-space:nowrap; }
+.nctv-key i { display:inline-block; width:12px; height:12px; border-radius:3px; }
+.nctv-answer { margin:4px 0 8px 0; font-size:1.1em; }
+.nctv-class { margin:0 0 10px 0; }
+.nctv-class-name { font-weight:600; line-height:1.35; white-space:nowrap; overflow:hidden; text-overflow:ellipsis; }
+.nctv-bar { display:grid; grid-template-columns:3.6em minmax(0, 1fr) 5.6em; align-items:center; gap:8px;
+            line-height:1.3; font-size:0.92em; }
+.nctv-tag { opacity:0.8; }
+.nctv-track { height:10px; border-radius:4px; overflow:hidden; background:rgba(128,128,128,0.22); }
+.nctv-fill { display:block; height:100%; border-radius:4px; }
+.nctv-value { text-align:right; white-space:nowrap; font-variant-numeric:tabular-nums; }
+.nctv-dim .nctv-dimmed { opacity:0.35; filter:grayscale(1); }
+"""
+VERDICT_CSS = """
+.nctv-verdict { padding:8px 12px; border-radius:8px; line-height:1.4; border:1px solid rgba(128,128,128,0.35); }
+.nctv-verdict[data-flagged="true"] { font-size:1.05em; border:2px solid #d97706; background:rgba(245,158,11,0.14); }
+.nctv-verdict[data-flagged="true"] .nctv-headline { font-weight:600; }
+.nctv-measured { font-size:0.9em; opacity:0.85; }
+.nctv-verdict[data-flagged="false"] { border-color:rgba(34,197,94,0.6); }
+"""
+
+
+# --------------------------------------------------------------------------- δ made visible
+
+
+def delta_view(data: Any, effect: str = "") -> str:
+    """δ made visible in the page: the picture, picture + δ × k blended in by a slider, and the
+    change δ × k around mid-grey, each on a canvas of the model's input size. ``data`` is a
+    :class:`nctv.plots.DeltaImageData` with an example; its pixel arrays travel once, as JSON in
+    ``data-input`` (0–255) and ``data-delta`` (0–255 levels), channel-major; :data:`DELTA_JS` draws.
+    ``effect`` says what δ does to this picture's answer."""
+    from nctv.plots import delta_sentence
+
+    c, h, w = data.delta.shape
+    names = data.channel_names
+    what, reading = (("Brightness", "lighter = brighter, darker = dimmer") if names == ("brightness",) else
+                     ("Colour", "lighter = brighter, a tint = more of that colour"))
+    channels = "" if len(names) == 1 else f" Channels: {', '.join(names)}."
+    radios = "".join(f'<label><input type="radio" name="nctv-amplify" value="{k}"{" checked" if k == 1 else ""}>'
+                     f'×{k}{" (true size)" if k == 1 else ""}</label>' for k in AMPLIFICATIONS)
+    pixels = json.dumps(np.round(255 * data.example, 3).ravel().tolist())
+    delta = json.dumps(np.round(data.delta, 4).ravel().tolist())
+    largest = float(np.abs(data.delta).max())
+    return (f'<div class="nctv-delta" data-channels="{c}" data-height="{h}" data-width="{w}" data-largest="{largest!r}" '
+            f'data-input="{pixels}" data-delta="{delta}">'
+            f'<div class="nctv-title">δ, the change Neural Clamping learned, made visible</div>'
+            f'<p class="nctv-delta-sentence">{html.escape(delta_sentence(data))}{channels}</p>'
+            f'<div class="nctv-controls"><fieldset class="nctv-amplify"><legend>Make δ larger to see it</legend>'
+            f'{radios}</fieldset><label class="nctv-blend">Blend from the picture (0) to picture + δ (1) '
+            f'<input type="range" min="0" max="1" step="0.05" value="1"></label></div>'
+            f'<div class="nctv-panels">'
+            f'<figure><figcaption>Your picture as the model gets it ({w} × {h})</figcaption>'
+            f'<canvas data-panel="input" width="{w}" height="{h}"></canvas></figure>'
+            f'<figure><figcaption data-caption="blend">Picture + δ × 1</figcaption>'
+            f'<canvas data-panel="blend" width="{w}" height="{h}"></canvas></figure>'
+            f'<figure><figcaption data-caption="change">{what} change δ × 1</figcaption>'
+            f'<canvas data-panel="change" width="{w}" height="{h}"></canvas></figure></div>'
+            f'<p class="nctv-delta-reading">{what} change: mid-grey = no change; {reading}.</p>'
+            f'<p class="nctv-delta-scale">At ×1 the largest change is {largest:.1f} of 255 levels.</p>'
+            + (f'<p class="nctv-delta-effect">{html.escape(effect)}</p>' if effect else "") + '</div>')
+
+
+#: Draws the δ view from its data attributes; re-draws at once when the amplification or the blend
+#: moves, and when the server sends a new picture. Values are rounded and clipped to 0–255 as a
+#: picture's pixels are.
+DELTA_JS = """
+const state = { k: 1, t: 1 };
+const parsed = new WeakMap();
+function numbers(root) {
+  if (!parsed.has(root)) parsed.set(root, { x: JSON.parse(root.dataset.input), d: JSON.parse(root.dataset.delta) });
+  return parsed.get(root);
+}
+function paint(canvas, c, h, w, value) {
+  const ctx = canvas.getContext('2d', { willReadFrequently: true });
+  const img = ctx.createImageData(w, h);
+  for (let p = 0; p < h * w; p++) {
+    for (let rgb = 0; rgb < 3; rgb++) {
+      const v = Math.round(value((c === 1 ? 0 : rgb) * h * w + p));
+      img.data[4 * p + rgb] = Math.min(255, Math.max(0, v));
+    }
+    img.data[4 * p + 3] = 255;
+  }
+  ctx.putImageData(img, 0, 0);
+}
+function draw() {
+  const root = element.querySelector('.nctv-delta');
+  if (!root) return;
+  const c = +root.dataset.channels, h = +root.dataset.height, w = +root.dataset.width;
+  const { x, d } = numbers(root);
+  const k = state.k, t = state.t;
+  root.querySelectorAll('input[name=nctv-amplify]').forEach(r => { r.checked = +r.value === k; });
+  root.querySelector('.nctv-blend input').value = t;
+  paint(root.querySelector('canvas[data-panel=input]'), c, h, w, i => x[i]);
+  paint(root.querySelector('canvas[data-panel=blend]'), c, h, w, i => x[i] + t * k * d[i]);
+  paint(root.querySelector('canvas[data-panel=change]'), c, h, w, i => 128 + k * d[i]);
+  const blend = root.querySelector('[data-caption=blend]');
+  blend.textContent = t === 1 ? `Picture + δ × ${k}` : t === 0 ? 'Picture (δ blended out)' : `Picture + ${t} × δ × ${k}`;
+  const change = root.querySelector('[data-caption=change]');
+  change.textContent = change.textContent.replace(/δ × \\d+/, `δ × ${k}`);
+  const largest = +root.dataset.largest;
+  root.querySelector('.nctv-delta-scale').textContent =
+    `At ×${k} the largest change is ${(k * largest).toFixed(1)} of 255 levels` +
+    (k * largest > 127 ? ' (beyond the range where it is shown: clipped).' : '.');
+}
+function pick(event) {
+  const target = event.target;
+  if (target.name === 'nctv-amplify') state.k = +target.value;
+  else if (target.closest && target.closest('.nctv-blend')) state.t = +target.value;
+  else return;
+  draw();
+}
+element.addEventListener('input', pick);
+element.addEventListener('change', pick);
+watch('value', draw);
+draw();
+"""
+DELTA_CSS = """
+.nctv-title { font-weight:600; font-size:1.1em; margin-bottom:6px; }
+.nctv-delta-sentence { margin:0 0 8px 0; line-height:1.4; }
+.nctv-controls { display:flex; flex-wrap:wrap; gap:8px 18px; align-items:center; margin-bottom:8px; }
+.nctv-amplify { display:flex; flex-wrap:wrap; gap:4px 12px; border:none; padding:0; margin:0; }
+.nctv-amplify legend { padding:0; margin-bottom:2px; }
+.nctv-amplify label, .nctv-blend { display:inline-flex; align-items:center; gap:6px; }
+.nctv-blend { flex-wrap:wrap; }
+.nctv-blend input { width:160px; }
+.nctv-panels { display:flex; flex-wrap:wrap; gap:12px; }
+.nctv-panels figure { flex:0 0 auto; width:calc((100% - 24px) / 3); min-width:130px; max-width:240px; margin:0; }
+.nctv-panels figcaption { font-size:0.9em; line-height:1.3; margin-bottom:4px; min-height:2.6em; }
+.nctv-panels canvas { width:100%; height:auto; image-rendering:pixelated; border:1px solid rgba(128,128,128,0.4); }
+.nctv-delta-reading, .nctv-delta-scale, .nctv-delta-effect { margin:6px 0 0 0; font-size:0.9em; }
+"""
+
+
+def delta_effect(class_names: list[str], without: np.ndarray, with_delta: np.ndarray) -> str:
+    """What δ alone does to one picture: the top class's confidence at Neural Clamping's T, without
+    and with δ (a δ that looks like noise may still move it, or may not)."""
+    top = int(np.argmax(with_delta))
+    return (f"On this picture, δ moves the confidence in {class_names[top]} from {percent(float(without[top]))} "
+            f"(Neural Clamping's temperature alone) to {percent(float(with_delta[top]))}.")
+
+
+# --------------------------------------------------------------------------- details and the handler
 
 
 def classes_sentence(class_names: list[str]) -> str:
@@ -97,50 +338,14 @@ def classes_sentence(class_names: list[str]) -> str:
     return known + " — a picture of anything else still gets one of these labels."
 
 
-def ood_note(cal: Calibration, x: torch.Tensor) -> str:
-    """Whether the picture (preprocessed ``x``) looks like the model's images, and how that is judged."""
-    from nctv.ood import penultimate_features
-
-    spec = cal.split
-    if spec is None:
-        return "The out-of-distribution check is unavailable: this calibration came without its images."
-    try:
-        detector = get_ood_detector(spec)
-    except ValueError as exc:
-        return f"The out-of-distribution check is unavailable: its images could not be loaded ({redact(str(exc))})."
-    except Exception:  # noqa: BLE001 - the check is an extra; the picture's confidences still show
-        log.exception("fitting the out-of-distribution check failed")
-        return "The out-of-distribution check is unavailable: its images could not be loaded."
-    score = float(detector.score(penultimate_features(get_model(cal.model).model, x[None]))[0])
-    where = (f"flagged above {detector.threshold_:.1f}: the {100 * detector.quantile:g}th percentile on "
-             f"{detector.held_out_scores_.numel():,} test images")
-    how = (f"How: the Mahalanobis distance of the picture's penultimate-layer features to the nearest class mean, "
-           f"with class means and one shared covariance from {detector.n_samples_fit_:,} calibration images "
-           f"(Lee et al., 2018).")
-    if score > detector.threshold_:
-        return (f"⚠ **This picture looks unlike the images the model was made for** (distance {score:.1f}, {where}); "
-                f"treat every confidence below with suspicion. {how}")
-    return (f"The picture passes the out-of-distribution check (distance {score:.1f}, {where}), which is no "
-            f"proof that it shows one of the model's classes. {how}")
-
-
 def _calibration_line(cal: Calibration) -> str:
     return (f"Calibration in use: **{cal.source}** — model {cal.model}; temperature scaling T = {cal.ts_temperature:.3f}"
             + (f"; {cal.nc_method} T = {cal.nc_temperature:.3f}." if cal.delta is not None
-               else "; Neural Clamping was not part of this run, so its column stays empty."))
+               else "; Neural Clamping was not part of this run, so it has no bars."))
 
 
-def _prediction_line(raw: dict, ts: dict, nc: dict) -> str:
-    top = next(iter(raw))
-    line = f"Prediction: **{top}** — {percent(raw[top])} before calibration, {percent(ts.get(top, 0.0))} with temperature scaling"
-    if not nc:
-        return line + "."
-    nc_top = next(iter(nc))
-    return line + f", {percent(nc[nc_top])} for **{nc_top}** with Neural Clamping."
-
-
-def classify_image(image: Any, state: Calibration | None) -> tuple:
-    """(note, figure of input / δ / input + δ, raw, TS and NC confidences as HTML) for one picture."""
+def classify_image(image: Any, state: Calibration | None) -> tuple[str, str, str, str]:
+    """(verdict, confidence chart, δ view, details) for one picture."""
     from nctv import plots
 
     cal = current_calibration(state)
@@ -152,28 +357,31 @@ def classify_image(image: Any, state: Calibration | None) -> tuple:
         raise ImageError(f"The calibration's δ has shape {tuple(cal.delta.shape)} but the model input is "
                          f"{tuple(x.shape)}.")
     z = model_logits(loaded.model, x[None])
-    raw = _confidences(z, loaded.class_names)
-    ts = _confidences(z / cal.ts_temperature, loaded.class_names)
-    nc, figure = {}, None
+    probs = {"raw": probabilities(z), "ts": probabilities(z / cal.ts_temperature)}
+    view = "<p>Neural Clamping was not part of this run, so there is no δ to show.</p>"
     if cal.delta is not None:
-        z_nc = model_logits(loaded.model, x[None], delta=cal.delta) / cal.nc_temperature
-        nc = _confidences(z_nc, loaded.class_names)
+        probs["nc"] = probabilities(model_logits(loaded.model, x[None], delta=cal.delta) / cal.nc_temperature)
         mean, std = loaded.data_config["mean"], loaded.data_config["std"]
-        data = plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}")
-        figure = plots.delta_figure(data, backend="plotly")
-    lines = [_prediction_line(raw, ts, nc), ood_note(cal, x), classes_sentence(loaded.class_names),
-             _calibration_line(cal),
+        view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}"),
+                          delta_effect(loaded.class_names, probabilities(z / cal.nc_temperature), probs["nc"]))
+    verdict = ood_verdict(cal, x)
+    lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal),
              f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "
              f"{tuple(x.shape)} (channels, height, width)."] + ([channel_note] if channel_note else [])
-    return ("\n\n".join(lines), figure, confidence_html(raw), confidence_html(ts),
-            confidence_html(nc, empty="Neural Clamping was not part of this run."))
+    return (verdict_html(verdict), confidence_chart(loaded.class_names, probs, verdict.flagged), view,
+            "\n\n".join(line for line in lines if line))
+
+
+def cleared() -> tuple[str, str, str, str]:
+    """The tab with no result: the hint, and nothing of an earlier picture."""
+    return verdict_html(None), "", "", ""
 
 
 @user_errors
 def classify(image: Any, state: Calibration | None = None):
-    """An uploaded, pasted, webcam or example picture (a file path); nothing yet gives a hint."""
+    """An uploaded, pasted, webcam or example picture (a file path); nothing yet gives the hint."""
     if image is None:
-        return "Upload, paste or take a picture, pick an example, or draw one.", None, None, None, None
+        return cleared()
     return classify_image(image, state)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import gradio as gr
 
 from nctv.calibration.saving import CONFIG_NAME, TENSORS_NAME, ModelMismatchWarning, load_calibrator, read_config
+from nctv.checks import shown
 from nctv.settings import DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import user_errors
 from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_model, ts_temperature_of
@@ -75,8 +76,8 @@ def _model_of(configs: dict[Path, dict], state: Calibration | None) -> str:
         raise ValueError("The calibrators in the zip must all name the one model they were fitted for.")
     name = names.pop()
     if name not in ENTRIES and (state is None or name != state.model):
-        raise ValueError(f"The calibrators were fitted for {name!r}, which this app does not offer; calibrate that "
-                         "model in the Calibrate tab first, or use `nctv apply` on your own machine.")
+        raise ValueError(f"The calibrators were fitted for {shown(name)}, which this app does not offer; calibrate "
+                         "that model in the Calibrate tab first, or use `nctv apply` on your own machine.")
     return name
 
 

@@ -8,6 +8,7 @@ joins the queue or takes the heavy slot; the refusal is a short JSON ``{"detail"
 """
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -70,16 +71,14 @@ class UploadBudget:
 
     def _prune(self, who: str) -> int:
         cutoff = time.monotonic() - self.window_s
-        for key in [who] if who in self._sent else []:
-            q = self._sent[key]
-            while q and q[0][0] < cutoff:
-                q.popleft()
-            if not q:
-                del self._sent[key]
-        # Addresses that went quiet are dropped on the way, a few per call.
-        for key in list(self._sent)[:4]:
-            if key != who and self._sent[key][-1][0] < cutoff:
-                del self._sent[key]
+        # ``who`` and the first few other addresses (moved to the back when still active, so that
+        # every address comes round) lose their old uploads; the table never keeps a quiet address.
+        for key in [who, *itertools.islice(self._sent, 4)]:
+            sent = self._sent.pop(key, None)
+            while sent and sent[0][0] < cutoff:
+                sent.popleft()
+            if sent:
+                self._sent[key] = sent
         return sum(n for _, n in self._sent.get(who, ()))
 
 

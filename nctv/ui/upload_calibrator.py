@@ -20,7 +20,7 @@ import gradio as gr
 
 from nctv.calibration.saving import (CONFIG_NAME, FILE_CAPS, TENSORS_NAME, ModelMismatchWarning, load_calibrator,
                                      read_config)
-from nctv.checks import env_limit
+from nctv.checks import env_limit, shown
 from nctv.settings import DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import user_errors
 from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_model, ts_temperature_of
@@ -122,8 +122,8 @@ def _model_of(configs: dict[Path, dict], state: Calibration | None) -> str:
         raise ValueError("The calibrators in the zip must all name the one model they were fitted for.")
     name = names.pop()
     if name not in ENTRIES and (state is None or name != state.model):
-        raise ValueError(f"The calibrators were fitted for {name!r}, which this app does not offer; calibrate that "
-                         "model in the Calibrate tab first, or use `nctv apply` on your own machine.")
+        raise ValueError(f"The calibrators were fitted for {shown(name)}, which this app does not offer; calibrate "
+                         "that model in the Calibrate tab first, or use `nctv apply` on your own machine.")
     return name
 
 

@@ -271,10 +271,11 @@ def _make(ctx: _Context, plan: MethodPlan, seed: int):
                                   (plan.name == "Temperature Scaling (FL)" and not isinstance(ctx.gamma, str))):
         kw.setdefault("gamma", ctx.gamma)  # "auto" is Neural Clamping's own choice of γ
     if not spec.needs_model:
-        method = _quiet(spec.factory(**kw))
-        if getattr(method, "callback", False) is None:  # the affine fits report folds and iterations
-            method.callback = _fit_callback(ctx, plan.label)
-        return method
+        from nctv import calibration
+
+        if "callback" in getattr(calibration, spec.cls)._param_names():  # the affine fits report their folds
+            kw.setdefault("callback", _fit_callback(ctx, plan.label))
+        return _quiet(spec.factory(**kw))
     kw.setdefault("device", ctx.device)
     if ctx.input_range is not None:
         kw.setdefault("input_range", ctx.input_range)
@@ -333,7 +334,7 @@ def _fit_callback(ctx: _Context, label: str):
         else:
             where = f"{stage}, iteration {info['iteration']} (at most {info['max_iter']})"
         left = info["seconds_left"]
-        tail = f", about {left:.0f} s left" if left is not None and stage != "done" else ""
+        tail = f", about {max(1, round(left))} s left" if left is not None and stage != "done" else ""
         ctx.progress.within(info["fraction"], f"{label}: {where}{tail}")
 
     return report

@@ -185,6 +185,8 @@ def test_an_uncancelled_odir_fit_is_unchanged_by_the_checks_and_reports_its_fold
     assert last["total_fits"] == len(swept) + len(refined) + 1 and last["seconds_left"] == 0.0
     fractions = [r["fraction"] for r in reports]
     assert fractions == sorted(fractions) and 0 < fractions[0]
+    # The time left is estimated once 2 % of the work is done, not from the first fits alone.
+    assert all((r["seconds_left"] is None) == (r["fraction"] < 0.02) for r in reports)
 
 
 @pytest.mark.parametrize("method", [MatrixScaling, VectorScaling], ids=["matrix-scaling", "vector-scaling"])
@@ -204,6 +206,8 @@ def test_an_uncancelled_single_fit_is_unchanged_and_reports_its_iterations(metho
     assert losses == sorted(losses, reverse=True)  # every accepted step lowers the objective
     assert losses[-1] == pytest.approx(fitted.objective_, rel=1e-9)
     assert reports[-1]["stage"] == "done" and reports[-1]["fraction"] == 1.0
+    assert steps[0]["fraction"] == 0.0 and steps[0]["seconds_left"] is None
+    assert all((r["seconds_left"] is None) == (r["fraction"] < 0.02) for r in reports)
 
 
 # --------------------------------------------------------------------------- the launched app

@@ -61,7 +61,8 @@ Cancellation and progress:
     ``fraction`` (estimated share of the work done, never decreasing; within a single fit the
     larger of its iterations over ``max_iter`` and its gradient's way down to the tolerance on a
     log scale), ``seconds`` (since the fit began) and ``seconds_left`` (the elapsed time scaled by
-    the share left; None before any progress).
+    the share left; None until ``_ESTIMATE_AFTER`` of the work is done, as earlier estimates swing
+    widely).
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ _SCREEN_MIN_CLASSES = 30
 # Share of the grid points that screening is expected to refine (5–6 of 49 in the measurements
 # above), counted in the progress estimate before the refinement's real number is known.
 _EXPECTED_REFINED = 0.12
+# Share of the work done before the progress reports estimate the time left.
+_ESTIMATE_AFTER = 0.02
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,7 +514,7 @@ class _Progress:
         total = self.planned + self.expected
         self.fraction = max(self.fraction, min((self.fits + within) / total, 1.0))
         seconds = time.perf_counter() - self.start
-        left = seconds * (1.0 - self.fraction) / self.fraction if self.fraction > 0 else None
+        left = seconds * (1.0 - self.fraction) / self.fraction if self.fraction >= _ESTIMATE_AFTER else None
         self.callback({**info, "fits": self.fits, "total_fits": total, "fraction": self.fraction,
                        "seconds": seconds, "seconds_left": left})
 

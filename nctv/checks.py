@@ -13,6 +13,15 @@ import numpy as np
 import torch
 
 
+class NotFittedError(RuntimeError):
+    """Raised when a calibrator is used before ``fit``."""
+
+
+#: Temperatures every fitter searches within (a model worse than chance, or separable data, would
+#: otherwise send T to infinity or zero), and so the range a loaded calibrator's T must lie in.
+T_MIN, T_MAX = 1e-3, 1e3
+
+
 def as_tensor(x: Any, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """Turn a numpy array, list or tensor into a tensor without copying when it can."""
     if isinstance(x, torch.Tensor):

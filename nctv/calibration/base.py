@@ -13,11 +13,7 @@ from typing import Any
 
 import torch
 
-from nctv.checks import check_logits, check_logits_labels
-
-
-class NotFittedError(RuntimeError):
-    """Raised when a calibrator is used before ``fit``."""
+from nctv.checks import NotFittedError, check_logits, check_logits_labels
 
 
 def focal_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float = 0.0, reduction: str = "mean") -> torch.Tensor:

@@ -20,14 +20,16 @@ import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 
 from nctv import __version__
-from nctv.calibration.base import BaseCalibrator, NotFittedError
-from nctv.checks import check_finite, check_gamma, check_nonnegative, env_limit
+from nctv.checks import NotFittedError, T_MAX, T_MIN, check_finite, check_gamma, check_nonnegative, env_limit
+
+if TYPE_CHECKING:
+    from nctv.calibration.base import BaseCalibrator
 
 __all__ = ["FORMAT_VERSION", "CONFIG_NAME", "TENSORS_NAME", "MAX_CONFIG_BYTES", "MAX_TENSORS_BYTES", "MAX_INPUT_VALUES",
            "FILE_CAPS", "ModelMismatchWarning", "save_calibrator",
@@ -103,7 +105,7 @@ def save_calibrator(calibrator: BaseCalibrator, save_directory: str | os.PathLik
 
 def method_name(calibrator: BaseCalibrator) -> str:
     """The registry name (a key of ``METHODS``) of a calibrator, from its class and settings."""
-    from nctv.calibration import METHODS
+    from nctv.calibration.registry import METHODS
 
     cls = type(calibrator).__name__
     specs = [s for s in METHODS.values() if s.cls == cls]
@@ -267,7 +269,7 @@ def read_config(folder: Path) -> dict:
 
 def _registry_class(config: dict):
     """The class and registry entry named in a config, from the registry only (never an import by name)."""
-    from nctv.calibration import METHODS, __getattr__ as calibration_class
+    from nctv.calibration.registry import METHODS, calibration_class
 
     spec = METHODS.get(config.get("method"))
     if spec is None or spec.cls != config.get("class"):
@@ -460,7 +462,6 @@ _TENSORS = ("delta_", "weight_", "bias_", "grid_", "ece_grid_")
 def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | None) -> None:
     """Refuse fitted numbers no fitter produces: non-finite, out of range, or of the wrong kind.
     ``delta_bound``: the width of the model's input range, which no entry of δ may exceed."""
-    from nctv.calibration.temperature import T_MAX, T_MIN
 
     path = folder / CONFIG_NAME
     missing = [k for k in _NEEDS.get(spec.cls, ()) if k not in fitted]

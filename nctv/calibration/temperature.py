@@ -33,12 +33,8 @@ from tqdm.auto import tqdm
 import nctv.metrics as metrics
 from nctv.calibration.base import Calibrator
 from nctv.calibration.deploy import TemperatureHead
-from nctv.checks import check_bins, check_logits, check_gamma, check_logits_labels, check_positive
+from nctv.checks import T_MAX, T_MIN, check_bins, check_logits, check_gamma, check_logits_labels, check_positive
 from nctv.memory import check_cancelled
-
-#: Temperatures are searched within these bounds (a model worse than chance, or separable data,
-#: would otherwise send T to infinity or zero).
-T_MIN, T_MAX = 1e-3, 1e3
 
 # Working-set size of one grid-search block, in float64 elements: 4 MiB stays in a CPU's cache
 # (larger blocks run several times slower there); accelerators prefer fewer, larger launches.

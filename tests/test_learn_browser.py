@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from test_browser import ARTIFACTS, CHROMIUM, browser, open_app  # noqa: F401 - browser: the shared fixture
+from test_browser import ARTIFACTS, CHROMIUM, browser, open_app, open_panel, wait_for_status  # noqa: F401 - browser: the shared fixture
 
 from nctv import metrics
 from nctv.ui import learn, state
@@ -182,10 +182,13 @@ STYLES = """() => {
     const st = (e) => getComputedStyle(e);
     const bg = st(document.querySelector('.nl')).backgroundColor;
     const plotBg = st(document.querySelector('#learn-plot')).backgroundColor;
-    const texts = [...document.querySelectorAll('#learn-plot svg text')].map(e => [st(e).fontSize, st(e).fill]);
+    const texts = [...document.querySelectorAll('#learn-plot svg text:not(.nl-on-bar)')]
+        .map(e => [st(e).fontSize, st(e).fill]);
+    const onBar = [...document.querySelectorAll('#learn-plot svg text.nl-on-bar')]
+        .map(e => [st(e).fontSize, st(e).fill, st(document.querySelector('#learn-plot .nl-hist')).fill]);
     const labels = ['.nl-ends span', '#learn-ece', '#learn-lead', '#learn-message', '.nl-read dt']
         .map(s => document.querySelector(s)).map(e => [st(e).fontSize, st(e).color]);
-    return {bg, plotBg, texts, labels, ece: st(document.querySelector('#learn-ece')).fontSize};
+    return {bg, plotBg, texts, onBar, labels, ece: st(document.querySelector('#learn-ece')).fontSize};
 }"""
 
 
@@ -199,6 +202,9 @@ def test_presenter_mode_fills_a_projector_in_large_type(browser, server):  # noq
         assert len(s["texts"]) > 15
         for size, fill in s["texts"]:
             assert float(size[:-2]) >= 20 and contrast(fill, s["plotBg"]) >= 4.5, (size, fill, s["plotBg"])
+        assert s["onBar"]  # the crowded top group's share, written on its bar
+        for size, fill, bar in s["onBar"]:
+            assert float(size[:-2]) >= 20 and contrast(fill, bar) >= 4.5, (size, fill, bar)
         assert float(s["ece"][:-2]) >= 28
         for size, color in s["labels"]:
             assert float(size[:-2]) >= 20 and contrast(color, s["bg"]) >= 4.5, (size, color)
@@ -238,6 +244,8 @@ def test_dark_theme_darkens_the_plot(browser, server):  # noqa: F811
         assert _luminance(_rgb(s["plotBg"])) < 0.05 and _luminance(_rgb(s["bg"])) < 0.05
         for _, fill in s["texts"]:
             assert contrast(fill, s["plotBg"]) >= 4.5
+        for _, fill, bar in s["onBar"]:
+            assert contrast(fill, bar) >= 4.5
         bar = pg.evaluate("getComputedStyle(document.querySelector('#learn-plot .nl-acc')).fill")
         assert contrast(bar, s["plotBg"]) >= 3  # the bars stand out from the dark background
         pg.screenshot(path=str(ARTIFACTS / "learn-dark-1400x1000.png"), full_page=True)
@@ -276,8 +284,49 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
         pg.context.close()
 
 
-def test_wide_screen(page):
-    page.set_viewport_size({"width": 1400, "height": 1000})
+def test_wide_screen_labels_stay_apart(page):
+    set_range(page, "#learn-bins", learn.DEFAULT_BINS)
     set_range(page, "#learn-t", 1.0)
+    texts = page.evaluate("""() => [...document.querySelectorAll('#learn-plot svg text')].map(e => {
+        const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; })""")
+    for i, a in enumerate(texts):
+        for b in texts[i + 1:]:
+            assert not _overlaps(a, b), (a, b)
     page.locator("#learn-view").screenshot(path=str(DOCS_IMG / "learn-1400x1000.png"))
-    assert learn.T_MIN == float(page.locator("#learn-t").get_attribute("min"))
+
+
+def _column(table_text: str, row: str, header: str) -> float:
+    lines = [ln.split("\t") for ln in table_text.splitlines() if "\t" in ln]
+    head = next(cells for cells in lines if header in [c.strip() for c in cells])
+    cells = next(cells for cells in lines if cells[0].strip().startswith(row))
+    return float(cells[[c.strip() for c in head].index(header)])
+
+
+@pytest.mark.parametrize("learn_seen_first", [False, True], ids=["learn-unseen", "learn-seen"])
+def test_a_calibration_run_becomes_the_pages_data(browser, server, learn_seen_first):  # noqa: F811
+    """After a run in the Calibrate tab, the page holds that run's test logits: at T = 1 its read-outs
+    equal the run's own uncalibrated row (computed by the server). The Learn tab may have been shown
+    before the run (the page receives the logits) or not (the page starts with them)."""
+    pg = open_app(browser, server, 1400, 1000)
+    try:
+        if learn_seen_first:
+            pg.get_by_role("tab", name="Learn").click()
+            pg.wait_for_selector("#learn-plot svg")
+            pg.get_by_role("tab", name="Calibrate").click()
+        open_panel(pg)
+        pg.locator("#calibration-size input").fill("300")
+        pg.locator("#test-size input").fill("500")
+        pg.locator("#test-size input").press("Tab")
+        pg.get_by_role("button", name="Run calibration").click()
+        wait_for_status(pg, "Done", 240_000)
+        table = pg.locator("#results-table").inner_text()
+        pg.get_by_role("tab", name="Learn").click()
+        pg.wait_for_function("document.querySelector('#learn-note').innerText.includes('its 500 test pictures')")
+        assert "test split of your run" in pg.locator("#learn-note").inner_text()
+        got = readouts(pg)
+        assert f"{100 * got['ece'][0]:.2f}" == f"{_column(table, 'Uncalibrated', 'ECE (%) ↓'):.2f}"
+        assert f"{100 * got['accuracy'][0]:.2f}" == f"{_column(table, 'Uncalibrated', 'Accuracy (%) ↑'):.2f}"
+        # The server's text follows the new calibration too.
+        pg.wait_for_function("document.querySelector('#learn-text').innerText.includes('your run')")
+    finally:
+        pg.context.close()

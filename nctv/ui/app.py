@@ -340,8 +340,9 @@ def _black_canvas():
 def _learn_tab(state: gr.State, run_event) -> None:
     table0, text0 = _initial_learn()
     # Controls, read-outs and diagram live in the page, which computes them from the test logits it
-    # holds: a move of T costs no request. The server sends the logits again only for a new calibration.
-    view = learn_tab.page_view(None)
+    # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
+    # after each calibration run, never with a move.
+    view = learn_tab.page_view()
     table = gr.Markdown(table0, elem_id="learn-table")
     text = gr.Markdown(text0, elem_id="learn-text")
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
@@ -350,6 +351,8 @@ def _learn_tab(state: gr.State, run_event) -> None:
     # that the text of the latest T arrives last.
     view.release(learn_tab.explain_settled, [state], [table, text], show_progress="hidden", trigger_mode="multiple",
                  concurrency_limit=1, api_visibility="private")
+    view.first_view(learn_tab.page_data, [state], [view], show_progress="hidden",
+                    concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
     # A finished run becomes the Learn tab's model: its logits go to the page once.
     run_event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
     # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.

@@ -174,10 +174,11 @@ def page_data(state: Calibration | None) -> dict:
             "n": rows, "k": k, "n_total": n, "where": where, "ts_temperature": _calibration(state).ts_temperature}
 
 
-def page_view(state: Calibration | None) -> gr.HTML:
-    """The page's controls and diagram (``static/learn.{html,css,js}``), holding :func:`page_data`."""
+def page_view() -> gr.HTML:
+    """The page's controls and diagram (``static/learn.{html,css,js}``); its value, empty at first,
+    becomes :func:`page_data` when the tab is first shown (its "first_view" event)."""
     static = resources.files("nctv.ui") / "static"
-    return gr.HTML(page_data(state), html_template=(static / "learn.html").read_text(encoding="utf-8"),
+    return gr.HTML(None, html_template=(static / "learn.html").read_text(encoding="utf-8"),
                    css_template=(static / "learn.css").read_text(encoding="utf-8"),
                    js_on_load=(static / "learn.js").read_text(encoding="utf-8"), elem_id="learn-view",
                    t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=DEFAULT_BINS)

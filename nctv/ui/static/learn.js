@@ -20,7 +20,7 @@ function decode(b64, Type) {
 function load(value) {
   if (!value || !value.logits) {
     data = null;
-    note.textContent = (value && value.message) || "No test logits yet: run a calibration in the Calibrate tab.";
+    note.textContent = value ? value.message : "Loading the test logits…";
     return;
   }
   const n = value.n, k = value.k, z = Float64Array.from(decode(value.logits, Float32Array));
@@ -89,7 +89,7 @@ function draw() {
   const inner = width - left - right;
   const rows = legendWidth <= inner ? 1 : legend.length;
   const top = rows * font * 1.6 + font * 0.6;
-  const histH = Math.max(font * 3.5, height * 0.2), between = font * 0.9, bottom = font * 3.4;
+  const histH = Math.max(font * 3.5, height * 0.2), between = font * 1.2, bottom = font * 3.6;
   const mainH = height - top - histH - between - bottom;
   const x = (v) => left + v * inner, y = (v) => top + (1 - v) * mainH;
   const hy0 = top + mainH + between, hy = (v) => hy0 + (1 - v) * histH;
@@ -112,16 +112,23 @@ function draw() {
     const acc = stats.sumAcc[b] / stats.counts[b], conf = stats.sumConf[b] / stats.counts[b];
     rect(x0, y(acc), w, y(0) - y(acc), "nl-acc");
     rect(x0, y(Math.max(acc, conf)), w, Math.abs(y(acc) - y(conf)), "nl-gap");
-    rect(x0, hy(stats.counts[b] / stats.n), w, hy(0) - hy(stats.counts[b] / stats.n), "nl-hist");
+    const share = stats.counts[b] / stats.n;
+    rect(x0, hy(share), w, hy(0) - hy(share), "nl-hist");
+    // The share of the crowded groups, written on the bar (inside it when it is tall).
+    if (share >= 0.05 && w >= font * 2) {
+      const inside = hy(0) - hy(share) > font * 1.6;
+      text(x0 + w / 2, inside ? hy(share) + font * 1.15 : hy(share) - font * 0.3, pct(share, 0),
+           `text-anchor="middle"${inside ? ' class="nl-on-bar"' : ""}`);
+    }
   }
   line(x(0), y(0), x(1), y(1), "nl-diag");
   parts.push(`<rect x="${x(0)}" y="${top}" width="${inner}" height="${mainH}" class="nl-frame"/>`);
   parts.push(`<rect x="${x(0)}" y="${hy0}" width="${inner}" height="${histH}" class="nl-frame"/>`);
   // The count panel's scale is fixed (0 to 100% of the pictures), so it reads the same after every move.
   text(x(0) - font * 0.4, hy(1) + font * 0.8, "100%", 'text-anchor="end"');
-  text(x(0) - font * 0.4, hy(0), "0%", 'text-anchor="end"');
+  text(x(0) - font * 0.4, hy(0) - font * 0.1, "0%", 'text-anchor="end"');
   text(x(0) + font * 0.4, hy(1) + font * 1.1, "Share of the pictures in each group");
-  for (let i = 0; i <= 5; i++) text(x(i / 5), hy(0) + font * 1.2, pct(i / 5, 0), 'text-anchor="middle"');
+  for (let i = 0; i <= 5; i++) text(x(i / 5), hy(0) + font * 1.4, pct(i / 5, 0), 'text-anchor="middle"');
   text(x(0.5), height - font * 0.4, "Confidence (probability of the predicted class)", 'text-anchor="middle"');
   const yMid = top + mainH / 2;
   text(font * 1.1, yMid, "Share correct", `text-anchor="middle" transform="rotate(-90 ${(font * 1.1).toFixed(1)} ${yMid.toFixed(1)})"`);
@@ -205,14 +212,29 @@ presenter.addEventListener("click", () => setPresenter(!root.classList.contains(
 document.addEventListener("keydown", (e) => {
   if (e.key === "Escape" && root.classList.contains("nl--present")) setPresenter(false);
 });
-// Hidden tabs have no size: draw when the diagram's box gets one or changes.
-new ResizeObserver(draw).observe(plot);
+// The logits come with the first view of the tab, not with the app's first screen: a visitor who
+// never opens it never downloads them. Hidden tabs have no size: draw when the box gets one.
+let asked = false;
+new ResizeObserver(() => {
+  if (!props.value && !asked && plot.clientWidth > 0) {
+    asked = true;
+    trigger("first_view");
+  }
+  draw();
+}).observe(plot);
 
 load(props.value);
 update();
-// A new calibration (after a run in the Calibrate tab): its logits arrive once, then the text follows.
+// Gradio mounts a tab's content when it is first shown: logits already here come from a calibration
+// run before that, whose text the server has not written yet.
+if (props.value) settle();
+// The logits of the first view, or of a new calibration (after a run in the Calibrate tab); for a new
+// calibration the server's text follows too (the first view's text is already the page's).
+let viewed = false;
 watch("value", () => {
+  const firstView = asked && !viewed;
+  viewed = true;
   load(props.value);
   update();
-  settle();
+  if (!firstView) settle();
 });

@@ -5,6 +5,7 @@ Launches ``python app.py`` offline on a free port and opens it in headless Chrom
 
 * first paint and first contentful paint of the app (the browser's paint timings, from navigation
   start), and the time until the first tab's reliability diagrams are drawn;
+* the time from the first click on the Learn tab to its diagram (the test logits' one trip);
 * the Learn tab's redraw: 20 moves of a mouse drag on the temperature slider, each timed in the page
   from the input event's time stamp to the updated diagram and read-outs (``data-redraw-ms``),
   with the number of requests the drag sent (0: it is computed in the page);
@@ -47,8 +48,10 @@ def learn_drag(browser, url: str) -> dict:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
     page.wait_for_selector("#reliability-plot .js-plotly-plot", timeout=120_000)
+    start = time.perf_counter()
     page.get_by_role("tab", name="Learn").click()
     page.wait_for_selector("#learn-plot svg")
+    first_view = time.perf_counter() - start  # the logits' one trip to the page, then the first drawing
     requests = []
     page.on("request", lambda r: requests.append(r.url))
     box = page.locator("#learn-t").bounding_box()
@@ -62,7 +65,8 @@ def learn_drag(browser, url: str) -> dict:
     sent = len(requests)
     page.mouse.up()
     page.close()
-    return {"redraw_ms": times, "redraw_median_ms": statistics.median(times), "requests_during_drag": sent}
+    return {"learn_first_view_s": first_view, "redraw_ms": times, "redraw_median_ms": statistics.median(times),
+            "requests_during_drag": sent}
 
 
 def server_round_trip(url: str, repeats: int = 5) -> dict:
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 | first paint | {screen['first_paint_ms']:.0f} ms |
 | first contentful paint | {screen['first_contentful_paint_ms']:.0f} ms |
 | first tab's diagrams drawn | {screen['first_diagrams_s']:.2f} s |
+| Learn tab's first diagram after its first click (logits sent once) | {drag['learn_first_view_s']:.2f} s |
 | Learn redraw, median of {MOVES} drag moves (in the page) | {drag['redraw_median_ms']:.1f} ms |
 | requests sent during the drag | {drag['requests_during_drag']} |
 | `/explore_temperature` round trip (server-drawn diagram), median of 5 | {trip['explore_temperature_median_ms']:.0f} ms |

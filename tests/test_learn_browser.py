@@ -2,12 +2,14 @@
 ``nctv.metrics`` on the shipped logits file, a move of T redraws without a request, a typed T out of
 range is clamped with a message, presenter mode is large and legible on a 1280 × 720 projector, the
 dark theme darkens the plot, and nothing overlaps on a phone. Final screenshots go to docs/img/."""
+import io
 import json
 import re
 import statistics
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from safetensors.torch import load_file
 from test_browser import ARTIFACTS, CHROMIUM, browser, open_app, open_panel, wait_for_status  # noqa: F401 - browser: the shared fixture
 
@@ -19,6 +21,11 @@ pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"needs Debian's Chromium at {CHROMIUM}"),
 ]
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+
+
+def save_small(png: bytes, name: str) -> None:
+    """A screenshot for the docs, as a small palette PNG."""
+    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=96).save(DOCS_IMG / name, optimize=True)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +220,7 @@ def test_presenter_mode_fills_a_projector_in_large_type(browser, server):  # noq
         assert plot["y"] >= 0 and plot["y"] + plot["height"] <= 720 and plot["x"] + plot["width"] <= 1280
         svg = pg.locator("#learn-plot svg").bounding_box()
         assert svg["height"] >= 0.85 * 720
-        pg.screenshot(path=str(DOCS_IMG / "learn-presenter-1280x720.png"))
+        save_small(pg.screenshot(), "learn-presenter-1280x720.png")
         # Escape leaves presenter mode.
         pg.keyboard.press("Escape")
         assert pg.locator(".nl").get_attribute("data-presenter") == "off"
@@ -279,7 +286,7 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
             assert a["x"] >= boxes["plot"]["x"] - 0.5 and a["x"] + a["width"] <= boxes["plot"]["x"] + boxes["plot"]["width"] + 0.5
             for b in texts[i + 1:]:
                 assert not _overlaps(a, b), (a, b)
-        pg.locator("#learn-view").screenshot(path=str(DOCS_IMG / "learn-phone-390x844.png"))
+        save_small(pg.locator("#learn-view").screenshot(), "learn-phone-390x844.png")
     finally:
         pg.context.close()
 
@@ -292,7 +299,8 @@ def test_wide_screen_labels_stay_apart(page):
     for i, a in enumerate(texts):
         for b in texts[i + 1:]:
             assert not _overlaps(a, b), (a, b)
-    page.locator("#learn-view").screenshot(path=str(DOCS_IMG / "learn-1400x1000.png"))
+    page.evaluate("document.activeElement.blur()")
+    save_small(page.locator("#learn-view").screenshot(), "learn-1400x1000.png")
 
 
 def _column(table_text: str, row: str, header: str) -> float:

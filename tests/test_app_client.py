@@ -47,9 +47,9 @@ def test_queue_settings(server):
     with urllib.request.urlopen(server + "config", timeout=10) as r:
         config = json.load(r)
     deps = {d["api_name"]: d for d in config["dependencies"]}
-    # The slider's redraw skips the queue; the long jobs go through it.
-    assert deps["explore_temperature"]["queue"] is False
-    assert all(deps[name]["queue"] for name in ("calibrate", "gamma_sweep", "init_study", "classify"))
+    # Every endpoint goes through the queue (the Learn tab's slider redraws in the page, without the server).
+    assert all(deps[name]["queue"] for name in ("calibrate", "gamma_sweep", "init_study", "classify",
+                                                "explore_temperature"))
     assert config["max_file_size"] == 25 * 1024 * 1024
 
 
@@ -62,6 +62,9 @@ def test_explore_temperature_matches_metrics_of_the_shipped_logits(client):
     ece = float(line.strip("|").split("|")[3])
     assert ece == pytest.approx(round(100 * metrics.ece(z / 1.5, y, 12), 2))
     assert "ECE" in text and "12 bins" in text
+    # Out of range: a message in words, not a server error.
+    with pytest.raises(AppError, match="between 0.05 and 5"):
+        client.predict(7, 15, api_name="/explore_temperature")
 
 
 def _check_chart(page, methods=("raw", "ts", "nc")):

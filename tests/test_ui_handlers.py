@@ -4,6 +4,7 @@ Expected values are computed independently: logits straight from the model, prob
 softmax, metrics by nctv.metrics on those logits, temperature scaling refitted on the same logits.
 Splits are small (300 calibration and 1,000 test images) so that every fit takes seconds.
 """
+import base64
 import csv
 import dataclasses
 import html
@@ -826,7 +827,32 @@ def test_learn_recomputes_metrics_at_the_slider_temperature():
     assert len(fig.data) == 8  # two diagrams of four traces each
     with pytest.raises(gr.Error, match="between"):
         learn.explore_temperature(0.0, 15, None)
-    assert learn.fitted_temperature(None) == pytest.approx(round(pre.calibration.ts_temperature, 2))
+    # The page's settled T gets the same table and text, and the same words when it is out of range.
+    assert learn.explain_settled(None, gr.EventData(None, {"temperature": 2.0, "bins": 10})) == (table, text)
+    with pytest.raises(gr.Error, match="between 0.05 and 5; got 7"):
+        learn.explain_settled(None, gr.EventData(None, {"temperature": 7, "bins": 15}))
+
+
+def _decoded(data: dict) -> tuple[np.ndarray, np.ndarray]:
+    z = np.frombuffer(base64.b64decode(data["logits"]), dtype="<f4").reshape(data["n"], data["k"])
+    return z, np.frombuffer(base64.b64decode(data["labels"]), dtype="<i4")
+
+
+def test_learn_page_gets_the_test_logits_once_whole_or_sampled(monkeypatch):
+    pre = state.load_precomputed()
+    z, y = pre.result.methods["Uncalibrated"].test_logits, pre.result.test_labels
+    data = learn.page_data(None)
+    got_z, got_y = _decoded(data)
+    assert np.array_equal(got_z, z.numpy()) and np.array_equal(got_y, y.numpy())
+    assert data["n"] == data["n_total"] == 10_000 and data["ts_temperature"] == pre.calibration.ts_temperature
+    # A split with more logits than the page takes goes as a seeded sample of whole rows, in order.
+    monkeypatch.setattr(learn, "PAGE_MAX_VALUES", 25_000)
+    sample = learn.page_data(None)
+    assert sample["n"] == 2_500 and sample["n_total"] == 10_000 and sample == learn.page_data(None)
+    sz, sy = _decoded(sample)
+    rows = {tuple(r): label for r, label in zip(z.numpy().tolist(), y.numpy().tolist())}
+    assert len({tuple(r) for r in sz.tolist()}) == 2_500
+    assert all(rows[tuple(r)] == label for r, label in zip(sz.tolist(), sy.tolist()))
 
 
 def test_learn_follows_the_visitors_run(run, splits, logits):

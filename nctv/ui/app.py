@@ -345,39 +345,37 @@ def _black_canvas():
     return {"background": np.zeros((280, 280, 3), dtype=np.uint8), "layers": [], "composite": None}
 
 
-def _learn_tab(state: gr.State):
-    fig0, table0, text0 = _initial_learn()
-    # Controls beside the diagram, so that both fit a 1280 × 720 projector without scrolling.
-    with gr.Row():
-        with gr.Column(scale=1, min_width=260):
-            gr.Markdown("Move the temperature: the probabilities are softmax(z / T) of the test logits of the "
-                        "latest calibration, recomputed at once.")
-            temperature = gr.Slider(learn_tab.T_MIN, learn_tab.T_MAX, 1.0, step=learn_tab.T_STEP,
-                                    label="Temperature T", elem_id="learn-temperature")
-            bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins")
-            fitted = gr.Button("Set T to the temperature-scaling fit")
-        with gr.Column(scale=3):
-            fig = gr.Plot(fit_width(fig0), label="Reliability diagrams", elem_id="learn-plot")
-    table = gr.Markdown(table0)
-    text = gr.Markdown(text0)
+def _learn_tab(state: gr.State, run_event) -> None:
+    table0, text0 = _initial_learn()
+    # Controls, read-outs and diagram live in the page, which computes them from the test logits it
+    # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
+    # after each calibration run, never with a move.
+    view = learn_tab.page_view()
+    table = gr.Markdown(table0, elem_id="learn-table")
+    text = gr.Markdown(text0, elem_id="learn-text")
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
         gr.Markdown(learn_tab.PAPER_TABLE)
-    outputs = [fig, table, text]
-    fn = _plots_fit(learn_tab.explore_temperature)
-    # Recomputed from cached logits in milliseconds: skip the queue so the diagram follows the slider.
-    temperature.change(fn, [temperature, bins, state], outputs, api_name="explore_temperature", queue=False,
-                       show_progress="hidden", trigger_mode="always_last")
-    bins.change(fn, [temperature, bins, state], outputs, queue=False, show_progress="hidden",
-                trigger_mode="always_last", api_visibility="private")
-    fitted.click(learn_tab.fitted_temperature, [state], [temperature], queue=False, api_visibility="private")
-    return temperature, bins, outputs
+    # Every release counts (Gradio's "always_last" would resend the first release's T), one at a time so
+    # that the text of the latest T arrives last.
+    view.release(learn_tab.explain_settled, [state], [table, text], show_progress="hidden", trigger_mode="multiple",
+                 concurrency_limit=1, api_visibility="private")
+    view.first_view(learn_tab.page_data, [state], [view], show_progress="hidden",
+                    concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+    # A finished run becomes the Learn tab's model: its logits go to the page once.
+    run_event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
+    # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.
+    api_t = gr.Number(1.0, visible=False)
+    api_bins = gr.Number(DEFAULT_BINS, visible=False)
+    api_fig = gr.Plot(visible=False)
+    gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, table, text],
+          api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
 
 
-def _initial_learn():
+def _initial_learn() -> tuple[str, str]:
     try:
-        return learn_tab.explore(1.0, DEFAULT_BINS, None)
+        return learn_tab.explain(1.0, DEFAULT_BINS, None)
     except ValueError as e:
-        return None, str(e), ""
+        return str(e), ""
 
 
 def build_app() -> gr.Blocks:
@@ -397,13 +395,10 @@ def build_app() -> gr.Blocks:
             with gr.Tab("Try your own image", id="try"):
                 try_image, try_outputs = _try_tab(state)
             with gr.Tab("Learn", id="learn"):
-                temperature, bins, learn_outputs = _learn_tab(state)
-        # A finished run becomes the Learn tab's model too.
+                _learn_tab(state, run_event)
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
                   show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)
-        run_event.then(_plots_fit(learn_tab.explore_temperature), [temperature, bins, state], learn_outputs,
-                       queue=False, show_progress="hidden", api_visibility="private")
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     return demo
 

@@ -1,18 +1,27 @@
-"""The Learn tab: move a temperature and watch the reliability diagram, ECE and entropy follow,
-computed on the spot from cached test logits; the metrics and the two methods explained with the
-numbers of the model in use; the paper's headline results for reference."""
+"""The Learn tab: move a temperature and watch the reliability diagram, ECE, accuracy and mean
+confidence follow. The page computes those itself (``static/learn.js``) from the test logits that
+:func:`page_data` sends once per calibration; the server writes the table and the explanations, with
+the numbers of the model in use, once T settles; the paper's headline results for reference."""
 from __future__ import annotations
 
+import base64
 import math
+from importlib import resources
 from typing import Any
 
+import gradio as gr
+import numpy as np
 import torch
 
 from nctv import metrics, report
 from nctv.ui.common import parse_whole, user_errors
-from nctv.ui.state import Calibration, load_precomputed, test_logits_of
+from nctv.ui.state import DEFAULT_BINS, Calibration, load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
+BINS_MIN, BINS_MAX = 5, 50
+#: At most this many logits go to the page (3 MB as float32); a larger test split goes as a seeded sample.
+PAGE_MAX_VALUES = 750_000
+PAGE_SAMPLE_SEED = 0
 
 #: the paper's ECE (%) on the test split, 15 bins, mean over 5 runs.
 PAPER_TABLE = """| setup | uncalibrated | TS | TS grid | Dir-ODIR | NC (FL) |
@@ -82,32 +91,48 @@ def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], c
     return "\n\n".join(text)
 
 
-def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
-    """(reliability diagrams at T = 1 and at ``temperature``, metrics table, explanations)."""
-    from nctv import plots
+def _calibration(state: Calibration | None) -> Calibration:
+    # test_logits_of answered from the visitor's run or from the shipped result: either has a calibration.
+    return state if state is not None else load_precomputed().calibration
 
+
+def _checked(temperature: Any, n_bins: Any) -> tuple[float, int]:
     try:
         t = float(temperature)
     except (TypeError, ValueError):
         raise ValueError(f"The temperature must be a number; got {temperature!r}.") from None
     if not math.isfinite(t) or not T_MIN <= t <= T_MAX:
-        raise ValueError(f"The temperature must lie between {T_MIN} and {T_MAX}; got {temperature!r}.")
-    n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
+        raise ValueError(f"The temperature must lie between {T_MIN:g} and {T_MAX:g}; got {temperature!r}.")
+    return t, parse_whole(n_bins, "Number of bins", 2, 100)
+
+
+def _explain(t: float, n_bins: int, state: Calibration | None) -> tuple[str, str, torch.Tensor, torch.Tensor, str]:
+    """(metrics table, explanations, test logits in float64, labels, where they come from) at T."""
     z, y, where = test_logits_of(state)
-    # test_logits_of answered from the visitor's run or from the shipped result: either has a calibration.
-    cal = state if state is not None else load_precomputed().calibration
+    # float64 before dividing: the page divides in float64 too, so its read-outs match the table.
+    z = z.double()
+    cal = _calibration(state)
     ts_t = cal.ts_temperature
     now = _scores(z / t, y, n_bins)
     rows = [("T = 1 (uncalibrated)", _scores(z, y, n_bins)), (f"T = {t:.2f} (slider)", now),
             (f"T = {ts_t:.3f} (temperature scaling)", _scores(z / ts_t, y, n_bins))]
+    k = int(z.shape[1])
+    table = report.to_markdown(report.metrics_table(rows, k, notes=[f"{n_bins} bins; test split."]))
+    return table, explanations(t, int(z.shape[0]), k, n_bins, now, cal), z, y, where
+
+
+def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
+    """(reliability diagrams at T = 1 and at ``temperature``, metrics table, explanations): the
+    ``/explore_temperature`` endpoint's answer."""
+    from nctv import plots
+
+    t, n_bins = _checked(temperature, n_bins)
+    table, text, z, y, where = _explain(t, n_bins, state)
     data = [plots.reliability_data(z, y, n_bins, "T = 1 (uncalibrated)"),
             plots.reliability_data(z / t, y, n_bins, f"T = {t:.2f}")]
     fig = plots.reliability_figure(data, backend="plotly")
-    # Short enough to sit whole beside the slider on a 1280 × 720 projector.
     fig.update_layout(title=f"Reliability diagrams — {where}", height=440, margin=dict(t=90, b=50))
-    k = int(z.shape[1])
-    table = report.to_markdown(report.metrics_table(rows, k, notes=[f"{n_bins} bins; test split."]))
-    return fig, table, explanations(t, int(z.shape[0]), k, n_bins, now, cal)
+    return fig, table, text
 
 
 @user_errors
@@ -115,10 +140,45 @@ def explore_temperature(temperature: float, n_bins: int, state: Calibration | No
     return explore(temperature, n_bins, state)
 
 
+def explain(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple[str, str]:
+    """(metrics table, explanations) at ``temperature``."""
+    t, n_bins = _checked(temperature, n_bins)
+    return _explain(t, n_bins, state)[:2]
+
+
 @user_errors
-def fitted_temperature(state: Calibration | None = None) -> float:
-    """The temperature-scaling T of the calibration in use (for the "fitted T" button)."""
-    cal = state if state is not None else (load_precomputed().calibration if load_precomputed() else None)
-    if cal is None:
-        raise ValueError("No calibration yet: run one in the Calibrate tab first.")
-    return round(min(max(cal.ts_temperature, T_MIN), T_MAX), 2)
+def explain_settled(state: Calibration | None, evt: gr.EventData) -> tuple[str, str]:
+    """(table, explanations) for the T and bins the page settled on (its "release" event)."""
+    return explain(evt.temperature, evt.bins, state)
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
+
+
+def page_data(state: Calibration | None) -> dict:
+    """What the page needs to draw on its own, sent once per calibration: the test logits (float32,
+    little-endian, base64; a seeded sample of rows when the split has more than
+    :data:`PAGE_MAX_VALUES` logits), the labels (int32), and the temperature-scaling T; or, with no
+    calibration at all, a message."""
+    try:
+        z, y, where = test_logits_of(state)
+    except ValueError as e:
+        return {"message": str(e)}
+    n, k = (int(s) for s in z.shape)
+    rows = min(n, max(1, PAGE_MAX_VALUES // k))
+    if rows < n:
+        keep = torch.randperm(n, generator=torch.Generator().manual_seed(PAGE_SAMPLE_SEED))[:rows].sort().values
+        z, y = z[keep], y[keep]
+    return {"logits": _b64(z.detach().cpu().numpy().astype("<f4")), "labels": _b64(y.cpu().numpy().astype("<i4")),
+            "n": rows, "k": k, "n_total": n, "where": where, "ts_temperature": _calibration(state).ts_temperature}
+
+
+def page_view() -> gr.HTML:
+    """The page's controls and diagram (``static/learn.{html,css,js}``); its value, empty at first,
+    becomes :func:`page_data` when the tab is first shown (its "first_view" event)."""
+    static = resources.files("nctv.ui") / "static"
+    return gr.HTML(None, html_template=(static / "learn.html").read_text(encoding="utf-8"),
+                   css_template=(static / "learn.css").read_text(encoding="utf-8"),
+                   js_on_load=(static / "learn.js").read_text(encoding="utf-8"), elem_id="learn-view",
+                   t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=DEFAULT_BINS)

@@ -162,7 +162,9 @@ def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backen
                hatch="//", linewidth=0.5, label="Gap")
         low, high = d.accuracy_interval
         mid = (d.edges[:-1] + d.edges[1:]) / 2
-        ax.errorbar(mid[filled], acc[filled], yerr=[acc[filled] - low[filled], high[filled] - acc[filled]], fmt="none",
+        # The Wilson interval holds the bin's accuracy; clipping at 0 only removes rounding below it.
+        below, above = np.clip(acc - low, 0, None), np.clip(high - acc, 0, None)
+        ax.errorbar(mid[filled], acc[filled], yerr=[below[filled], above[filled]], fmt="none",
                     ecolor="black", elinewidth=0.8, capsize=2, label="95 % interval")
         ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
         ax.set(xlim=(0, 1), ylim=(0, 1), title=d.method or None)
@@ -219,8 +221,8 @@ def _reliability_plotly(items: list[ReliabilityData]):
         hover = _hover_rows(d)
         show = k == 0
         low, high = d.accuracy_interval
-        bars = dict(type="data", symmetric=False, array=np.where(filled, high - acc, 0.0),
-                    arrayminus=np.where(filled, acc - low, 0.0), color="black", thickness=1, width=2)
+        bars = dict(type="data", symmetric=False, array=np.where(filled, np.clip(high - acc, 0, None), 0.0),
+                    arrayminus=np.where(filled, np.clip(acc - low, 0, None), 0.0), color="black", thickness=1, width=2)
         fig.add_trace(go.Bar(x=centers, y=acc, width=width, error_y=bars,
                              marker=dict(color=BLUE, line=dict(color="black", width=0.5)),
                              name="Accuracy", legendgroup="acc", showlegend=show, hovertext=hover,

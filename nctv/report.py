@@ -155,8 +155,12 @@ def _check_bins(result: RunResult, n_bins: int) -> None:
 
 def _notes(result: RunResult, n_bins: int) -> list[str]:
     runs = len(result.seeds)
-    spread = (f"mean ± std over {runs} seeds (deterministic methods run once: no spread)" if runs > 1
-              else "one run per method")
+    if has_intervals(result):
+        # The cells show intervals, not the seeds' std (which results.json and the CSV keep).
+        spread = (f"mean over {runs} seeds (deterministic methods run once)" if runs > 1 else "one run per method")
+    else:
+        spread = (f"mean ± std over {runs} seeds (deterministic methods run once: no spread)" if runs > 1
+                  else "one run per method")
     notes = [
         f"Model {result.model.get('name')}; fitted on '{result.calibration['name']}' "
         f"(n={result.calibration['size']}), scored on '{result.test['name']}' (n={result.test['size']}).",
@@ -170,7 +174,7 @@ def _notes(result: RunResult, n_bins: int) -> list[str]:
 def interval_note(result: RunResult) -> str:
     """How the run's intervals were made, in a reader's words."""
     iv = result.settings["intervals"]
-    return (f"[low, high]: {_percent(iv['level'])} interval of the value on the population the test split was drawn "
+    return (f"Intervals: {_percent(iv['level'])} interval of the value on the population the test split was drawn "
             f"from ({iv['resamples']} resamples of the test split, seed {iv['seed']}, {iv['method']}; seeds redrawn "
             "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are centred on a "
             "debiased estimate and may lie below the value shown.")

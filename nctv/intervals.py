@@ -107,7 +107,16 @@ class _Sample:
                                   ((p - onehot) ** 2).sum(1)], dim=1)
         self.bin = _bin_index(self.conf, n_bins)
         self.order = torch.sort(self.conf, stable=True).indices
+        base, extra = divmod(self.n, n_bins)
+        # AECE's equal-count groups (numpy.array_split sizes: the first N mod M one larger).
+        self.group_sizes = torch.full((n_bins,), base, dtype=torch.long)
+        self.group_sizes[:extra] += 1
+        group = torch.repeat_interleave(torch.arange(n_bins), self.group_sizes).to(p.device)
+        # Within-group spreads come from the full sample and serve every resample (see _debiased_abs).
+        self.ece_spread = _spread(self.bin, self.gap, n_bins)
+        self.aece_spread = _spread(group, self.gap[self.order], n_bins)
         self._cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._sce: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _design(self) -> torch.Tensor:
         """Columns: 4 means, M gap sums, M counts (ECE, MCE)."""
@@ -129,14 +138,40 @@ class _Sample:
             self._cache[key] = {"means": s[:, :4], "gap": s[:, 4:4 + m], "count": s[:, 4 + m:]}
         return self._cache[key]
 
-    def bin_spread(self, bins: torch.Tensor, values: torch.Tensor, n_groups: int) -> torch.Tensor:
-        """n_b · s²_b per group: count times the within-group variance of ``values`` on the full sample."""
-        cnt = torch.bincount(bins, minlength=n_groups).double()
-        s1 = torch.bincount(bins, weights=values, minlength=n_groups)
-        s2 = torch.bincount(bins, weights=values * values, minlength=n_groups)
-        # n·s² = (Σv² − (Σv)²/n) · n/(n − 1); a group of one has no spread to estimate.
-        ss = (s2 - s1 * s1 / cnt.clamp(min=1)) * cnt / (cnt - 1).clamp(min=1)
-        return torch.where(cnt > 1, ss, torch.zeros_like(ss)).clamp(min=0)
+    def sce_blocks(self):
+        """Per block of classes: the (N, classes·M) columns holding each sample's gap 1[y = k] − p_ik in
+        its class-bin cell, and the cells' spread. Kept when all classes fit in one block."""
+        if self._sce is not None:
+            return self._sce
+        blocks = _sce_blocks(self)
+        if self.n * self.k * self.n_bins > _BLOCK_ENTRIES:
+            return blocks  # rebuilt per call: a thousand classes' columns would not fit in memory
+        self._sce = list(blocks)
+        return self._sce
+
+
+def _spread(groups: torch.Tensor, values: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """n_b · s²_b per group: count times the within-group variance of ``values``."""
+    cnt = torch.bincount(groups, minlength=n_groups).double()
+    s1 = torch.bincount(groups, weights=values, minlength=n_groups)
+    s2 = torch.bincount(groups, weights=values * values, minlength=n_groups)
+    # n·s² = (Σv² − (Σv)²/n) · n/(n − 1); a group of one has no spread to estimate.
+    ss = (s2 - s1 * s1 / cnt.clamp(min=1)) * cnt / (cnt - 1).clamp(min=1)
+    return torch.where(cnt > 1, ss, torch.zeros_like(ss)).clamp(min=0)
+
+
+def _sce_blocks(sample: "_Sample"):
+    n, k, m = sample.n, sample.k, sample.n_bins
+    per_block = max(1, _BLOCK_ENTRIES // (n * m))
+    rows = torch.arange(n, device=sample.p.device)
+    for start in range(0, k, per_block):
+        cls = torch.arange(start, min(k, start + per_block), device=sample.p.device)
+        p = sample.p[:, cls]
+        g = (sample.y[:, None] == cls[None, :]).double() - p
+        cell = torch.arange(len(cls), device=p.device)[None, :] * m + _bin_index(p.reshape(-1), m).view(n, -1)
+        cols = torch.zeros(n, len(cls) * m, dtype=torch.float64, device=p.device)
+        cols[rows[:, None].expand_as(cell), cell] = g
+        yield cols, _spread(cell.reshape(-1), g.reshape(-1), len(cls) * m)
 
 
 def _bin_index(values: torch.Tensor, n_bins: int) -> torch.Tensor:
@@ -166,14 +201,13 @@ def _mean_metric(column: int) -> Callable[[_Sample, torch.Tensor], Draws]:
 
 def _ece(sample: _Sample, counts: torch.Tensor) -> Draws:
     s = sample.sums(counts)["gap"]
-    spread = sample.bin_spread(sample.bin, sample.gap, sample.n_bins)
-    return s.abs().sum(1) / sample.n, _debiased_abs(s, spread).sum(1) / sample.n
+    return s.abs().sum(1) / sample.n, _debiased_abs(s, sample.ece_spread).sum(1) / sample.n
 
 
 def _mce(sample: _Sample, counts: torch.Tensor) -> Draws:
     sums = sample.sums(counts)
     s, cnt = sums["gap"], sums["count"]
-    spread = sample.bin_spread(sample.bin, sample.gap, sample.n_bins)
+    spread = sample.ece_spread
     filled = cnt > 0
     low = torch.tensor(-1.0, dtype=s.dtype, device=s.device)
     plug = torch.where(filled, s.abs() / cnt.clamp(min=1), low).amax(1)
@@ -187,10 +221,7 @@ def _aece(sample: _Sample, counts: torch.Tensor) -> Draws:
     n, m = sample.n, sample.n_bins
     order = sample.order
     gap = sample.gap[order]
-    base, extra = divmod(n, m)
-    sizes = torch.full((m,), base, dtype=torch.long)
-    sizes[:extra] += 1
-    ends = torch.cumsum(sizes, 0).to(counts.device, counts.dtype)
+    ends = torch.cumsum(sample.group_sizes, 0).to(counts.device, counts.dtype)
     # Float32 cumulative sums: place counts are exact below 2**24, gap sums err by about 1e-7 of N.
     w = torch.index_select(counts, 1, order.to(counts.device))
     g = gap.to(counts.device, counts.dtype)
@@ -204,30 +235,18 @@ def _aece(sample: _Sample, counts: torch.Tensor) -> Draws:
     before_g = cum_g.gather(1, prev).masked_fill(first, 0.0)
     upto = (before_g + g[at] * (ends - before_w)).double()
     s = torch.diff(upto, dim=1, prepend=torch.zeros(len(w), 1, dtype=torch.float64, device=counts.device))
-    group = torch.repeat_interleave(torch.arange(m), sizes).to(sample.gap.device)
-    spread = sample.bin_spread(group, gap, m)
-    return s.abs().sum(1) / n, _debiased_abs(s, spread.to(s.device)).sum(1) / n
+    return s.abs().sum(1) / n, _debiased_abs(s, sample.aece_spread.to(s.device)).sum(1) / n
 
 
 def _sce(sample: _Sample, counts: torch.Tensor) -> Draws:
     """Class-wise bins of p_ik; classes in blocks so the cell columns stay small for 1000 classes."""
-    n, k, m = sample.n, sample.k, sample.n_bins
-    per_block = max(1, _BLOCK_ENTRIES // (n * m))
     plug = torch.zeros(len(counts), dtype=torch.float64, device=counts.device)
     deb = torch.zeros_like(plug)
-    rows = torch.arange(n, device=sample.p.device)
-    for start in range(0, k, per_block):
-        cls = torch.arange(start, min(k, start + per_block), device=sample.p.device)
-        p = sample.p[:, cls]
-        g = (sample.y[:, None] == cls[None, :]).double() - p
-        cell = (torch.arange(len(cls), device=p.device)[None, :] * m + _bin_index(p.reshape(-1), m).view(n, -1))
-        cols = torch.zeros(n, len(cls) * m, dtype=counts.dtype, device=p.device)
-        cols[rows[:, None].expand_as(cell), cell] = g.to(counts.dtype)
-        s = (counts @ cols).double()
-        spread = sample.bin_spread(cell.reshape(-1), g.reshape(-1), len(cls) * m)
+    for cols, spread in sample.sce_blocks():
+        s = (counts @ cols.to(counts.dtype)).double()
         plug += s.abs().sum(1)
         deb += _debiased_abs(s, spread.to(s.device)).sum(1)
-    return plug / (n * k), deb / (n * k)
+    return plug / (sample.n * sample.k), deb / (sample.n * sample.k)
 
 
 @dataclass(frozen=True)

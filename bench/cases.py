@@ -368,7 +368,33 @@ def case_gpu(p: dict, device: torch.device) -> dict:
     return out
 
 
+def case_intervals(p: dict, device: torch.device) -> dict:
+    """Intervals of every metric of ``methods`` sets of n×k logits (one shared count matrix of
+    ``resamples`` resamples, plus the paired ECE difference of each set to the first) against one
+    evaluation of the same metrics of every set."""
+    from nctv import intervals as iv
+    from nctv.metrics import evaluate
+
+    z, y = synthetic_logits(p["n"], p["k"], p["seed"], device)
+    sets = [z / t for t in torch.linspace(1.0, 3.5, p["methods"]).tolist()]
+    evaluation, full = {}, {}
+    with timed(device, evaluation):
+        for s in sets:
+            evaluate(s, y, n_bins=15)
+    with timed(device, full):
+        counts = iv.resample_counts(p["n"], p["resamples"], p["seed"])
+        draws = [iv.method_draws([s], y, counts, 15, list(iv.RESAMPLED)) for s in sets]
+        for d in draws:
+            for k in d:
+                iv.interval(d[k], k)
+        for d in draws[1:]:
+            iv.difference(d["ece"], draws[0]["ece"])
+    return dict(n=p["n"], k=p["k"], methods=p["methods"], resamples=p["resamples"], metrics=len(iv.RESAMPLED),
+                evaluation=evaluation, intervals=full, ratio=full["seconds"] / evaluation["seconds"])
+
+
 CASES: dict[str, Callable[[dict, torch.device], dict]] = {
+    "intervals": case_intervals,
     "gpu": case_gpu,
     "distributed": case_distributed,
     "sweep": case_sweep,

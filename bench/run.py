@@ -31,7 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("fmnist-resnet", "fmnist-vit", "fmnist-mixer")
 DEFAULT_MODEL = "fmnist-resnet-overconfident"
 SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
-SECTIONS = ("panel", "fidelity", "sweep", "grid", "baselines", "distributed", "gpu")
+SECTIONS = ("panel", "fidelity", "sweep", "grid", "baselines", "distributed", "gpu", "intervals")
+#: The intervals section: every metric's interval for ten sets of 10,000×10 logits at 1,000 resamples.
+INTERVALS_CASE = {"n": 10_000, "k": 10, "methods": 10, "resamples": 1000, "seed": 0}
+INTERVALS_SECONDS_MAX = 3.0
 
 # Targets of the performance issue.
 DEFAULT_NC_SECONDS_MAX = 15.0
@@ -173,6 +176,9 @@ def run_all(args: argparse.Namespace, log) -> dict:
                     # The same fit with the exact (unscreened) selection, right after it.
                     plan.append(("baseline", dict(common, n=n, k=k, method=method, seed=0, screen=False), cap,
                                  f"{method} (exact selection) on {n}×{k}"))
+    if "intervals" in args.sections:
+        plan.append(("intervals", dict(common, **INTERVALS_CASE), args.cap_s,
+                     "intervals: {methods} sets of {n}×{k} logits, {resamples} resamples".format(**INTERVALS_CASE)))
     if "distributed" in args.sections:
         plan += distributed_plan(args, common, model)
     if "gpu" in args.sections and str(args.device).startswith("cuda"):
@@ -424,6 +430,12 @@ def targets(args: argparse.Namespace, results: dict) -> list[dict]:
                     f"on {s['sweep']['cal_size']} calibration images")
         else:
             add("21-point γ sweep cost in single fast fits", "not measured", f"≤ {SWEEP_FITS_MAX:g} fits", None)
+    if "intervals" in results:
+        r = results["intervals"][0]
+        sec = r["intervals"]["seconds"] if _ok(r) else None
+        add("intervals of 8 metrics × 10 methods, 10,000×10 logits, 1,000 resamples",
+            "not measured" if sec is None else f"{sec:.2f} s ({r['ratio']:.1f} × one evaluation)",
+            f"≤ {INTERVALS_SECONDS_MAX:g} s on {args.threads} thread(s)", None if sec is None else sec <= INTERVALS_SECONDS_MAX)
     if "grid" in results:
         g = grid_summary(results["grid"][0])
         if g is None:
@@ -545,12 +557,28 @@ def render_markdown(report: dict) -> str:
         lines += _md_distributed(res["distributed"], report["derived"]["distributed"])
     if "gpu" in s.get("sections", []):
         lines += _md_gpu(res.get("gpu"), m["device"])
+    if "intervals" in res:
+        lines += _md_intervals(res["intervals"][0])
     lines += ["## How to read the memory columns", "",
               "Every case ran in its own fresh Python process. *Peak RSS* is that process's "
               "`ru_maxrss` (whole process: interpreter, torch, model and data included); *before* is the "
               "resident size just before the measured call, so peak − before bounds what the call itself "
               "added. `tracemalloc` is not used: torch allocates outside Python's allocator.", ""]
     return "\n".join(lines)
+
+
+def _md_intervals(r: dict) -> list[str]:
+    lines = ["## 7. Intervals of a run's figures", ""]
+    if not _ok(r):
+        return lines + [f"Not measured: {_failure(r)}.", ""]
+    return lines + [
+        f"Every metric ({r['metrics']}) of {r['methods']} sets of {r['n']:,}×{r['k']} logits at {r['resamples']:,} "
+        "resamples of the test split (one shared count matrix; intervals and paired ECE differences), against "
+        "one evaluation of the same metrics of every set.", "",
+        "| | wall s | CPU s |", "| --- | --- | --- |",
+        f"| one evaluation (all sets) | {_f(r['evaluation']['seconds'], 3)} | {_f(r['evaluation']['cpu_seconds'], 3)} |",
+        f"| intervals (all sets) | {_f(r['intervals']['seconds'], 3)} | {_f(r['intervals']['cpu_seconds'], 3)} |",
+        f"| ratio | {_f(r['ratio'], 1)} × | |", ""]
 
 
 def _md_sweep(results: dict) -> list[str]:

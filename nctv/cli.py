@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
-from nctv.settings import DEFAULT_CALIBRATION_SIZE, FITTERS, PRECISIONS, TEMPERATURE_RULES, hub_datasets_available
+from nctv.settings import (
+    DEFAULT_CALIBRATION_SIZE,
+    DEFAULT_LEVEL,
+    DEFAULT_RESAMPLES,
+    FITTERS,
+    INTERVAL_STYLES,
+    PRECISIONS,
+    TEMPERATURE_RULES,
+    hub_datasets_available,
+)
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
@@ -256,13 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = _command(sub, "run", "compare calibration methods on the test split (Tables 1-3)",
-                 "Fit every method on the calibration split, score it on the test split, and write tables (mean ± "
-                 "std over seeds, best/second marked, Welch's t-test of NC (FL) against the best baseline), "
-                 "reliability diagrams and the NC δ image.")
+                 "Fit every method on the calibration split, score it on the test split, and write tables (every "
+                 "figure with its interval from resampling the test split, best marked only where the data "
+                 "separate it, paired differences to the best baseline, Welch's t-test of NC (FL) against the best "
+                 "baseline), reliability diagrams and the NC δ image. Prints the main table and the verdict of "
+                 "Neural Clamping against TS by grid search.")
     _add_common(p, "run")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                    help="methods to run (full names in quotes, or short names: " + ", ".join(METHOD_ALIASES)
                         + "); default: all ten")
+    g = p.add_argument_group("intervals")
+    g.add_argument("--interval-level", type=_float, default=DEFAULT_LEVEL, metavar="L",
+                   help=f"coverage of every interval (default {DEFAULT_LEVEL})")
+    g.add_argument("--resamples", type=_positive_int, default=DEFAULT_RESAMPLES, metavar="N",
+                   help=f"resamples of the test split (default {DEFAULT_RESAMPLES}; at least 100)")
+    g.add_argument("--interval-seed", type=int, default=0, metavar="S", help="seed of the resamples (default 0)")
+    g.add_argument("--interval-style", choices=list(INTERVAL_STYLES), default="brackets",
+                   help="show intervals as 'value [low, high]' (brackets, the default) or 'value ± half-width' (pm)")
 
     p = _command(sub, "ablation", "NC (FL) against input-only and output-only parts (Table 4)",
                  "Neural Clamping (FL) against f(x + δ*) (input only), f(x)/T* (output only), temperature scaling "
@@ -409,7 +428,7 @@ def _run_figures(result, loaded, test) -> dict[str, tuple[Any, Any]]:
     return figs
 
 
-def _finish(result, out: Path, figures=None, model=None) -> str:
+def _finish(result, out: Path, figures=None, model=None, style: str = "brackets") -> str:
     """Numbers first (results.json, tables, with ``model`` the fitted calibrators), then figures,
     so a drawing problem loses no results. Of several processes, only rank 0 writes."""
     from nctv import report
@@ -417,7 +436,7 @@ def _finish(result, out: Path, figures=None, model=None) -> str:
     if not _writes():
         return ""
     result.save(out, model=model)
-    report.write_tables(result, out)
+    report.write_tables(result, out, style)
     if figures is not None:
         _save(figures(), out)
     return report.summary_line(result) + f" -> {out}"
@@ -430,13 +449,27 @@ def cmd_run(args: argparse.Namespace) -> str:
     from nctv import experiment
 
     # Names are checked before the model and data load, so a typo fails at once.
+    from nctv.intervals import IntervalSettings
+
     methods = experiment.check_methods(resolve_methods(args.methods) or experiment.DEFAULT_METHODS)
+    intervals = IntervalSettings(args.interval_level, args.resamples, args.interval_seed)
     loaded, cal, test = _load(args)
     result = experiment.run_experiment(
         loaded, cal, test, methods=methods, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
         epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision)
-    return _finish(result, args.out, lambda: _run_figures(result, loaded, test), model=loaded)
+        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision, intervals=intervals)
+    line = _finish(result, args.out, lambda: _run_figures(result, loaded, test), model=loaded,
+                   style=args.interval_style)
+    return _shown_run(result, args.interval_style) + line if line else line
+
+
+def _shown_run(result, style: str) -> str:
+    """The main table with its intervals and marks, and the verdict of NC against TS by grid search."""
+    from nctv import report
+
+    b = _main_bins(result.bins)
+    sentence = report.verdict(result, b)
+    return report.to_markdown(report.results_table(result, b), style) + ("\n" + sentence + "\n" if sentence else "") + "\n"
 
 
 def cmd_ablation(args: argparse.Namespace) -> str:

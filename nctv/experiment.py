@@ -8,11 +8,13 @@ A run takes a frozen model, a calibration split and a test split and
   once (std 0 in the results; tables show no spread for them);
 * scores the calibrated *test* logits with :func:`nctv.metrics.evaluate` for every bin count;
 * aggregates mean and sample standard deviation (ddof = 1) over the seeds;
+* scores every method on one shared set of resamples of the test split (``nctv.intervals``): an
+  interval for every figure and paired intervals of the differences the tables rank by;
 * compares "Neural Clamping (FL)" with the best baseline per metric by Welch's t-test.
 
 Conventions: metrics are fractions here (tables convert to % etc.); "better" means higher for
-accuracy and entropy (the paper's ↑ columns: a calibrated model should not be over-confident) and
-lower for every error (ECE, AECE, SCE, MCE, NLL, Brier). Every result records which Neural Clamping
+accuracy and lower for every error (ECE, AECE, SCE, MCE, NLL, Brier); entropy has no better
+direction. Every result records which Neural Clamping
 fitter produced its NC rows ("fast" by default, "paper" for the exact paper recipe).
 
 The same engine runs the ablation of Table 4 (:func:`run_ablation`) and the timing comparison of
@@ -38,6 +40,7 @@ from nctv.cache import model_fingerprint, split_logits
 from nctv.checks import check_whole
 from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
+from nctv.intervals import RESAMPLED, IntervalSettings, interval, method_draws, resample_counts, seed_counts
 from nctv.metrics import METRIC_NAMES, evaluate
 from nctv.results import (
     COMPARED_METHOD,
@@ -46,6 +49,7 @@ from nctv.results import (
     MethodResult,
     MetricStats,
     RunResult,
+    interval_comparisons,
     welch_tests,
 )
 from nctv.settings import (
@@ -257,6 +261,12 @@ class _Context:
     nc_settings: dict = field(default_factory=dict)
     on_fit_step: FitStepCallback | None = None
     nc_fits: dict = field(default_factory=dict)
+    intervals: IntervalSettings | None = None
+    # The resamples every method is scored on (one count matrix: paired comparisons), the generator
+    # that redraws each stochastic method's seeds, and every method's draws per bin count and metric.
+    counts: torch.Tensor | None = None
+    seed_generator: torch.Generator | None = None
+    draws: dict = field(default_factory=dict)
 
 
 def _seed_everything(seed: int) -> None:
@@ -405,7 +415,7 @@ def _nc_fit(ctx: _Context, plan: MethodPlan, seed: int):
 def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[int]) -> MethodResult:
     """One table row: fit and score ``plan`` for every seed; keep the first seed's logits and δ."""
     per_bin: dict[int, dict[str, list[float]]] = {b: {k: [] for k in METRIC_NAMES} for b in bins}
-    seconds, first = [], None
+    seconds, first, per_seed = [], None, []
     for s in seeds:
         ctx.progress.message(f"{plan.label} (seed {s})")
         z, sec, params, delta, fitted = _fit_predict(ctx, plan, s)
@@ -416,13 +426,34 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
                 per_bin[b][k].append(v)
         if first is None:
             first = (z, dict(params, **dict(plan.overrides)), delta, fitted)
+        if ctx.intervals is not None:
+            per_seed.append(z)
         ctx.progress.step(f"{plan.label} (seed {s}) done")
     spec = _registry()[plan.name]
+    stats = {b: {k: MetricStats.from_runs(v) for k, v in per.items()} for b, per in per_bin.items()}
+    if ctx.intervals is not None:
+        _add_intervals(ctx, plan.label, per_seed, stats)
     return MethodResult(
-        plan.label, bool(spec.stochastic), bool(spec.needs_model), list(seeds),
-        {b: {k: MetricStats.from_runs(v) for k, v in per.items()} for b, per in per_bin.items()},
+        plan.label, bool(spec.stochastic), bool(spec.needs_model), list(seeds), stats,
         seconds, first[1], first[0], first[2], calibrator=first[3],
     )
+
+
+def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stats: dict) -> None:
+    """Score one method's logits (every seed) on the run's resamples: its intervals go into ``stats``,
+    its draws into ``ctx.draws`` for the comparisons. The logits of later seeds are then dropped."""
+    settings = ctx.intervals
+    if ctx.counts is None:
+        ctx.counts = resample_counts(len(ctx.test_y), settings.resamples, settings.seed)
+        ctx.seed_generator = torch.Generator().manual_seed(settings.seed + 1)
+    seeds = seed_counts(len(per_seed), settings.resamples, ctx.seed_generator) if len(per_seed) > 1 else None
+    metrics = [k for k in METRIC_NAMES if k in RESAMPLED]
+    ctx.draws[label] = {}
+    for b, per in stats.items():
+        ctx.draws[label][b] = method_draws(per_seed, ctx.test_y, ctx.counts, b, metrics, seeds)
+        for k, d in ctx.draws[label][b].items():
+            ci = interval(d, k, settings.level)
+            per[k].ci_low, per[k].ci_high = ci.low, ci.high
 
 
 def _run_plans(
@@ -446,6 +477,7 @@ def _run_plans(
     nc_settings: dict[str, Any] | None = None,
     on_fit_step: FitStepCallback | None = None,
     precision_setting: str = "auto",
+    intervals: IntervalSettings | None = None,
 ) -> RunResult:
     t_start = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
@@ -471,7 +503,7 @@ def _run_plans(
                 raise ValueError("The calibration and test splits give different numbers of classes.")
             ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, fitter, dev,
                            batch_size, epochs, gamma, _input_range(model, input_range), bar,
-                           _check_nc_settings(nc_settings), on_fit_step)
+                           _check_nc_settings(nc_settings), on_fit_step, intervals=intervals)
             results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
                        for p in plans}
         finally:
@@ -489,9 +521,11 @@ def _run_plans(
         fitter=fitter,
         methods=results,
         welch=welch_tests(results, bins),
+        comparisons=[] if intervals is None else interval_comparisons(results, ctx.draws, bins, intervals.level),
         cache_hits={"calibration": cal.hit, "test": tst.hit},
         settings={"gamma": gamma, "epochs": epochs, "batch_size": batch_size, "device": str(dev),
-                  "precision": chosen.to_dict(), **({"nc": dict(nc_settings)} if nc_settings else {}), **settings},
+                  "precision": chosen.to_dict(), **({"nc": dict(nc_settings)} if nc_settings else {}),
+                  **({"intervals": intervals.to_dict()} if intervals is not None else {}), **settings},
         seconds=time.perf_counter() - t_start,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         test_labels=tst.labels,
@@ -517,6 +551,7 @@ def run_experiment(
     nc_settings: dict[str, Any] | None = None,
     on_fit_step: FitStepCallback | None = None,
     precision: str = "auto",
+    intervals: IntervalSettings | None = IntervalSettings(),
 ) -> RunResult:
     """The comparison of Tables 1–3: fit ``methods`` on ``calibration``, score on ``test``.
 
@@ -534,11 +569,13 @@ def run_experiment(
     ``NeuralClamping`` settings for every Neural Clamping row (weight_decay, init, lr, …).
     ``precision``: "auto" (mixed precision on a GPU where it measures faster and agrees with fp32),
     "fp32", "bf16" or "fp16" (``nctv.precision``; the choice is in ``settings["precision"]``).
+    ``intervals``: how the interval of every figure and the paired comparisons are computed from
+    resampling the test split (``nctv.intervals``; recorded in ``settings["intervals"]``); None: none.
     """
     names = check_methods(methods)
     return _run_plans("run", model, calibration, test, _plans(names), seeds, bins, fitter, gamma, epochs, device,
                       batch_size, cache_dir, progress, callback, {"methods": names}, input_range, nc_settings,
-                      on_fit_step, precision)
+                      on_fit_step, precision, intervals)
 
 
 def run_ablation(model: Any, calibration: Any, test: Any, **options: Any) -> RunResult:
@@ -569,6 +606,7 @@ def run_timing(
     progress: bool = True,
     callback: ProgressCallback | None = None,
     precision: str = "auto",
+    intervals: IntervalSettings | None = IntervalSettings(),
 ) -> RunResult:
     """Table 7: TS by grid search and NC (Eff.) at each grid ``resolution``, and NC (FL), one run each.
 
@@ -591,7 +629,7 @@ def run_timing(
     plans.append(MethodPlan(COMPARED_METHOD, COMPARED_METHOD))
     result = _run_plans("timing", model, calibration, test, plans, 1, bins, fitter, gamma, epochs, device, batch_size,
                         cache_dir, progress, callback, {"resolutions": steps}, input_range,
-                        precision_setting=precision)
+                        precision_setting=precision, intervals=intervals)
     for m in result.methods.values():
         if "grid_step" in m.params:
             m.params["resolution"] = m.params.pop("grid_step")

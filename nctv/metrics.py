@@ -39,14 +39,16 @@ class MetricInfo:
     """How a metric is named, compared and shown (the paper's table units)."""
 
     title: str
-    higher_is_better: bool  # accuracy and entropy (a calibrated model should not be over-confident)
+    # True for accuracy; None for entropy, a description with no better direction (a calibrated model
+    # is neither as sure as possible nor as unsure as possible).
+    higher_is_better: bool | None
     percent: bool  # shown × 100 with "%"
     decimals: int
 
 
 METRICS: dict[str, MetricInfo] = {
     "accuracy": MetricInfo("Accuracy", True, True, 2),
-    "entropy": MetricInfo("Entropy", True, False, 4),
+    "entropy": MetricInfo("Entropy", None, False, 4),
     "ece": MetricInfo("ECE", False, True, 2),
     "aece": MetricInfo("AECE", False, True, 2),
     "sce": MetricInfo("SCE", False, False, 4),  # scaled by 10^sce_exponent(K)
@@ -97,8 +99,8 @@ def metric_column(metric: str, n_classes: int) -> Column:
 
 
 def better(metric: str, a: float, b: float) -> bool | None:
-    """Is value ``a`` better than ``b`` for ``metric``? None when equal."""
-    if a == b:
+    """Is value ``a`` better than ``b`` for ``metric``? None when equal or the metric has no direction."""
+    if a == b or METRICS[metric].higher_is_better is None:
         return None
     return (a > b) if METRICS[metric].higher_is_better else (a < b)
 

@@ -79,6 +79,13 @@ class ReliabilityData:
     n = _from_bins("n")
     n_bins = _from_bins("n_bins")
 
+    @property
+    def accuracy_interval(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per bin, the 95 % Wilson interval of the bin's accuracy (low, high; NaN for empty bins)."""
+        from nctv.intervals import wilson_interval
+
+        return wilson_interval(np.round(self.accuracy * self.counts), self.counts)
+
 
 def reliability_data(logits: Any, labels: Any, n_bins: int = 15, method: str = "") -> ReliabilityData:
     """Bins from :func:`nctv.metrics.reliability_bins` of ``logits`` (N, K) and ``labels`` (N,)."""
@@ -120,12 +127,13 @@ def _grid(n: int, per_row: int = _PER_ROW) -> tuple[int, int]:
 
 def _hover_rows(d: ReliabilityData) -> list[str]:
     rows = []
+    low, high = d.accuracy_interval
     for i in range(d.n_bins):
         lo, hi = d.edges[i], d.edges[i + 1]
         opening = "[" if i == 0 else "("
         if d.counts[i]:
             rows.append(f"bin {opening}{lo:.3f}, {hi:.3f}]<br>count {d.counts[i]}<br>"
-                        f"accuracy {d.accuracy[i]:.4f}<br>confidence {d.confidence[i]:.4f}")
+                        f"accuracy {d.accuracy[i]:.4f} [{low[i]:.4f}, {high[i]:.4f}]<br>confidence {d.confidence[i]:.4f}")
         else:
             rows.append(f"bin {opening}{lo:.3f}, {hi:.3f}]<br>count 0 (empty)")
     return rows
@@ -152,6 +160,12 @@ def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backen
         ax.bar(left, acc, width=width, align="edge", color=BLUE, edgecolor="black", linewidth=0.5, label="Accuracy")
         ax.bar(left, conf - acc, bottom=acc, width=width, align="edge", color=RED, alpha=0.3, edgecolor=RED,
                hatch="//", linewidth=0.5, label="Gap")
+        low, high = d.accuracy_interval
+        mid = (d.edges[:-1] + d.edges[1:]) / 2
+        # The Wilson interval holds the bin's accuracy; clipping at 0 only removes rounding below it.
+        below, above = np.clip(acc - low, 0, None), np.clip(high - acc, 0, None)
+        ax.errorbar(mid[filled], acc[filled], yerr=[below[filled], above[filled]], fmt="none",
+                    ecolor="black", elinewidth=0.8, capsize=2, label="95 % interval")
         ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
         ax.set(xlim=(0, 1), ylim=(0, 1), title=d.method or None)
         ax.set_ylabel("Accuracy" if c == 0 else "")
@@ -206,7 +220,11 @@ def _reliability_plotly(items: list[ReliabilityData]):
         conf = np.where(filled, d.confidence, 0.0)
         hover = _hover_rows(d)
         show = k == 0
-        fig.add_trace(go.Bar(x=centers, y=acc, width=width, marker=dict(color=BLUE, line=dict(color="black", width=0.5)),
+        low, high = d.accuracy_interval
+        bars = dict(type="data", symmetric=False, array=np.where(filled, np.clip(high - acc, 0, None), 0.0),
+                    arrayminus=np.where(filled, np.clip(acc - low, 0, None), 0.0), color="black", thickness=1, width=2)
+        fig.add_trace(go.Bar(x=centers, y=acc, width=width, error_y=bars,
+                             marker=dict(color=BLUE, line=dict(color="black", width=0.5)),
                              name="Accuracy", legendgroup="acc", showlegend=show, hovertext=hover,
                              hovertemplate="%{hovertext}<extra>" + (d.method or "") + "</extra>"), row=top, col=c + 1)
         fig.add_trace(go.Bar(x=centers, y=conf - acc, base=acc, width=width,

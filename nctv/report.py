@@ -5,11 +5,15 @@ SCE scaled by 10² ("×10⁻²": the number shown times 10⁻² is the SCE) — 
 as the paper's ImageNet tables do — NLL and Brier raw. ↑ marks columns where higher is better
 (accuracy, entropy), ↓ the errors.
 
-Best and second-best per column are decided on the numbers *as shown* (rounded to the column's
-decimals), so equal-looking entries share a mark, as in the paper: every method with the best
-shown value is "best", every method with the next value "second". Markdown shows best in
-**bold** and second in _italics_; LaTeX (booktabs) in ``\\textbf`` and ``\\underline``. A table
-built from a result states the bin count, seeds, splits and the Neural Clamping fitter.
+Every figure of a run carries its interval (``nctv.intervals``: the metric on the population the
+test split was drawn from), shown as "value [low, high]" or "value ± half-width" (``style``). Best
+per column is decided by the data, not by the digits: the row with the best value is marked best
+(**bold**) only where the paired interval of every other row's difference to it excludes 0; rows
+whose difference to it holds 0 are tied with it and marked alike, and the legend says so. A table
+of three rows or more also marks the best of the remaining rows as second (_italics_). Entropy has
+no better direction and no mark. A result without intervals (saved without them) is ranked on the
+numbers as shown. LaTeX (booktabs) marks with ``\\textbf`` and ``\\underline``. A table built
+from a result states the bin count, seeds, splits, the intervals and the Neural Clamping fitter.
 
 A method measured once (a deterministic method, or any method of a one-seed run) is shown without a
 spread: "± 0" would claim a precision nobody measured. The LaTeX needs only booktabs: specials
@@ -30,8 +34,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from nctv.metrics import Column, metric_column
-from nctv.results import COMPARED_METHOD, REFERENCE_METHOD, RunResult
+from nctv.metrics import METRICS, Column, metric_column
+from nctv.settings import INTERVAL_STYLES
+from nctv.results import COMPARED_METHOD, GRID_SEARCH_METHOD, REFERENCE_METHOD, RunResult, best_method
 
 #: The columns of the paper's tables, in order.
 TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce")
@@ -41,20 +46,27 @@ TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce")
 class Cell:
     """A shown entry: ``mean``/``std`` in the column's units (``std`` None: no ± shown), or ``text``.
 
-    ``rank`` is 1 for best, 2 for second best, else None.
+    ``low``/``high``: the interval in the column's units; when present it is shown instead of the
+    std. ``rank`` is 1 for best (or tied for best), 2 for second best, else None.
     """
 
     mean: float | None = None
     std: float | None = None
     rank: int | None = None
     text: str | None = None
+    low: float | None = None
+    high: float | None = None
 
-    def format(self, decimals: int, pm: str = " ± ") -> str:
+    def format(self, decimals: int, pm: str = " ± ", style: str = "brackets") -> str:
         if self.text is not None:
             return self.text
         if self.mean is None:
             return "N/A"
         s = _fmt(self.mean, decimals)
+        if self.low is not None:
+            if style == "pm":
+                return s + pm + _fmt((self.high - self.low) / 2, decimals)
+            return s + f" [{_fmt(self.low, decimals)}, {_fmt(self.high, decimals)}]"
         if self.std is not None:
             s += pm + ("0" if self.std == 0 else _fmt(self.std, decimals))
         return s
@@ -63,7 +75,9 @@ class Cell:
 def _fmt(v: float, decimals: int) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return f"{v:.{decimals}f}"
+    s = f"{v:.{decimals}f}"
+    # A value that rounds to zero is shown without a sign ("-0.00" reads as a finding).
+    return s.lstrip("-") if float(s) == 0 else s
 
 
 @dataclass
@@ -84,9 +98,15 @@ class Table:
     n_bins: int | None = None
     first_column: str = "Method"
     bold_rows: list[int] = field(default_factory=list)
+    # Columns whose best is tied (paired intervals hold 0), and whether ranks came from intervals.
+    tied_columns: list[str] = field(default_factory=list)
+    paired: bool = False
 
 
 def _mark_ranks(cells: list[Cell], col: Column) -> None:
+    """Ranks on the numbers as shown (no intervals): equal-looking entries share a mark."""
+    if col.higher_is_better is None:
+        return
     shown = {}
     for i, c in enumerate(cells):
         if c.mean is not None and math.isfinite(c.mean):
@@ -95,8 +115,37 @@ def _mark_ranks(cells: list[Cell], col: Column) -> None:
     for i, v in shown.items():
         if distinct and v == distinct[0]:
             cells[i].rank = 1
-        elif len(distinct) > 1 and v == distinct[1]:
+        elif len(distinct) > 1 and v == distinct[1] and len(cells) >= 3:
             cells[i].rank = 2
+
+
+def _mark_paired(cells: list[Cell], col: Column, result: RunResult, names: list[str], n_bins: int) -> bool:
+    """Best where the data separate it: the leader and every row tied with it (paired interval of the
+    difference holds 0) get rank 1; in a table of three rows or more the best other row gets rank 2.
+    Returns whether the best is tied."""
+    leader = best_method(result.methods, col.key, n_bins, names)
+    if leader is None or col.higher_is_better is None:
+        return False
+    tops = [leader] + [n for n in names if n != leader and _tied(result, n, leader, col.key, n_bins)]
+    for n in tops:
+        cells[names.index(n)].rank = 1
+    rest = [n for n in names if n not in tops]
+    if len(names) >= 3 and rest:
+        second = best_method(result.methods, col.key, n_bins, rest)
+        for n in rest:
+            if result.methods[n].metrics[n_bins][col.key].mean == result.methods[second].metrics[n_bins][col.key].mean:
+                cells[names.index(n)].rank = 2
+    return len(tops) > 1
+
+
+def _tied(result: RunResult, name: str, leader: str, metric: str, n_bins: int) -> bool:
+    c = result.comparison(name, leader, metric, n_bins)
+    return c is not None and c.tied
+
+
+def has_intervals(result: RunResult) -> bool:
+    """Whether the run carries intervals (``settings["intervals"]``) and paired comparisons."""
+    return "intervals" in result.settings and bool(result.comparisons)
 
 
 def _check_bins(result: RunResult, n_bins: int) -> None:
@@ -106,13 +155,33 @@ def _check_bins(result: RunResult, n_bins: int) -> None:
 
 def _notes(result: RunResult, n_bins: int) -> list[str]:
     runs = len(result.seeds)
-    spread = (f"mean ± std over {runs} seeds (deterministic methods run once: no spread)" if runs > 1
-              else "one run per method")
-    return [
+    if has_intervals(result):
+        # The cells show intervals, not the seeds' std (which results.json and the CSV keep).
+        spread = (f"mean over {runs} seeds (deterministic methods run once)" if runs > 1 else "one run per method")
+    else:
+        spread = (f"mean ± std over {runs} seeds (deterministic methods run once: no spread)" if runs > 1
+                  else "one run per method")
+    notes = [
         f"Model {result.model.get('name')}; fitted on '{result.calibration['name']}' "
         f"(n={result.calibration['size']}), scored on '{result.test['name']}' (n={result.test['size']}).",
         f"{n_bins} bins; {spread}; Neural Clamping fitter: {result.fitter}.",
     ]
+    if has_intervals(result):
+        notes.append(interval_note(result))
+    return notes
+
+
+def interval_note(result: RunResult) -> str:
+    """How the run's intervals were made, in a reader's words."""
+    iv = result.settings["intervals"]
+    return (f"Intervals: {_percent(iv['level'])} interval of the value on the population the test split was drawn "
+            f"from ({iv['resamples']} resamples of the test split, seed {iv['seed']}, {iv['method']}; seeds redrawn "
+            "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are centred on a "
+            "debiased estimate and may lie below the value shown.")
+
+
+def _percent(level: float) -> str:
+    return f"{100 * level:g} %"
 
 
 def metrics_table(rows: Sequence[tuple[str, Mapping[str, float]]], n_classes: int,
@@ -128,8 +197,9 @@ def metrics_table(rows: Sequence[tuple[str, Mapping[str, float]]], n_classes: in
 
 
 def results_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = TABLE_METRICS) -> Table:
-    """The paper's comparison table (Tables 1–4) for one bin count."""
+    """The paper's comparison table (Tables 1–4) for one bin count, with intervals when the run has them."""
     _check_bins(result, n_bins)
+    paired = has_intervals(result)
     columns = [metric_column(m, result.n_classes) for m in metrics]
     rows, cells, rules = [], [], []
     prev_model = None
@@ -142,15 +212,36 @@ def results_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = 
             s = m.metrics[n_bins][col.key]
             # Nothing is fitted for the reference row, so it has no spread to show (paper style).
             std = None if m.is_reference or len(s.runs) < 2 else s.std * col.scale
-            row.append(Cell(s.mean * col.scale, std))
+            row.append(_cell(s, col, std))
         rows.append(name)
         cells.append(row)
-    for j, col in enumerate(columns):
-        _mark_ranks([r[j] for r in cells], col)
+    tied = _rank_columns(result, columns, rows, cells, n_bins, paired)
     notes = _notes(result, n_bins)
     title = {"run": "Calibration on the test split", "ablation": "Ablation: input and output calibration"}.get(
         result.kind, f"{result.kind} results") + f" ({n_bins} bins)"
-    return Table(title, columns, rows, cells, notes, rules, n_bins)
+    return Table(title, columns, rows, cells, notes, rules, n_bins, tied_columns=tied, paired=paired)
+
+
+def _cell(s: Any, col: Column, std: float | None) -> Cell:
+    if s.ci_low is None:
+        return Cell(s.mean * col.scale, std)
+    return Cell(s.mean * col.scale, std, low=s.ci_low * col.scale, high=s.ci_high * col.scale)
+
+
+def _rank_columns(result: RunResult, columns: list[Column], rows: list[str], cells: list[list[Cell]], n_bins: int,
+                  paired: bool) -> list[str]:
+    """Mark every ranked column; returns the labels of the columns whose best is tied."""
+    tied = []
+    for j, col in enumerate(columns):
+        if col.higher_is_better is None:
+            continue
+        column = [r[j] for r in cells]
+        if paired:
+            if _mark_paired(column, col, result, rows, n_bins):
+                tied.append(col.label())
+        else:
+            _mark_ranks(column, col)
+    return tied
 
 
 def timing_table(result: RunResult, n_bins: int = 15) -> Table:
@@ -162,19 +253,75 @@ def timing_table(result: RunResult, n_bins: int = 15) -> Table:
     for name, m in result.methods.items():
         res = m.params.get("resolution")
         row = [Cell(text="N/A" if res is None else f"{res:g}")]
-        row += [Cell(m.metrics[n_bins][c.key].mean * c.scale) for c in metric_cols]
+        row += [_cell(m.metrics[n_bins][c.key], c, None) for c in metric_cols]
         row.append(Cell(text="N/A") if m.is_reference else Cell(sum(m.fit_seconds) / len(m.fit_seconds)))
         rows.append(name)
         cells.append(row)
-    for j, col in enumerate(columns):
-        if col.higher_is_better is not None:
-            _mark_ranks([r[j] for r in cells], col)
+    paired = has_intervals(result)
+    tied = _rank_columns(result, metric_cols, rows, [r[1:1 + len(metric_cols)] for r in cells], n_bins, paired)
     notes = _notes(result, n_bins) + [
         "Time: seconds to fit on the calibration split given the cached model logits "
         f"(device {result.settings.get('device', '?')}).",
     ]
     title = f"Time comparison: TS by grid search, NC (Eff.) and NC (FL) ({n_bins} bins)"
-    return Table(title, columns, rows, cells, notes, [], n_bins)
+    return Table(title, columns, rows, cells, notes, [], n_bins, tied_columns=tied, paired=paired)
+
+
+def comparison_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = TABLE_METRICS) -> Table:
+    """Each method's paired difference to the best baseline per metric, and Neural Clamping's to TS by
+    grid search: "difference [low, high]" in the column's units (negative: lower than the other)."""
+    _check_bins(result, n_bins)
+    if not has_intervals(result):
+        raise ValueError("This run has no intervals; run it again with intervals to compare methods.")
+    columns = [metric_column(m, result.n_classes) for m in metrics if METRICS[m].higher_is_better is not None]
+    baseline = {c.key: next((x.other for x in result.comparisons if x.metric == c.key and x.n_bins == n_bins
+                             and x.role == "best baseline"), None) for c in columns}
+    rows, cells = [], []
+    pairs = [(n, None) for n in result.methods]
+    if COMPARED_METHOD in result.methods and GRID_SEARCH_METHOD in result.methods:
+        pairs.append((COMPARED_METHOD, GRID_SEARCH_METHOD))
+    for name, fixed in pairs:
+        row = []
+        for col in columns:
+            other = fixed or baseline[col.key]
+            c = None if other is None or other == name else result.comparison(name, other, col.key, n_bins)
+            row.append(Cell(text="—") if c is None else
+                       Cell(c.difference * col.scale, low=c.low * col.scale, high=c.high * col.scale))
+        rows.append(name if fixed is None else f"{name} − {fixed}")
+        cells.append(row)
+    named = "; ".join(f"{c.title}: {baseline[c.key]}" for c in columns if baseline[c.key] is not None)
+    last = f"; the last row: {COMPARED_METHOD} − {GRID_SEARCH_METHOD}" if len(pairs) > len(result.methods) else ""
+    notes = [f"Difference to the best baseline ({named}){last}.",
+             f"Paired {_percent(result.settings['intervals']['level'])} intervals on the same resamples of the "
+             f"test split; an interval holding 0 is a tie. {n_bins} bins."]
+    return Table(f"Differences between methods ({n_bins} bins)", columns, rows, cells, notes, [], n_bins,
+                 paired=True)
+
+
+def verdict(result: RunResult, n_bins: int = 15, metric: str = "ece", method: str = COMPARED_METHOD,
+            other: str = GRID_SEARCH_METHOD) -> str | None:
+    """One sentence on ``method`` against ``other`` from their paired interval, e.g. "Neural Clamping
+    (FL) and TS by Grid Search are tied on this model: ECE −0.08 [−0.21, +0.05] point (95 % interval
+    of the difference)." None when the run has no such comparison (a method missing, no intervals)."""
+    c = result.comparison(method, other, metric, n_bins) if has_intervals(result) else None
+    if c is None:
+        return None
+    col = metric_column(metric, result.n_classes)
+    unit = {"%": " point", "": ""}.get(col.unit, f" ({col.unit})")
+    numbers = (f"{col.title} {_signed(c.difference * col.scale, col.decimals)} [{_signed(c.low * col.scale, col.decimals)}, "
+               f"{_signed(c.high * col.scale, col.decimals)}]{unit}")
+    level = _percent(result.settings["intervals"]["level"])
+    if c.tied:
+        head = f"{method} and {other} are tied on this model"
+    else:
+        lower = c.difference < 0
+        head = f"{method} is {'better' if lower != bool(col.higher_is_better) else 'worse'} than {other} on this model"
+    return f"{head}: {numbers} ({level} interval of the difference, {n_bins} bins)."
+
+
+def _signed(v: float, decimals: int) -> str:
+    s = f"{abs(v):.{decimals}f}"
+    return ("−" if v < 0 and float(s) != 0 else "+") + s
 
 
 def welch_tests_shown(result: RunResult, n_bins: int = 15) -> list:
@@ -224,8 +371,10 @@ def _fmt_p(p: float) -> str:
 # --------------------------------------------------------------------------- renderers
 
 
-def to_markdown(table: Table) -> str:
-    """A GitHub-flavoured Markdown table with the title above and the notes below."""
+def to_markdown(table: Table, style: str = "brackets") -> str:
+    """A GitHub-flavoured Markdown table with the title above and the notes below; ``style``: how
+    intervals are shown (``INTERVAL_STYLES``)."""
+    _check_style(style)
     head = [table.first_column] + [c.label() for c in table.columns]
     lines = [f"**{table.title}**", ""] if table.title else []
     align = [":--"] + ["--:" if _numeric(table, j) else ":--" for j in range(len(table.columns))]
@@ -233,14 +382,32 @@ def to_markdown(table: Table) -> str:
     for i, (name, row) in enumerate(zip(table.rows, table.cells)):
         bold = i in table.bold_rows
         parts = [_marked(_md_escape(name), None, bold, _MD_MARKS)]
-        parts += [_marked(_md_escape(cell.format(col.decimals)), cell.rank, bold, _MD_MARKS)
+        parts += [_marked(_md_escape(cell.format(col.decimals, style=style)), cell.rank, bold, _MD_MARKS)
                   for cell, col in zip(row, table.columns)]
         lines.append("| " + " | ".join(parts) + " |")
     lines.append("")
     lines += table.notes
     if _has_marks(table):
-        lines.append("Best per column in **bold**, second best in _italics_.")
+        lines.append(_legend(table, "**bold**", "_italics_"))
     return "\n".join(lines) + "\n"
+
+
+def _check_style(style: str) -> None:
+    if style not in INTERVAL_STYLES:
+        raise ValueError(f"Unknown interval style {style!r}; use {' or '.join(INTERVAL_STYLES)}.")
+
+
+def _legend(table: Table, bold: str, second: str) -> str:
+    """What the marks mean: on intervals, best only where the data separate it."""
+    seconds = any(c.rank == 2 for row in table.cells for c in row)
+    if not table.paired:
+        return f"Best per column in {bold}" + (f", second best in {second}." if seconds else ".")
+    out = (f"Best per column in {bold} where the paired interval of its difference to every other row "
+           "excludes 0")
+    if table.tied_columns:
+        out += (f"; tied ({', '.join(table.tied_columns)}): the rows in {bold} cannot be told apart, the "
+                "interval of each one's difference to the best holds 0")
+    return out + (f"; second best in {second}." if seconds else ".")
 
 
 _MD_MARKS = ("**{}**", "_{}_")
@@ -339,13 +506,14 @@ def _greek(name: str) -> str | None:
     return command if letter in _GREEK else ("o" if letter == "omicron" else None)
 
 
-def to_latex(table: Table, label: str | None = None) -> str:
+def to_latex(table: Table, label: str | None = None, style: str = "brackets") -> str:
     """A booktabs ``table`` environment (needs ``\\usepackage{booktabs}``); best bold, second underlined."""
+    _check_style(style)
     spec = "l" + "".join("c" if c.higher_is_better is not None or c.key in ("seconds",) else "l" for c in table.columns)
     head = " & ".join([latex_escape(table.first_column)] + [latex_escape(c.label()) for c in table.columns])
     out = [r"\begin{table}[t]", r"\centering",
            r"\caption{" + latex_escape(" ".join([table.title + "."] * bool(table.title) + table.notes + (
-               ["Best per column in bold, second best underlined."] if _has_marks(table) else []))) + "}"]
+               [_legend(table, "bold", "underlined")] if _has_marks(table) else []))) + "}"]
     if label:
         out.append(r"\label{" + label + "}")
     out += [r"\begin{tabular}{" + spec + "}", r"\toprule", head + r" \\", r"\midrule"]
@@ -355,7 +523,7 @@ def to_latex(table: Table, label: str | None = None) -> str:
         bold = i in table.bold_rows
         parts = [_marked(latex_escape(name), None, bold, _LATEX_MARKS)]
         for cell, col in zip(row, table.columns):
-            s = cell.format(col.decimals, pm=r" $\pm$ ") if cell.text is None else latex_escape(cell.text)
+            s = cell.format(col.decimals, pm=r" $\pm$ ", style=style) if cell.text is None else latex_escape(cell.text)
             parts.append(_marked(s, cell.rank, bold, _LATEX_MARKS))
         out.append(" & ".join(parts) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
@@ -370,7 +538,8 @@ def table_to_dict(table: Table) -> dict[str, Any]:
         "notes": list(table.notes),
         "columns": [{"key": c.key, "label": c.label(), "unit": c.unit, "scale": c.scale, "decimals": c.decimals,
                      "higher_is_better": c.higher_is_better} for c in table.columns],
-        "rows": [{"method": name, "cells": {c.key: {"mean": cell.mean, "std": cell.std, "rank": cell.rank, "text": cell.text}
+        "rows": [{"method": name, "cells": {c.key: {"mean": cell.mean, "std": cell.std, "low": cell.low,
+                                                    "high": cell.high, "rank": cell.rank, "text": cell.text}
                                             for c, cell in zip(table.columns, row)}}
                  for name, row in zip(table.rows, table.cells)],
     }
@@ -382,12 +551,15 @@ def to_json(tables: Table | Sequence[Table], indent: int | None = 2) -> str:
     return json.dumps(data[0] if len(data) == 1 else data, indent=indent)
 
 
-def to_csv(tables: Table | Sequence[Table]) -> str:
-    """One row per (bins, method): unrounded values in the shown units, a ``± std`` column each.
+def to_csv(tables: Table | Sequence[Table], style: str = "brackets") -> str:
+    """One row per (bins, method): unrounded values in the shown units, a ``std`` column each and, for
+    a table with intervals, ``low`` and ``high`` columns (``style="brackets"``) or one ``±`` column of
+    half the interval's width (``style="pm"``).
 
     Header cells carry the units (e.g. ``ECE (%)``); text cells (resolution) are written as shown.
     Several tables (one per bin count) must share their columns.
     """
+    _check_style(style)
     tables = [tables] if isinstance(tables, Table) else list(tables)
     if not tables:
         raise ValueError("No tables to write.")
@@ -399,7 +571,12 @@ def to_csv(tables: Table | Sequence[Table]) -> str:
     header = ["bins", tables[0].first_column.lower()]
     for c in cols:
         plain = c.label().replace(" ↑", "").replace(" ↓", "")
-        header += [plain] if _is_text_column(tables, c.key) else [plain, plain + " std"]
+        if _is_text_column(tables, c.key):
+            header.append(plain)
+        else:
+            header += [plain, plain + " std"]
+            if _has_interval(tables, c.key):
+                header += [plain + " ±"] if style == "pm" else [plain + " low", plain + " high"]
     w.writerow(header)
     for t in tables:
         for name, row in zip(t.rows, t.cells):
@@ -409,8 +586,15 @@ def to_csv(tables: Table | Sequence[Table]) -> str:
                     line.append(cell.text if cell.text is not None else repr_float(cell.mean))
                 else:
                     line += [repr_float(cell.mean), repr_float(cell.std)]
+                    if _has_interval(tables, c.key):
+                        half = None if cell.low is None else (cell.high - cell.low) / 2
+                        line += [repr_float(half)] if style == "pm" else [repr_float(cell.low), repr_float(cell.high)]
             w.writerow(line)
     return buf.getvalue()
+
+
+def _has_interval(tables: Sequence[Table], key: str) -> bool:
+    return any(row[[c.key for c in t.columns].index(key)].low is not None for t in tables for row in t.cells)
 
 
 def _is_text_column(tables: Sequence[Table], key: str) -> bool:
@@ -431,29 +615,36 @@ def result_tables(result: RunResult) -> list[Table]:
     return [make(result, b) for b in order]
 
 
-def write_tables(result: RunResult, directory: str | Path) -> list[Path]:
+def write_tables(result: RunResult, directory: str | Path, style: str = "brackets") -> list[Path]:
     """Write ``table.md``, ``table.csv``, ``table.tex`` and ``table.json`` (all bin counts) into ``directory``.
 
-    The Markdown and LaTeX files also hold the Welch t-test tables when the run has computed tests
-    (none with a single run of NC (FL)).
+    The Markdown and LaTeX files also hold, when the run has them, the differences between methods
+    with their verdict and the Welch t-test tables (none with a single run of NC (FL)). ``style``:
+    how intervals are shown (``INTERVAL_STYLES``).
     """
+    _check_style(style)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tables = result_tables(result)
     welch = [welch_table(result, t.n_bins) for t in tables if welch_tests_shown(result, t.n_bins)]
+    compared = [comparison_table(result, t.n_bins) for t in tables] if has_intervals(result) else []
     md = [f"# NCTV {result.kind}: {result.model.get('name')}", ""]
     tex = ["% NCTV tables; needs \\usepackage{booktabs}", ""]
     for t in tables:
-        md.append(to_markdown(t))
-        tex.append(to_latex(t, label=f"tab:nctv-{result.kind}-{t.n_bins}bins"))
+        md.append(to_markdown(t, style))
+        tex.append(to_latex(t, label=f"tab:nctv-{result.kind}-{t.n_bins}bins", style=style))
+    for t in compared:
+        sentence = verdict(result, t.n_bins)
+        md.append(to_markdown(t, style) + ("\n" + sentence + "\n" if sentence else ""))
+        tex.append(to_latex(t, label=f"tab:nctv-differences-{t.n_bins}bins", style=style))
     for t in welch:
         md.append(to_markdown(t))
         tex.append(to_latex(t, label=f"tab:nctv-welch-{t.n_bins}bins"))
     paths = {name: out / name for name in ("table.md", "table.csv", "table.tex", "table.json")}
     paths["table.md"].write_text("\n".join(md), encoding="utf-8")
-    paths["table.csv"].write_text(to_csv(tables), encoding="utf-8")
+    paths["table.csv"].write_text(to_csv(tables, style), encoding="utf-8")
     paths["table.tex"].write_text("\n".join(tex), encoding="utf-8")
-    paths["table.json"].write_text(to_json(tables + welch), encoding="utf-8")
+    paths["table.json"].write_text(to_json(tables + compared + welch), encoding="utf-8")
     return list(paths.values())
 
 

@@ -18,12 +18,14 @@ import torch
 from scipy import stats
 
 from nctv import __version__
-from nctv.metrics import METRIC_NAMES, better
+from nctv.metrics import METRIC_NAMES, METRICS, better
 
 RESULTS_SCHEMA_VERSION = 1
 #: The method Welch's t-test compares with the best baseline (the paper's proposal).
 COMPARED_METHOD = "Neural Clamping (FL)"
 REFERENCE_METHOD = "Uncalibrated"
+#: The baseline Neural Clamping is also compared with, whether or not it is the best one.
+GRID_SEARCH_METHOD = "TS by Grid Search"
 #: The folder of a saved run that holds its fitted calibrators (``RunResult.save_calibrators``).
 CALIBRATORS_FOLDER = "calibrators"
 
@@ -54,11 +56,17 @@ class _JSON:
 
 @dataclass
 class MetricStats:
-    """One metric of one method at one bin count over the runs (fractions)."""
+    """One metric of one method at one bin count over the runs (fractions).
+
+    ``ci_low``/``ci_high``: the interval of the metric on the population the test split was drawn from
+    (``nctv.intervals``; the run's ``settings["intervals"]`` say how), None when not computed.
+    """
 
     mean: float
     std: float
     runs: list[float]
+    ci_low: float | None = None
+    ci_high: float | None = None
 
     @classmethod
     def from_runs(cls, runs: Sequence[float]) -> "MetricStats":
@@ -127,6 +135,30 @@ class WelchTest:
 
 
 @dataclass
+class Comparison:
+    """The paired interval of ``method`` − ``other`` on one metric at one bin count (fractions).
+
+    ``role`` says why the pair is compared: "leader" (``other`` has the column's best value),
+    "best baseline" (the best logit-space calibrator) or "grid search" (``COMPARED_METHOD`` against
+    ``GRID_SEARCH_METHOD``).
+    """
+
+    metric: str
+    n_bins: int
+    method: str
+    other: str
+    role: str
+    difference: float
+    low: float
+    high: float
+
+    @property
+    def tied(self) -> bool:
+        """The interval holds 0: the data cannot tell the two apart."""
+        return self.low <= 0 <= self.high
+
+
+@dataclass
 class RunResult(_JSON):
     """The outcome of a paper-style run; ``to_json()`` follows docs/results-schema.md."""
 
@@ -146,6 +178,17 @@ class RunResult(_JSON):
     seconds: float
     created: str
     test_labels: torch.Tensor | None = field(default=None, repr=False)
+    comparisons: list[Comparison] = field(default_factory=list)
+
+    def comparison(self, method: str, other: str, metric: str, n_bins: int = 15) -> Comparison | None:
+        """The paired interval of ``method`` − ``other`` (or its mirror), None when the run has none."""
+        for c in self.comparisons:
+            if c.metric == metric and c.n_bins == n_bins:
+                if (c.method, c.other) == (method, other):
+                    return c
+                if (c.method, c.other) == (other, method):
+                    return Comparison(metric, n_bins, method, other, c.role, -c.difference, -c.high, -c.low)
+        return None
 
     def stats(self, method: str, metric: str, n_bins: int = 15) -> MetricStats:
         if method not in self.methods:
@@ -170,7 +213,7 @@ class RunResult(_JSON):
                 "fit_seconds": list(m.fit_seconds),
                 "params": _jsonable(m.params),
                 "metrics": {
-                    str(b): {k: {"mean": s.mean, "std": s.std, "runs": list(s.runs)} for k, s in per.items()}
+                    str(b): {k: _stats_dict(s) for k, s in per.items()}
                     for b, per in m.metrics.items()
                 },
             }
@@ -184,6 +227,7 @@ class RunResult(_JSON):
             "cache_hits": dict(self.cache_hits),
             "methods": methods,
             "welch": [_jsonable(vars(w)) for w in self.welch],
+            "comparisons": [_jsonable(vars(c)) for c in self.comparisons],
         }
 
 
@@ -198,7 +242,8 @@ class RunResult(_JSON):
         methods = {}
         for name, m in data["methods"].items():
             metrics = {
-                int(b): {k: MetricStats(s["mean"], s["std"], list(s["runs"])) for k, s in per.items()}
+                int(b): {k: MetricStats(s["mean"], s["std"], list(s["runs"]), s.get("ci_low"), s.get("ci_high"))
+                         for k, s in per.items()}
                 for b, per in m["metrics"].items()
             }
             methods[name] = MethodResult(
@@ -211,7 +256,7 @@ class RunResult(_JSON):
             n_classes=data["n_classes"], class_names=data["class_names"], bins=list(data["bins"]),
             seeds=list(data["seeds"]), fitter=data["fitter"], methods=methods, welch=welch,
             cache_hits=dict(data["cache_hits"]), settings=dict(data["settings"]), seconds=data["seconds"],
-            created=data["created"],
+            created=data["created"], comparisons=[Comparison(**c) for c in data.get("comparisons", [])],
         )
 
     @classmethod
@@ -253,6 +298,13 @@ class RunResult(_JSON):
             if m.calibrator is not None and not m.is_reference:
                 folders.append(Path(m.calibrator.save_pretrained(Path(directory) / method_slug(name), model=model)))
         return folders
+
+
+def _stats_dict(s: MetricStats) -> dict[str, Any]:
+    out: dict[str, Any] = {"mean": s.mean, "std": s.std, "runs": list(s.runs)}
+    if s.ci_low is not None:
+        out.update(ci_low=s.ci_low, ci_high=s.ci_high)
+    return out
 
 
 def _jsonable(obj: Any) -> Any:
@@ -324,9 +376,36 @@ def welch_tests(methods: dict[str, MethodResult], bins: Iterable[int], compared:
     out = []
     for b in bins:
         for metric in METRIC_NAMES:
+            if METRICS[metric].higher_is_better is None:
+                continue
             best = best_method(methods, metric, b, baselines)
             if best is not None:
                 out.append(welch_test(metric, b, methods[compared], methods[best]))
+    return out
+
+
+def interval_comparisons(methods: dict[str, MethodResult], draws: dict[str, dict[int, dict[str, Any]]],
+                         bins: Iterable[int], level: float) -> list[Comparison]:
+    """The paired intervals the tables need (``draws[method][n_bins][metric]``: ``nctv.intervals``
+    draws): every method against its column's leader and against the best baseline, and
+    ``COMPARED_METHOD`` against ``GRID_SEARCH_METHOD``. Metrics with no better direction have none."""
+    from nctv.intervals import difference
+
+    baselines = [n for n, m in methods.items() if m.is_baseline]
+    out = []
+    for b in bins:
+        for metric in draws[next(iter(draws))][b]:
+            if METRICS[metric].higher_is_better is None:
+                continue
+            pairs = []
+            for role, among in (("leader", list(methods)), ("best baseline", baselines)):
+                best = best_method(methods, metric, b, among)
+                pairs += [(n, best, role) for n in methods if best is not None and n != best]
+            if COMPARED_METHOD in methods and GRID_SEARCH_METHOD in methods:
+                pairs.append((COMPARED_METHOD, GRID_SEARCH_METHOD, "grid search"))
+            for name, other, role in pairs:
+                d = difference(draws[name][b][metric], draws[other][b][metric], level)
+                out.append(Comparison(metric, b, name, other, role, d.estimate, d.low, d.high))
     return out
 
 

@@ -48,6 +48,11 @@ DEFAULT_BINS = (10, 15, 20)
 DEFAULT_SEEDS = 5
 #: Grid resolutions of the timing table (Table 7).
 TIMING_RESOLUTIONS = (0.01, 0.001)
+#: Intervals of a run's figures (nctv.intervals): coverage, resamples of the test split, and how a
+#: table shows them ("value [low, high]" or "value ± half-width").
+DEFAULT_LEVEL = 0.95
+DEFAULT_RESAMPLES = 1000
+INTERVAL_STYLES = ("brackets", "pm")
 
 
 def hub_datasets_available() -> bool:

@@ -69,8 +69,13 @@ def test_run_end_to_end(tmp_path, default_model):
     proc = nctv("run", "--seeds", "2", "--bins", "10", "15", "--calibration-size", "300", "--test-size", "400",
                 "--methods", "uncal", "ts", "nc-fl", "nc-eff", "--fitter", "paper", "--epochs", "2", "--out", str(out),
                 "--quiet", cwd=tmp_path)
-    line = proc.stdout.strip()
-    assert "\n" not in line and line.startswith("run: 4 methods") and "fitter paper" in line and str(out) in line
+    text = proc.stdout.strip()
+    line = text.splitlines()[-1]
+    assert line.startswith("run: 4 methods") and "fitter paper" in line and str(out) in line
+    # Above the summary: the main table, every figure with its interval.
+    assert text.startswith("**Calibration on the test split (15 bins)**") and "95 % interval" in text
+    ts_row = next(r for r in text.splitlines() if r.startswith("| Temperature Scaling |"))
+    assert ts_row.count(" [") == 5
     for name in ("results.json", "table.md", "table.csv", "table.tex", "table.json", "test_logits.safetensors",
                  "delta.safetensors"):
         assert (out / name).stat().st_size > 0, name

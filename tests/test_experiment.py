@@ -147,9 +147,24 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     assert nc.metrics[15]["entropy"].mean == pytest.approx(statistics.fmean(runs))
     assert nc.metrics[15]["entropy"].std == pytest.approx(statistics.stdev(runs))
 
-    # Welch: NC (FL) against the only baseline (TS), for every metric and bin count.
-    assert {(w.metric, w.n_bins) for w in r.welch} == {(m, b) for m in metrics.METRIC_NAMES for b in (10, 15)}
+    # Welch: NC (FL) against the only baseline (TS), for every metric with a direction and bin count.
+    directed = [m for m in metrics.METRIC_NAMES if m != "entropy"]
+    assert {(w.metric, w.n_bins) for w in r.welch} == {(m, b) for m in directed for b in (10, 15)}
     assert {w.baseline for w in r.welch} == {"Temperature Scaling"}
+
+    # Intervals: the settings are recorded, and a deterministic row's interval is that of its logits on
+    # the resamples the settings name.
+    from nctv import intervals as iv
+
+    assert r.settings["intervals"] == iv.IntervalSettings().to_dict()
+    counts = iv.resample_counts(len(y_test), 1000, 0)
+    d = iv.method_draws([ts.test_logits], y_test, counts, 15, ["ece", "accuracy"])
+    for k in ("ece", "accuracy"):
+        ci = iv.interval(d[k], k)
+        assert (ts.metrics[15][k].ci_low, ts.metrics[15][k].ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    c = r.comparison("Neural Clamping (FL)", "Temperature Scaling", "ece", 15)
+    assert c is not None and c.low <= c.difference <= c.high
+    assert all(c.metric != "entropy" for c in r.comparisons)
 
     again = experiment.run_experiment(model, cal, test, methods=["Uncalibrated"], seeds=1, bins=(15,), cache_dir=tmp_path,
                                       progress=False)

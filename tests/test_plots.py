@@ -160,7 +160,8 @@ def test_reliability_hover_shows_bin_numbers():
     d = plots.reliability_data(z, y, 5, "hand")
     fig = plots.reliability_figure(d, backend="plotly")
     hover = fig.data[0].hovertext
-    assert hover[4] == "bin (0.800, 1.000]<br>count 2<br>accuracy 0.5000<br>confidence 0.9000"
+    # 1 right of 2: the 95 % Wilson interval of the bin's accuracy is [0.0945, 0.9055].
+    assert hover[4] == "bin (0.800, 1.000]<br>count 2<br>accuracy 0.5000 [0.0945, 0.9055]<br>confidence 0.9000"
     assert hover[0] == "bin [0.000, 0.200]<br>count 0 (empty)"
     assert any("ECE = 45.00%" in a.text for a in fig.layout.annotations)
 

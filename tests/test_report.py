@@ -83,7 +83,7 @@ def test_units_follow_the_paper():
     assert metric_column("entropy", 8).scale == 1
     assert metric_column("sce", 10).label() == "SCE (×10⁻²) ↓"
     assert metric_column("sce", 1000).scale == 1000
-    assert metric_column("entropy", 10).label() == "Entropy ↑"
+    assert metric_column("entropy", 10).label() == "Entropy"  # no better direction: no arrow, no mark
     with pytest.raises(ValueError, match="Unknown metric"):
         metric_column("f1", 10)
 
@@ -110,6 +110,9 @@ def test_best_and_second_marks_follow_shown_values(case):
     result, logits, labels = case
     table = results_table(result, n_bins=15)
     for j, col in enumerate(table.columns):
+        if col.key == "entropy":  # no better direction: never marked
+            assert all(r[j].rank is None for r in table.cells)
+            continue
         shown = [round(r[j].mean, col.decimals) for r in table.cells]
         order = sorted(set(shown), reverse=col.higher_is_better)
         for r, v in zip(table.cells, shown):
@@ -196,8 +199,7 @@ def test_welch_picks_the_best_baseline_per_metric(case):
     baselines = ["Temperature Scaling", "Matrix Scaling"]  # not the reference, not NC
     ece = {n: metrics.ece(logits[n][0], labels, 15) for n in baselines}
     assert tests["ece"].baseline == min(ece, key=ece.get)
-    ent = {n: metrics.entropy(logits[n][0]) for n in baselines}
-    assert tests["entropy"].baseline == max(ent, key=ent.get)
+    assert "entropy" not in tests  # entropy has no better direction, so no best baseline to test against
     md = to_markdown(welch_table(result, 15))
     assert tests["ece"].baseline in md and "Welch" in md
 
@@ -301,7 +303,7 @@ def test_metrics_table_shows_named_rows_in_the_paper_units():
     values = {"accuracy": 0.91234, "entropy": 0.25, "ece": 0.0345, "aece": 0.04, "sce": 0.00612}
     md = to_markdown(metrics_table([("T = 2.00", values)], n_classes=10, notes=["15 bins."]))
     # No title line; percentages for accuracy and the ECEs, SCE in units of 10⁻² for 10 classes; no marks.
-    assert md.splitlines()[0] == "|  | Accuracy (%) ↑ | Entropy ↑ | ECE (%) ↓ | AECE (%) ↓ | SCE (×10⁻²) ↓ |"
+    assert md.splitlines()[0] == "|  | Accuracy (%) ↑ | Entropy | ECE (%) ↓ | AECE (%) ↓ | SCE (×10⁻²) ↓ |"
     assert "| T = 2.00 | 91.23 | 0.2500 | 3.45 | 4.00 | 0.6120 |" in md and "**" not in md
     assert md.endswith("\n15 bins.\n")
 
@@ -341,3 +343,153 @@ def test_latex_compiles_with_pdflatex(case, one_seed, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:]
     log = (tmp_path / "doc.log").read_text(errors="replace")
     assert "Missing character" not in log and (tmp_path / "doc.pdf").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- intervals and fair marks
+
+
+def _run_with_intervals(logits, labels, resamples=400):
+    """A run built the way the engine builds it: every method on one shared count matrix."""
+    from nctv import intervals as iv
+    from nctv.results import interval_comparisons
+
+    settings = iv.IntervalSettings(resamples=resamples, seed=0)
+    counts = iv.resample_counts(len(labels), resamples, settings.seed)
+    gen = torch.Generator().manual_seed(1)
+    methods, draws = {}, {}
+    for name, zs in logits.items():
+        m = _method(name, zs, labels, len(zs) > 1, name.startswith("Neural"))
+        seeds = iv.seed_counts(len(zs), resamples, gen) if len(zs) > 1 else None
+        draws[name] = {}
+        for b in BINS:
+            draws[name][b] = iv.method_draws(zs, labels, counts, b, list(iv.RESAMPLED), seeds)
+            for k, d in draws[name][b].items():
+                ci = iv.interval(d, k, settings.level)
+                m.metrics[b][k].ci_low, m.metrics[b][k].ci_high = ci.low, ci.high
+        methods[name] = m
+    return RunResult(
+        kind="run", model={"name": "toy"}, calibration={"name": "cal", "size": 400, "fingerprint": "a"},
+        test={"name": "test", "size": len(labels), "fingerprint": "b"}, n_classes=int(labels.max()) + 1,
+        class_names=None, bins=list(BINS), seeds=[0, 1, 2], fitter="fast", methods=methods,
+        welch=welch_tests(methods, BINS), cache_hits={}, settings={"device": "cpu", "intervals": settings.to_dict()},
+        seconds=1.0, created="2024-01-01T00:00:00+00:00", test_labels=labels,
+        comparisons=interval_comparisons(methods, draws, BINS, settings.level),
+    ), draws
+
+
+@pytest.fixture(scope="module")
+def paired_case(case):
+    _, logits, labels = case
+    # "TS by Grid Search" differs from temperature scaling by one part in 10⁴ of T: the data cannot tell
+    # them apart, whichever is ahead by a hair. Matrix scaling (×1.5) is far worse on every error.
+    logits = {"Uncalibrated": logits["Uncalibrated"], "Temperature Scaling": logits["Temperature Scaling"],
+              "TS by Grid Search": [logits["Uncalibrated"][0] / 2.50025], "Matrix Scaling": logits["Matrix Scaling"],
+              "Neural Clamping (FL)": logits["Neural Clamping (FL)"]}
+    result, draws = _run_with_intervals(logits, labels)
+    return result, draws, logits, labels
+
+
+def test_intervals_are_those_of_the_draws_and_hold_the_value_for_means(paired_case):
+    from nctv import intervals as iv
+
+    result, draws, _, _ = paired_case
+    table = results_table(result, 15)
+    nll_free = [c.key for c in table.columns]
+    for i, name in enumerate(table.rows):
+        for j, key in enumerate(nll_free):
+            ci = iv.interval(draws[name][15][key], key)
+            cell, scale = table.cells[i][j], table.columns[j].scale
+            assert (cell.low, cell.high) == pytest.approx((ci.low * scale, ci.high * scale))
+            if key in ("accuracy", "entropy"):  # unbiased means: the shown value lies inside
+                assert cell.low <= cell.mean <= cell.high
+
+
+def test_best_is_bold_only_where_the_paired_interval_excludes_zero(paired_case):
+    result, _, _, _ = paired_case
+    table = results_table(result, 15)
+    names = table.rows
+    ece = [c.key for c in table.columns].index("ece")
+    ranks = {n: table.cells[i][ece].rank for i, n in enumerate(names)}
+    # TS and its near-copy are tied for the lead; the over-confident rows are not best.
+    assert ranks["Temperature Scaling"] == 1 and ranks["TS by Grid Search"] == 1
+    assert ranks["Uncalibrated"] != 1 and ranks["Matrix Scaling"] != 1
+    for i, n in enumerate(names):
+        c = table.cells[i][ece]
+        leader = min(names, key=lambda m: result.methods[m].metrics[15]["ece"].mean)
+        if n != leader:
+            cmp = result.comparison(n, leader, "ece", 15)
+            assert (c.rank == 1) == (cmp.low <= 0 <= cmp.high)
+    assert "ECE (%) ↓" in table.tied_columns
+    md = to_markdown(table)
+    assert "tied (" in md and "cannot be told apart" in md
+    # Entropy: no direction, no marks.
+    ent = [c.key for c in table.columns].index("entropy")
+    assert all(r[ent].rank is None for r in table.cells)
+
+
+def test_a_separated_best_is_bold_alone_and_two_rows_have_no_second(case):
+    _, logits, labels = case
+    three, _ = _run_with_intervals({n: logits[n] for n in ("Uncalibrated", "Temperature Scaling", "Matrix Scaling")},
+                                   labels)
+    table = results_table(three, 15)
+    ece = [c.key for c in table.columns].index("ece")
+    assert [r[ece].rank for r in table.cells] == [2, 1, None]
+    assert "ECE (%) ↓" not in table.tied_columns
+    two, _ = _run_with_intervals({n: logits[n] for n in ("Uncalibrated", "Temperature Scaling")}, labels)
+    table = results_table(two, 15)
+    assert all(c.rank != 2 for row in table.cells for c in row)
+    assert [r[ece].rank for r in table.cells] == [None, 1]
+
+
+def test_interval_styles_in_markdown_csv_and_latex(paired_case):
+    result, _, _, _ = paired_case
+    table = results_table(result, 15)
+    ece = [c.key for c in table.columns].index("ece")
+    cell = table.cells[1][ece]
+    assert f"{cell.mean:.2f} [{cell.low:.2f}, {cell.high:.2f}]" in to_markdown(table)
+    assert f"{cell.mean:.2f} ± {(cell.high - cell.low) / 2:.2f}" in to_markdown(table, "pm")
+    assert f"{cell.mean:.2f} $\\pm$ {(cell.high - cell.low) / 2:.2f}" in to_latex(table, style="pm")
+    assert f"{cell.mean:.2f} [{cell.low:.2f}, {cell.high:.2f}]" in to_latex(table)
+    rows = list(csv.DictReader(io.StringIO(to_csv(table))))
+    assert float(rows[1]["ECE (%) low"]) == pytest.approx(cell.low) and float(rows[1]["ECE (%) high"]) == pytest.approx(cell.high)
+    rows = list(csv.DictReader(io.StringIO(to_csv(table, style="pm"))))
+    assert float(rows[1]["ECE (%) ±"]) == pytest.approx((cell.high - cell.low) / 2)
+    with pytest.raises(ValueError, match="interval style"):
+        to_markdown(table, "stars")
+
+
+def test_verdict_sentence_gives_the_paired_difference(paired_case):
+    from nctv import intervals as iv
+    from nctv.report import verdict
+
+    result, draws, _, _ = paired_case
+    d = iv.difference(draws["Neural Clamping (FL)"][15]["ece"], draws["TS by Grid Search"][15]["ece"])
+    sentence = verdict(result, 15)
+
+    def signed(v):
+        return ("−" if v < 0 else "+") + f"{abs(v):.2f}"
+
+    numbers = f"ECE {signed(100 * d.estimate)} [{signed(100 * d.low)}, {signed(100 * d.high)}] point"
+    assert numbers in sentence
+    if d.low <= 0 <= d.high:
+        assert sentence.startswith("Neural Clamping (FL) and TS by Grid Search are tied on this model: ")
+    else:
+        assert (" is better than " in sentence) == (d.estimate < 0)
+    leader = min(result.methods, key=lambda m: result.methods[m].metrics[15]["ece"].mean)
+    worse = verdict(result, 15, method="Matrix Scaling", other=leader)
+    assert worse.startswith(f"Matrix Scaling is worse than {leader} on this model: ECE +")
+    assert verdict(result, 15, method="NC (Eff.)") is None
+
+
+def test_intervals_and_comparisons_survive_json(paired_case, tmp_path):
+    result, _, _, _ = paired_case
+    data = json.loads(result.to_json())
+    ece = data["methods"]["Temperature Scaling"]["metrics"]["15"]["ece"]
+    assert ece["ci_low"] < ece["ci_high"] and data["settings"]["intervals"]["resamples"] == 400
+    again = RunResult.from_json(result.to_json())
+    assert to_markdown(results_table(again, 15)) == to_markdown(results_table(result, 15))
+    assert again.comparison("Neural Clamping (FL)", "TS by Grid Search", "ece", 15) == \
+        result.comparison("Neural Clamping (FL)", "TS by Grid Search", "ece", 15)
+    write_tables(result, tmp_path)
+    md = (tmp_path / "table.md").read_text(encoding="utf-8")
+    assert "Differences between methods (15 bins)" in md and "interval of the difference" in md

@@ -1,0 +1,375 @@
+"""Confidence intervals for every metric of a run, from resampling the test split.
+
+The test split is a sample; a metric measured on it would come out differently on another draw of the
+same size. Each resample is drawn with replacement from the test split and represented by a **count
+vector** c_r (how often each test sample was drawn; Σ c_r = N), so every metric becomes a weighted sum
+and all resamples are scored at once: one matrix product ``counts @ columns`` (the per-sample columns
+of a metric: correctness, per-bin gaps, …), no loop over resamples. All methods of a run share one
+count matrix, drawn from one seeded index matrix, so differences between methods are *paired*.
+
+What the interval targets (docs/method.md, "Uncertainty of a result"): the method's metric on the
+population the test split was drawn from, with the same bins: for ECE, Σ_b |E[(1[correct] − c) 1[c ∈
+b]]|. Binned metrics (ECE, AECE, SCE, MCE) are biased upwards on a finite sample (noise in a bin's
+gap adds to its absolute value), so the interval is built around a **debiased estimate**: per bin,
+|gap| is replaced by √max(gap² − var(gap), 0) (the square root of the unbiased estimate of gap²),
+and its spread comes from the bootstrap pivot (debiased value of a resample − plug-in value of the
+test split, the resampled world's truth). Means (accuracy, entropy, NLL, Brier) are unbiased: there
+the interval is the basic bootstrap interval around the shown value.
+
+Stochastic methods (several seeds): each resample also redraws the seeds with replacement and takes
+the mean over the drawn seeds, so the interval covers the test sample's randomness and the method's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from scipy.stats import norm
+
+from nctv.checks import check_bins, check_labels, check_logits
+from nctv.settings import DEFAULT_LEVEL, DEFAULT_RESAMPLES
+
+#: The interval construction, recorded with every result.
+INTERVAL_METHOD = "debiased bootstrap pivot"
+# The SCE columns of one block stay below this many entries (a 1000-class split is chunked by class).
+_BLOCK_ENTRIES = 2**24
+
+
+@dataclass(frozen=True)
+class IntervalSettings:
+    """How intervals are computed: coverage ``level``, number of ``resamples``, the ``seed`` of the draws."""
+
+    level: float = DEFAULT_LEVEL
+    resamples: int = DEFAULT_RESAMPLES
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.level, bool) or not isinstance(self.level, (int, float)) or not 0.5 <= self.level < 1:
+            raise ValueError(f"The interval level must be a fraction from 0.5 to below 1, e.g. 0.95; got {self.level!r}.")
+        if isinstance(self.resamples, bool) or not isinstance(self.resamples, int) or self.resamples < 100:
+            raise ValueError(f"Use at least 100 resamples for an interval (1000 is the default); got {self.resamples!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"The resampling seed must be a whole number; got {self.seed!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": float(self.level), "resamples": self.resamples, "seed": self.seed, "method": INTERVAL_METHOD}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An ``estimate`` (debiased for binned metrics) with its interval ``[low, high]`` (fractions)."""
+
+    estimate: float
+    low: float
+    high: float
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+
+def resample_counts(n: int, resamples: int, seed: int) -> torch.Tensor:
+    """(resamples, n) float32 counts: row r counts how often each sample is in resample r.
+
+    Drawn on the CPU from one seeded (resamples, n) index matrix, so a seed gives the same resamples on
+    every device. Counts are small whole numbers: float32 holds them exactly.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    index = torch.randint(n, (resamples, n), generator=g)
+    return torch.zeros(resamples, n).scatter_add_(1, index, torch.ones(resamples, n))
+
+
+# --------------------------------------------------------------------------- one set of logits
+
+
+class _Sample:
+    """Per-sample quantities of one set of logits, and their sums over every resample at once.
+
+    Linear blocks (means, per-bin gaps and counts, SCE cells) are summed by one matrix product per
+    call of :meth:`sums`; the full sample is the resample whose counts are all 1.
+    """
+
+    def __init__(self, logits: torch.Tensor, labels: torch.Tensor, n_bins: int):
+        z = logits.detach().double()
+        logp = torch.log_softmax(z, dim=1)
+        p = logp.exp()
+        y = labels.to(z.device)
+        self.n, self.k = p.shape
+        self.n_bins = n_bins
+        self.p, self.y = p, y
+        pred = torch.argmax(p, dim=1)
+        self.conf = p.gather(1, pred[:, None]).squeeze(1)
+        self.correct = (pred == y).double()
+        self.gap = self.correct - self.conf
+        onehot = torch.nn.functional.one_hot(y, self.k).double()
+        self.means = torch.stack([self.correct, -torch.special.xlogy(p, p).sum(1), -logp.gather(1, y[:, None]).squeeze(1),
+                                  ((p - onehot) ** 2).sum(1)], dim=1)
+        self.bin = _bin_index(self.conf, n_bins)
+        self.order = torch.sort(self.conf, stable=True).indices
+        base, extra = divmod(self.n, n_bins)
+        # AECE's equal-count groups (numpy.array_split sizes: the first N mod M one larger).
+        self.group_sizes = torch.full((n_bins,), base, dtype=torch.long)
+        self.group_sizes[:extra] += 1
+        group = torch.repeat_interleave(torch.arange(n_bins), self.group_sizes).to(p.device)
+        # Within-group spreads come from the full sample and serve every resample (see _debiased_abs).
+        self.ece_spread = _spread(self.bin, self.gap, n_bins)
+        self.aece_spread = _spread(group, self.gap[self.order], n_bins)
+        self._cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._sce: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _design(self) -> torch.Tensor:
+        """Columns: 4 means, M gap sums, M counts (ECE, MCE)."""
+        m = self.n_bins
+        rows = torch.arange(self.n, device=self.p.device)
+        cols = torch.zeros(self.n, 4 + 2 * m, dtype=torch.float64, device=self.p.device)
+        cols[:, :4] = self.means
+        cols[rows, 4 + self.bin] = self.gap
+        cols[rows, 4 + m + self.bin] = 1.0
+        return cols
+
+    def sums(self, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Σ_i counts_ri · column_i of every linear block, for every resample r (cached per count matrix)."""
+        key = id(counts)
+        if key not in self._cache:
+            dtype = counts.dtype
+            s = counts @ self._design().to(dtype)
+            m = self.n_bins
+            self._cache[key] = {"means": s[:, :4], "gap": s[:, 4:4 + m], "count": s[:, 4 + m:]}
+        return self._cache[key]
+
+    def sce_blocks(self):
+        """Per block of classes: the (N, classes·M) columns holding each sample's gap 1[y = k] − p_ik in
+        its class-bin cell, and the cells' spread. Kept when all classes fit in one block."""
+        if self._sce is not None:
+            return self._sce
+        blocks = _sce_blocks(self)
+        if self.n * self.k * self.n_bins > _BLOCK_ENTRIES:
+            return blocks  # rebuilt per call: a thousand classes' columns would not fit in memory
+        self._sce = list(blocks)
+        return self._sce
+
+
+def _spread(groups: torch.Tensor, values: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """n_b · s²_b per group: count times the within-group variance of ``values``."""
+    cnt = torch.bincount(groups, minlength=n_groups).double()
+    s1 = torch.bincount(groups, weights=values, minlength=n_groups)
+    s2 = torch.bincount(groups, weights=values * values, minlength=n_groups)
+    # n·s² = (Σv² − (Σv)²/n) · n/(n − 1); a group of one has no spread to estimate.
+    ss = (s2 - s1 * s1 / cnt.clamp(min=1)) * cnt / (cnt - 1).clamp(min=1)
+    return torch.where(cnt > 1, ss, torch.zeros_like(ss)).clamp(min=0)
+
+
+def _sce_blocks(sample: "_Sample"):
+    n, k, m = sample.n, sample.k, sample.n_bins
+    per_block = max(1, _BLOCK_ENTRIES // (n * m))
+    rows = torch.arange(n, device=sample.p.device)
+    for start in range(0, k, per_block):
+        cls = torch.arange(start, min(k, start + per_block), device=sample.p.device)
+        p = sample.p[:, cls]
+        g = (sample.y[:, None] == cls[None, :]).double() - p
+        cell = torch.arange(len(cls), device=p.device)[None, :] * m + _bin_index(p.reshape(-1), m).view(n, -1)
+        cols = torch.zeros(n, len(cls) * m, dtype=torch.float64, device=p.device)
+        cols[rows[:, None].expand_as(cell), cell] = g
+        yield cols, _spread(cell.reshape(-1), g.reshape(-1), len(cls) * m)
+
+
+def _bin_index(values: torch.Tensor, n_bins: int) -> torch.Tensor:
+    # nctv.metrics' bins: ((m−1)/M, m/M], 0 in the first bin.
+    edges = torch.arange(n_bins + 1, dtype=torch.float64, device=values.device) / n_bins
+    return (torch.searchsorted(edges, values.contiguous(), right=False) - 1).clamp_(0, n_bins - 1)
+
+
+def _debiased_abs(s: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """n·|gap| estimated without the noise's upward bias: √max(S² − n·s², 0), S = Σ gap (per group).
+
+    S² − n·s² is unbiased for (n·gap)²: E[S²] = (n·gap)² + n·σ².
+    """
+    return torch.sqrt((s * s - spread.to(s.dtype)).clamp(min=0))
+
+
+Draws = tuple[torch.Tensor, torch.Tensor]  # (plug-in, debiased) value per resample
+
+
+def _mean_metric(column: int) -> Callable[[_Sample, torch.Tensor], Draws]:
+    def value(sample: _Sample, counts: torch.Tensor) -> Draws:
+        v = sample.sums(counts)["means"][:, column] / sample.n
+        return v, v
+
+    return value
+
+
+def _ece(sample: _Sample, counts: torch.Tensor) -> Draws:
+    s = sample.sums(counts)["gap"]
+    return s.abs().sum(1) / sample.n, _debiased_abs(s, sample.ece_spread).sum(1) / sample.n
+
+
+def _mce(sample: _Sample, counts: torch.Tensor) -> Draws:
+    sums = sample.sums(counts)
+    s, cnt = sums["gap"], sums["count"]
+    spread = sample.ece_spread
+    filled = cnt > 0
+    low = torch.tensor(-1.0, dtype=s.dtype, device=s.device)
+    plug = torch.where(filled, s.abs() / cnt.clamp(min=1), low).amax(1)
+    deb = torch.where(filled, _debiased_abs(s, spread) / cnt.clamp(min=1), low).amax(1)
+    return plug, deb
+
+
+def _aece(sample: _Sample, counts: torch.Tensor) -> Draws:
+    """Equal-count groups of each resample's confidence-sorted samples (a sample drawn twice fills two
+    places; a group boundary may split a sample's copies), exactly AECE on the full sample."""
+    n, m = sample.n, sample.n_bins
+    order = sample.order
+    gap = sample.gap[order]
+    ends = torch.cumsum(sample.group_sizes, 0).to(counts.device, counts.dtype)
+    # Float32 cumulative sums: place counts are exact below 2**24, gap sums err by about 1e-7 of N.
+    w = torch.index_select(counts, 1, order.to(counts.device))
+    g = gap.to(counts.device, counts.dtype)
+    cum_w = torch.cumsum(w, 1)
+    cum_g = torch.cumsum(w * g, 1)
+    # F(E) = Σ gap over the first E places: whole samples before the one holding place E, part of it.
+    at = torch.searchsorted(cum_w, ends.expand(len(w), m).contiguous(), right=False).clamp_(max=n - 1)
+    prev = (at - 1).clamp(min=0)
+    first = at == 0
+    before_w = cum_w.gather(1, prev).masked_fill(first, 0.0)
+    before_g = cum_g.gather(1, prev).masked_fill(first, 0.0)
+    upto = (before_g + g[at] * (ends - before_w)).double()
+    s = torch.diff(upto, dim=1, prepend=torch.zeros(len(w), 1, dtype=torch.float64, device=counts.device))
+    return s.abs().sum(1) / n, _debiased_abs(s, sample.aece_spread.to(s.device)).sum(1) / n
+
+
+def _sce(sample: _Sample, counts: torch.Tensor) -> Draws:
+    """Class-wise bins of p_ik; classes in blocks so the cell columns stay small for 1000 classes."""
+    plug = torch.zeros(len(counts), dtype=torch.float64, device=counts.device)
+    deb = torch.zeros_like(plug)
+    for cols, spread in sample.sce_blocks():
+        s = (counts @ cols.to(counts.dtype)).double()
+        plug += s.abs().sum(1)
+        deb += _debiased_abs(s, spread.to(s.device)).sum(1)
+    return plug / (sample.n * sample.k), deb / (sample.n * sample.k)
+
+
+@dataclass(frozen=True)
+class ResampledMetric:
+    """A metric scored on every resample at once: ``value(sample, counts)`` → (plug-in, debiased)
+    per resample; the metric's values lie in [``low``, ``high``] (None: unbounded)."""
+
+    value: Callable[[_Sample, torch.Tensor], Draws]
+    low: float | None = 0.0
+    high: float | None = None
+
+
+#: Every metric with an interval. A new metric is one line here.
+RESAMPLED: dict[str, ResampledMetric] = {
+    "accuracy": ResampledMetric(_mean_metric(0), 0.0, 1.0),
+    "entropy": ResampledMetric(_mean_metric(1)),
+    "ece": ResampledMetric(_ece, 0.0, 1.0),
+    "aece": ResampledMetric(_aece, 0.0, 1.0),
+    "sce": ResampledMetric(_sce, 0.0, 1.0),
+    "mce": ResampledMetric(_mce, 0.0, 1.0),
+    "nll": ResampledMetric(_mean_metric(2)),
+    "brier": ResampledMetric(_mean_metric(3), 0.0, 2.0),
+}
+
+
+# --------------------------------------------------------------------------- a method's draws
+
+
+@dataclass
+class MethodDraws:
+    """One method's metric on the test split and on every resample (seeds combined).
+
+    ``point``: plug-in value (mean over seeds; what tables show); ``estimate``: debiased value (mean
+    over seeds); ``draws``: debiased value per resample, seeds redrawn with replacement.
+    """
+
+    point: float
+    estimate: float
+    draws: torch.Tensor
+
+
+def method_draws(per_seed_logits: Sequence[Any], labels: Any, counts: torch.Tensor, n_bins: int,
+                 metrics: Sequence[str], seed_draws: torch.Tensor | None = None) -> dict[str, MethodDraws]:
+    """Draws of ``metrics`` for one method whose test logits are ``per_seed_logits`` (one per seed).
+
+    ``seed_draws`` (resamples × seeds counts of seeds redrawn per resample, rows summing to the seed
+    count) is needed with several seeds; :func:`seed_counts` makes it.
+    """
+    n_bins = check_bins(n_bins)
+    unknown = [m for m in metrics if m not in RESAMPLED]
+    if unknown:
+        raise ValueError(f"No interval for metric(s) {', '.join(unknown)}; use {', '.join(RESAMPLED)}.")
+    if len(per_seed_logits) > 1 and seed_draws is None:
+        raise ValueError("Several seeds need seed_draws (nctv.intervals.seed_counts) to combine them.")
+    samples = []
+    for z in per_seed_logits:
+        z = check_logits(z)
+        samples.append(_Sample(z, check_labels(labels, z.shape[0], z.shape[1]).to(z.device), n_bins))
+    n = samples[0].n
+    if counts.shape[1] != n:
+        raise ValueError(f"The resample counts are for {counts.shape[1]} samples, the logits have {n}.")
+    device = samples[0].p.device
+    counts = counts.to(device)
+    ones = torch.ones(1, n, dtype=torch.float64, device=device)
+    out = {}
+    for name in metrics:
+        spec = RESAMPLED[name]
+        point = torch.stack([torch.cat(spec.value(s, ones)) for s in samples])  # seeds × (plug, debiased)
+        draws = torch.stack([spec.value(s, counts)[1].double() for s in samples])  # seeds × resamples
+        if len(samples) > 1:
+            draws = (seed_draws.to(device, torch.float64) * draws.T).sum(1) / len(samples)
+        else:
+            draws = draws[0]
+        out[name] = MethodDraws(float(point[:, 0].mean()), float(point[:, 1].mean()), draws.cpu())
+    return out
+
+
+def seed_counts(n_seeds: int, resamples: int, generator: torch.Generator) -> torch.Tensor:
+    """(resamples, n_seeds) counts of seeds redrawn with replacement for each resample."""
+    index = torch.randint(n_seeds, (resamples, n_seeds), generator=generator)
+    return torch.nn.functional.one_hot(index, n_seeds).sum(1).double()
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def _pivot(estimate: float, truth: float, draws: torch.Tensor, level: float) -> tuple[float, float]:
+    """[estimate − q_hi, estimate − q_lo], q the quantiles of (draw − truth): the resampled world's
+    error of the estimator stands for the real one (the basic, or pivotal, bootstrap)."""
+    alpha = (1.0 - level) / 2
+    q = torch.quantile(draws.double() - truth, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
+    return estimate - float(q[1]), estimate - float(q[0])
+
+
+def interval(d: MethodDraws, metric: str, level: float = DEFAULT_LEVEL) -> Interval:
+    """The ``level`` interval of one method's ``metric``, clipped to the metric's possible values."""
+    low, high = _pivot(d.estimate, d.point, d.draws, level)
+    spec = RESAMPLED[metric]
+    if spec.low is not None:
+        low, high = max(low, spec.low), max(high, spec.low)
+    if spec.high is not None:
+        low, high = min(low, spec.high), min(high, spec.high)
+    return Interval(d.estimate, low, high)
+
+
+def difference(a: MethodDraws, b: MethodDraws, level: float = DEFAULT_LEVEL) -> Interval:
+    """The paired ``level`` interval of (a − b): both scored on the same resamples."""
+    low, high = _pivot(a.estimate - b.estimate, a.point - b.point, a.draws - b.draws, level)
+    return Interval(a.estimate - b.estimate, low, high)
+
+
+def wilson_interval(successes: Any, trials: Any, level: float = DEFAULT_LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """Wilson score interval of a proportion per entry (NaN where there are no trials).
+
+    Chosen for a reliability diagram's bins: it stays inside [0, 1] and keeps its coverage for bins of
+    a few samples or with accuracy near 0 or 1, where the normal approximation does not.
+    """
+    k = np.asarray(successes, dtype=np.float64)
+    n = np.asarray(trials, dtype=np.float64)
+    z = float(norm.ppf(0.5 + level / 2))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = k / n
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    empty = n <= 0
+    return np.where(empty, np.nan, np.clip(centre - half, 0, 1)), np.where(empty, np.nan, np.clip(centre + half, 0, 1))

@@ -441,7 +441,8 @@ def _delta_plotly(data: DeltaImageData, panels, lim: float):
     n = len(panels)
     cols = min(n, 4)
     rows = math.ceil(n / cols)
-    # Short lines in a small font: on a phone four panels share about 350 px, and a title wider
+    # The panels take the whole width (colour bar below them, thin margins) and their titles are
+    # short lines in a small font: on a phone four panels share about 350 px, and a title wider
     # than its panel would run into the next one's.
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[wrap_title(p[0], 10) for p in panels],
                         horizontal_spacing=0.03, vertical_spacing=0.08)
@@ -456,16 +457,20 @@ def _delta_plotly(data: DeltaImageData, panels, lim: float):
         else:
             fig.add_trace(go.Heatmap(z=arr, zmin=-lim, zmax=lim, zmid=0, colorscale="RdBu", reversescale=True,
                                      showscale=first_signed, name=title,
-                                     colorbar=dict(title=dict(text="pixel change<br>(0–255)")),
+                                     colorbar=dict(orientation="h", y=-0.04, yanchor="top", len=0.7, thickness=12,
+                                                   title=dict(text="pixel change (0–255)", side="top")),
                                      hovertemplate="x %{x}, y %{y}<br>%{z:.3f} of 255<extra>" + title + "</extra>"),
                           row=r + 1, col=c + 1)
             first_signed = False
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{k + 1 if k else ''}", showticklabels=False,
                          row=r + 1, col=c + 1)
         fig.update_xaxes(showticklabels=False, row=r + 1, col=c + 1)
+    fig.update_xaxes(showgrid=False, zeroline=False, constrain="domain")
+    fig.update_yaxes(showgrid=False, zeroline=False, constrain="domain")
     # Two short title lines rather than one long one, which would run off a phone's screen.
     fig.update_layout(title=f"{data.title}<br><sup>max |δ| = {np.abs(data.delta).max():.2f} of 255</sup>",
-                      template="plotly_white", height=280 * rows + 80, width=260 * cols + 120)
+                      template="plotly_white", height=280 * rows + 130, width=260 * cols + 40,
+                      margin=dict(l=20, r=20, b=80))
     return fig
 
 

@@ -50,7 +50,7 @@ temperature scaling and the other post-hoc methods. The first tab opens on a pre
 #: Width below which the page is laid out for a phone (one column; diagrams stacked).
 PHONE_WIDTH = 640
 #: Page styles. The Run bar (Run, Stop, status) stays in view on a wide screen while the settings
-#: below it scroll. Reliability diagrams come twice: in rows on a wide screen, stacked on a phone;
+#: below it scroll, and its status line is the one place a run's error is written. Reliability diagrams come twice: in rows on a wide screen, stacked on a phone;
 #: between the two the row keeps a readable width and scrolls sideways. Result tables scroll sideways
 #: rather than break a number over two lines.
 APP_CSS = f"""
@@ -62,6 +62,8 @@ APP_CSS = f"""
   .run-bar {{ position: sticky; top: 0; z-index: 20; background: var(--background-fill-primary); }}
 }}
 .run-bar .prose {{ min-height: 0; }}
+/* A failed run's status line says what went wrong; Gradio's "Error" mark would cover that text. */
+.run-bar [data-testid="status-tracker"] .error {{ display: none; }}
 .result-table {{ overflow-x: auto; }}
 .result-table table {{ width: max-content; max-width: none; }}
 .result-table th, .result-table td {{ white-space: nowrap; }}

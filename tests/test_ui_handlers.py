@@ -482,7 +482,8 @@ def test_downloads_hold_no_server_path(run):
         if f.suffix in (".json", ".md", ".csv", ".tex"):
             text = f.read_text(encoding="utf-8")
             assert not [p for p in server if p in text], f
-    for f in (files[0], state.precomputed_dir() / "results.json"):
+    results = next(f for f in files if f.name == "results.json")
+    for f in (results, state.precomputed_dir() / "results.json"):
         data = json.loads(f.read_text(encoding="utf-8"))
         assert data["model"]["source"] == "local-dir:models/fmnist-resnet-overconfident"
         assert not [s for s in _strings(data) if s.startswith("/") or ":/" in s]
@@ -848,9 +849,11 @@ def test_shipped_result_matches_the_shipped_model(default_model):
 
 
 def test_first_screen_is_the_shipped_result():
-    status, table, diagrams, params, delta, files = cal_tab.precomputed_view()
+    status, table, diagrams, stacked, params, delta, files = cal_tab.precomputed_view()
     assert state.PRECOMPUTED_LABEL in status and state.PRECOMPUTED_LABEL in table
     assert "| Neural Clamping (FL) |" in table and len(diagrams.data) > 0 and delta is not None
+    assert len(stacked.data) == len(diagrams.data)  # the same diagrams, stacked for a phone
+    assert Path(files[0]).name == "calibrators.zip"
     shipped = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     assert shipped == json.loads((state.precomputed_dir() / "results.json").read_text())
     # The shipped run's calibrators come as a zip too, and load back as the run's own δ and T.

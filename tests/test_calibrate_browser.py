@@ -52,7 +52,8 @@ def test_first_screen_reads_at_every_size(browser, server, width, height, phone)
         # One reliability figure shown: a row on a wide screen, a stack on a phone; titles apart.
         shown = page.locator("#reliability-plot .js-plotly-plot:visible")
         assert shown.count() == 1
-        assert page.locator("#reliability-stack" if phone else "#reliability-row").locator(".js-plotly-plot").is_visible()
+        wanted = "#reliability-stack" if phone else "#reliability-row"
+        assert page.locator(f"{wanted} .js-plotly-plot").is_visible()
         titles = visible_titles(page, "#reliability-plot")
         assert len(titles) == 5
         assert_apart(titles, f"reliability titles at {width} px")
@@ -65,8 +66,8 @@ def test_first_screen_reads_at_every_size(browser, server, width, height, phone)
         assert_apart(cells, f"table cells at {width} px")
         # Every download in view, calibrators.zip first.
         files = page.locator("#calibrate-files")
-        overflow = files.evaluate("""box => [...box.querySelectorAll('*')].filter(e => e.scrollHeight > e.clientHeight + 1
-                                     && getComputedStyle(e).overflowY !== 'visible').length""")
+        overflow = files.evaluate("""box => [...box.querySelectorAll('*')].filter(e =>
+            e.scrollHeight > e.clientHeight + 1 && getComputedStyle(e).overflowY !== 'visible').length""")
         assert overflow == 0, "the download box hides files behind a scroll bar"
         box = files.bounding_box()
         names = files.locator("tr, .file").all()
@@ -105,7 +106,8 @@ def test_delta_titles_stay_on_their_panels_on_a_phone(browser, server):  # noqa:
         page.locator("#try-delta").screenshot(path=str(ARTIFACTS / "calibrate-390-delta.png"))
         assert len(spans) >= 4, spans
         for t in boxes:  # each title within the width of the panel below it
-            assert any(s["x"] - 4 <= t["x"] and t["x"] + t["width"] <= s["x"] + s["width"] + 4 for s in spans), (t, spans)
+            inside = [s for s in spans if s["x"] - 4 <= t["x"] and t["x"] + t["width"] <= s["x"] + s["width"] + 4]
+            assert inside, (t, spans)
     finally:
         page.context.close()
 

@@ -50,19 +50,22 @@ temperature scaling and the other post-hoc methods. The first tab opens on a pre
 #: Width below which the page is laid out for a phone (one column; diagrams stacked).
 PHONE_WIDTH = 640
 #: Page styles. The Run bar (Run, Stop, status) stays in view on a wide screen while the settings
-#: below it scroll, and its status line is the one place a run's error is written. Reliability diagrams come twice: in rows on a wide screen, stacked on a phone;
-#: between the two the row keeps a readable width and scrolls sideways. Result tables scroll sideways
-#: rather than break a number over two lines.
+#: below it scroll. Reliability diagrams come twice: in rows on a wide screen, stacked on a phone;
+#: the row, and the study figures, keep a readable width and scroll sideways where they do not fit.
+#: Result tables scroll sideways rather than break a number over two lines.
 APP_CSS = f"""
-#learn-plot, #reliability-row {{ overflow-x: auto; }}
-#reliability-row .js-plotly-plot {{ min-width: {MIN_PLOT_WIDTH}px; }}
+#learn-plot, #reliability-row, #gamma-plot, #init-plot {{ overflow-x: auto; }}
+#reliability-row .js-plotly-plot, #gamma-plot .js-plotly-plot, #init-plot .js-plotly-plot {{
+  min-width: {MIN_PLOT_WIDTH}px;
+}}
 @media (max-width: {PHONE_WIDTH}px) {{ #reliability-row {{ display: none !important; }} }}
 @media (min-width: {PHONE_WIDTH + 1}px) {{
   #reliability-stack {{ display: none !important; }}
   .run-bar {{ position: sticky; top: 0; z-index: 20; background: var(--background-fill-primary); }}
 }}
 .run-bar .prose {{ min-height: 0; }}
-/* A failed run's status line says what went wrong; Gradio's "Error" mark would cover that text. */
+/* A failed run's status line says what went wrong; Gradio's "Error" mark (shown even with its
+   progress hidden) would cover that text. */
 .run-bar [data-testid="status-tracker"] .error {{ display: none; }}
 .result-table {{ overflow-x: auto; }}
 .result-table table {{ width: max-content; max-width: none; }}
@@ -215,6 +218,10 @@ def _run_bar(label: str, status_id: str, status: str = ""):
             run = gr.Button(label, variant="primary", min_width=120)
             stop = gr.Button("Stop", variant="stop", min_width=80)
         status = gr.Markdown(status, elem_id=status_id)
+    # Said in the page at the click, before the server answers: runs take turns on the server, and
+    # the status line is where a run shows how it goes (Gradio's own progress marks are hidden).
+    run.click(None, None, status, js="() => '**Starting** — a run begins when the one before it (anyone\\'s) "
+                                     "has finished.'", queue=False, api_visibility="private")
     return run, stop, status
 
 
@@ -245,7 +252,7 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
     files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
-                      show_progress="minimal", trigger_mode=RUN_TRIGGER)
+                      show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
 
 
@@ -279,11 +286,12 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                             elem_id="calibrate-files")
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"]]
     outputs = [status, live_panel, live, table, diagrams, stacked, params, delta, files, state]
-    # Progress on the status line only, as a thin bar ("minimal") that leaves its text readable; the
-    # result below stays in view until the new one replaces it.
+    # The status line's own text is the progress (step, time left) and, after a failure, the error:
+    # Gradio's progress and error marks go on it alone and are hidden there (APP_CSS), since they
+    # would cover that text. The result below stays in view until the new one replaces it.
     event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
-                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status], show_progress="minimal",
-                      trigger_mode=RUN_TRIGGER)
+                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
+                      show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
     return event
 

@@ -648,12 +648,13 @@ def _passes_callback(total: float, what: str, bar: Any, callback: ProgressCallba
 
     def report(info: dict) -> None:
         now = float(info["passes"])
+        planned = float(info.get("planned_passes", total))  # a study's own re-estimate, when it makes one
         bar.n = round(min(now, total), 2)
         bar.refresh()
         if callback is not None:
             loss = info.get("loss")
             tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
-            callback(min(now / total, 0.99), f"{what}: about {now:.0f} of {total:.0f} passes{tail}")
+            callback(min(now / planned, 0.99), f"{what}: about {now:.0f} of {planned:.0f} passes{tail}")
 
     return report
 

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from nctv import metrics
+from nctv.checks import check_whole
 
 BACKENDS = ("matplotlib", "plotly")
 BLUE, GREEN, RED, GREY = "#1f77b4", "#2ca02c", "#d62728", "#7f7f7f"
@@ -139,14 +140,18 @@ def _hover_rows(d: ReliabilityData) -> list[str]:
     return rows
 
 
-def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib"):
-    """Reliability diagrams side by side (five per row): per bin the accuracy as a bar against the
+def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib",
+                       per_row: int | None = None):
+    """Reliability diagrams side by side (``per_row`` per row: five for matplotlib,
+    :data:`PLOTLY_PER_ROW` for plotly; 1 stacks them): per bin the accuracy as a bar against the
     diagonal, the gap to the bin's mean confidence shaded, ECE written on the panel, and the sample
     count per bin below."""
     items = _as_list(data)
+    if per_row is not None:
+        check_whole(per_row, "per_row", 1)
     if _check_backend(backend) == "plotly":
-        return _reliability_plotly(items)
-    rows, cols = _grid(len(items))
+        return _reliability_plotly(items, per_row or PLOTLY_PER_ROW)
+    rows, cols = _grid(len(items), per_row or _PER_ROW)
     fig = _new_figure(3.0 * cols, 4.0 * rows)
     grid = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows)
     for k, d in enumerate(items):
@@ -204,11 +209,13 @@ def wrap_title(text: str, width: int = _TITLE_CHARS, lines: int = _TITLE_LINES) 
     return "<br>".join(out)
 
 
-def _reliability_plotly(items: list[ReliabilityData]):
+def _reliability_plotly(items: list[ReliabilityData], per_row: int):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    rows, cols = _grid(len(items), PLOTLY_PER_ROW)
+    rows, cols = _grid(len(items), per_row)
+    # Fewer panels per row leave each title more room (at one per row, a phone's width).
+    title_chars = min(_TITLE_CHARS * PLOTLY_PER_ROW // cols, 3 * _TITLE_CHARS)
     fig = make_subplots(rows=2 * rows, cols=cols, horizontal_spacing=0.07)
     for k, d in enumerate(items):
         r, c = divmod(k, cols)
@@ -241,14 +248,16 @@ def _reliability_plotly(items: list[ReliabilityData]):
         fig.update_xaxes(range=[0, 1], title_text="Confidence", row=bottom, col=c + 1)
         fig.update_yaxes(range=[0, 1], title_text="Accuracy" if c == 0 else None, row=top, col=c + 1)
         fig.update_yaxes(title_text="Count" if c == 0 else None, row=bottom, col=c + 1)
-        _place_block(fig, r, rows, c + 1, d.method)
+        _place_block(fig, r, rows, c + 1, d.method, title_chars)
     fig.update_layout(barmode="overlay", bargap=0, height=420 * rows + 60, width=max(MIN_PLOT_WIDTH, 250 * cols),
                       template="plotly_white", title="Reliability diagrams",
-                      margin=dict(t=110 if rows == 1 else 60), legend=_TOP_LEGEND)
+                      # Stacked for a phone: each panel takes the width the axis titles leave it.
+                      margin=dict(t=110 if rows == 1 else 60, **(dict(l=60, r=20, b=30) if cols == 1 else {})),
+                      legend=_TOP_LEGEND)
     return fig
 
 
-def _place_block(fig: Any, r: int, rows: int, col: int, title: str | None) -> None:
+def _place_block(fig: Any, r: int, rows: int, col: int, title: str | None, title_chars: int) -> None:
     """Give row ``r``'s diagram and count axes their share of the page (see :data:`_BLOCK`) and
     put the panel's wrapped title in the room above the diagram."""
     height = 1.0 / rows
@@ -260,7 +269,7 @@ def _place_block(fig: Any, r: int, rows: int, col: int, title: str | None) -> No
     fig.update_yaxes(domain=counts, row=2 * r + 2, col=col)
     x0, x1 = fig.get_subplot(2 * r + 1, col).xaxis.domain
     fig.add_annotation(x=(x0 + x1) / 2, y=diagram[1], xref="paper", yref="paper", yanchor="bottom",
-                       text=wrap_title(title or ""), showarrow=False, font=dict(size=_TITLE_SIZE),
+                       text=wrap_title(title or "", title_chars), showarrow=False, font=dict(size=_TITLE_SIZE),
                        name="panel-title")
 
 
@@ -476,9 +485,12 @@ def _delta_plotly(data: DeltaImageData, panels, lim: float):
     n = len(panels)
     cols = min(n, _DELTA_COLUMNS)
     rows = math.ceil(n / cols)
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06,
-                        vertical_spacing=0.08)
-    fig.update_annotations(font_size=12)
+    # The panels take the whole width (colour bar below them, thin margins) and their titles are
+    # short lines in a small font: on a phone four panels share about 350 px, and a title wider
+    # than its panel would run into the next one's.
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[wrap_title(p[0], 10) for p in panels],
+                        horizontal_spacing=0.03, vertical_spacing=0.08)
+    fig.update_annotations(font_size=11, yanchor="bottom")
     first_signed = True
     for k, (title, arr, kind) in enumerate(panels):
         r, c = divmod(k, cols)
@@ -489,15 +501,20 @@ def _delta_plotly(data: DeltaImageData, panels, lim: float):
         else:
             fig.add_trace(go.Heatmap(z=arr, zmin=-lim, zmax=lim, zmid=0, colorscale="RdBu", reversescale=True,
                                      showscale=first_signed, name=title,
-                                     colorbar=dict(title=dict(text="pixel change<br>(0–255)")),
+                                     colorbar=dict(orientation="h", y=-0.04, yanchor="top", len=0.7, thickness=12,
+                                                   title=dict(text="pixel change (0–255)", side="top")),
                                      hovertemplate="x %{x}, y %{y}<br>%{z:.3f} of 255<extra>" + title + "</extra>"),
                           row=r + 1, col=c + 1)
             first_signed = False
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{k + 1 if k else ''}", showticklabels=False,
                          row=r + 1, col=c + 1)
         fig.update_xaxes(showticklabels=False, row=r + 1, col=c + 1)
-    fig.update_layout(title=f"{data.title} — max |δ| = {np.abs(data.delta).max():.2f} of 255", template="plotly_white",
-                      height=280 * rows + 80, width=260 * cols + 120)
+    fig.update_xaxes(showgrid=False, zeroline=False, constrain="domain")
+    fig.update_yaxes(showgrid=False, zeroline=False, constrain="domain")
+    # Two short title lines rather than one long one, which would run off a phone's screen.
+    fig.update_layout(title=f"{data.title}<br><sup>max |δ| = {np.abs(data.delta).max():.2f} of 255</sup>",
+                      template="plotly_white", height=280 * rows + 130, width=260 * cols + 40,
+                      margin=dict(l=20, r=20, b=80))
     return fig
 
 

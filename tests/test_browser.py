@@ -41,7 +41,7 @@ def open_app(browser, url: str, width: int, height: int, phone: bool = False):
     pg = context.new_page()
     pg.set_default_timeout(60_000)
     pg.goto(url)
-    pg.wait_for_selector("#reliability-plot .js-plotly-plot")
+    pg.locator("#reliability-plot .js-plotly-plot:visible").first.wait_for()
     return pg
 
 
@@ -130,7 +130,7 @@ def test_a_live_calibration_run(page):
     table = page.locator("#results-table").inner_text()
     assert "your run of" in table and "Uncalibrated" in table and "Neural Clamping (FL)" in table
     assert page.locator("#live-plot .js-plotly-plot").count() == 1
-    assert page.locator("#reliability-plot .js-plotly-plot").count() == 1
+    assert page.locator("#reliability-plot .js-plotly-plot:visible").count() == 1  # a row, or a stack on a phone
     shot(page, "2-after-run")
 
 
@@ -158,7 +158,7 @@ def test_many_methods_titles_apart_and_live_colours_match_the_legend(page):
     for width in (1400, 1280, 390):
         page.set_viewport_size({"width": width, "height": 1000})
         page.wait_for_timeout(800)  # plotly redraws on resize
-        titles = page.locator("#reliability-plot .annotation-text").all()
+        titles = page.locator("#reliability-plot .js-plotly-plot:visible .annotation-text").all()
         boxes = [t.bounding_box() for t in titles if not (t.text_content() or "").startswith("ECE")]
         assert len(boxes) == 14
         for i, a in enumerate(boxes):

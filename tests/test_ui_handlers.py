@@ -36,7 +36,8 @@ from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn, state, try_image
 from nctv.ui import images as ui_images
-from nctv.ui.common import SERVER_PATH, Worker, parse_gamma, parse_weight_decay, parse_whole, redact, user_errors
+from nctv.ui.common import (SAME_TASK, SERVER_PATH, ProgressLine, Worker, duration, parse_gamma, parse_weight_decay,
+                            parse_whole, redact, user_errors)
 from nctv.images import MAX_PIXELS, ImageError, decoded_bytes, match_channels, to_pil
 from nctv.ui.images import CheckedImage, CheckedSketchpad
 from nctv.training import train_classifier
@@ -119,11 +120,28 @@ def test_run_reports_progress_and_live_loss_and_temperature(run):
     assert any(i[2]["temperature"] == pytest.approx(calibration.nc_temperature, rel=1e-3) for i in live[-5:])
 
 
+def test_live_plot_counts_the_passes_the_library_reports():
+    """The live plot's x values are the passes of the real fit's own step reports, through the
+    same callback the Calibrate tab gives the library."""
+    items = []
+    cal_tab.run_calibration(state.SplitSpec(DEFAULT_MODEL, None, 100, 0, 100), ["Neural Clamping (FL)"], 5,
+                            cal_tab.NCSettings(), items.append)
+    live = cal_tab.LiveTrace()
+    steps = [i for i in items if i[0] == "nc"]
+    for _, method, info in steps:
+        live.add(method, info)
+    reported = [float(info["passes"]) for _, _, info in steps]
+    assert len(reported) > 3 and reported[-1] > reported[0]
+    assert live.series["Neural Clamping (FL)"]["x"] == reported
+    fig = live.figure()
+    assert list(fig.data[0].x) == reported and fig.layout.xaxis.title.text == "passes over the calibration split"
+
+
 def test_live_plot_gives_each_method_one_colour_in_both_panels():
     live = cal_tab.LiveTrace()
     for step in range(3):
         for method in ("Neural Clamping (FL)", "Neural Clamping (CE)"):
-            live.add(method, {"loss": 1.0 / (step + 1), "temperature": 1.0 + step, "total_passes": step})
+            live.add(method, {"loss": 1.0 / (step + 1), "temperature": 1.0 + step, "passes": step})
     fig = live.figure()
     colours = {}
     for trace in fig.data:
@@ -187,14 +205,25 @@ def test_table_marks_best_and_second_per_column(run):
 def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     outs = list(cal_tab.calibrate(*SHARED, ["Temperature Scaling", "Neural Clamping (FL)"], "1", "auto", "random",
                                   "fast", 100))
-    assert len(outs) >= 2 and all(len(o) == 9 for o in outs)
-    status, panel, live, table, diagrams, params, delta, files, calibration = outs[-1]
+    assert len(outs) >= 2 and all(len(o) == len(cal_tab.OUTPUTS) for o in outs)
+    status, panel, live, table, diagrams, stacked, params, delta, files, calibration = outs[-1]
     assert status.startswith("**Done**") and "| Neural Clamping (FL) |" in table and "| Uncalibrated |" in table
     # 300 images for a δ of 784 values: the library's small-split warning reaches the page.
     assert "⚠ Neural Clamping: 300 calibration images for a δ of 784 values" in status
     assert panel["visible"] is True and len(live.data) == 2  # loss and T of one NC fit
-    assert diagrams.layout.title.text == "Reliability diagrams" and delta is not None
+    assert diagrams.layout.title.text is None and delta is not None  # the box's label names it
+    # In a row on a wide screen, one above the other on a phone, each panel under its own title.
+    titles = [a for a in stacked.layout.annotations if a.name == "panel-title"]
+    assert [t.text for t in titles] == ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
+    tops = [stacked.get_subplot(2 * r + 1, 1).yaxis.domain for r in range(3)]
+    assert all(t.y == pytest.approx(top[1]) for t, top in zip(titles, tops)) and tops == sorted(tops, reverse=True)
+    assert len({diagrams.get_subplot(1, c).yaxis.domain for c in (1, 2, 3)}) == 1  # one row
+    # Running: the status says which step runs and, once it can, the time it still needs.
+    running = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
+    assert running and all(r.startswith("**Running** — ") for r in running)
+    assert any(re.search(r"Neural Clamping \(FL\) \(seed 0\): pass [\d.]+.* · about \d+ s left", r) for r in running)
     assert "T = " in params and isinstance(calibration, state.Calibration) and calibration.split == SMALL
+    assert Path(files[0]).name == "calibrators.zip"  # the file to reuse first
     names = {Path(f).name for f in files}
     assert {"results.json", "table.csv", "table.md", "reliability.png", "delta.png", "delta.safetensors"} <= names
     by_name = {Path(f).name: Path(f) for f in files}
@@ -359,8 +388,34 @@ def test_a_failed_run_says_so_in_its_status_line_and_keeps_the_rest():
     assert status.startswith("**Error** — Calibration size must be at least 10; got 0.")
     assert "Running" not in status
     assert all(isinstance(r, dict) and r.get("__type__") == "update" and len(r) == 1 for r in rest)
-    with pytest.raises(gr.Error, match="at least 10; got 0"):
+    with pytest.raises(gr.Error, match="at least 10; got 0") as e:
         next(g)
+    assert e.value.visible is False  # said once, on the status line: no toast repeats it
+
+
+def test_time_left_follows_the_rate_of_the_running_task():
+    now = [100.0]
+    line = ProgressLine(clock=lambda: now[0])
+    line.report("MS-ODIR (seed 0)", 4, 0.0)
+    assert line.line().endswith("· estimating the time left")
+    now[0] += 2
+    assert line.line() is None  # nothing new to say: an idle poll redraws nothing
+    now[0] += 8
+    assert line.line().endswith("running for 10 s, no estimate yet")
+    line.report("MS-ODIR: fold 2 of 4", SAME_TASK, 0.25)  # a quarter done in 10 s
+    assert line.line() == "**Running** — MS-ODIR: fold 2 of 4 · about 30 s left"
+    now[0] += 20
+    line.report("MS-ODIR: fold 4 of 4", SAME_TASK, 0.75)
+    assert line.line().endswith("about 10 s left")
+    line.report("Dir-ODIR (seed 0)", 5, 0.0)  # the next method starts its own clock
+    assert line.line().endswith("· estimating the time left")
+    assert [duration(s) for s in (8.4, 125, 3720)] == ["8 s", "2 min 05 s", "1 h 02 min"]
+
+
+def test_fold_progress_reads_the_fold_and_the_count():
+    assert cal_tab.fold_message("MS-ODIR", {"fold": 2, "folds": 3}) == ("MS-ODIR: fold 2 of 3", pytest.approx(1 / 3))
+    assert cal_tab.fold_message("MS-ODIR", {"passes": 2.0, "loss": 0.1}) is None
+    assert cal_tab.fold_message("MS-ODIR", {"fold": 1, "folds": 0}) is None
 
 
 # --------------------------------------------------------------------------- safe on a public server
@@ -429,7 +484,8 @@ def test_downloads_hold_no_server_path(run):
         if f.suffix in (".json", ".md", ".csv", ".tex"):
             text = f.read_text(encoding="utf-8")
             assert not [p for p in server if p in text], f
-    for f in (files[0], state.precomputed_dir() / "results.json"):
+    results = next(f for f in files if f.name == "results.json")
+    for f in (results, state.precomputed_dir() / "results.json"):
         data = json.loads(f.read_text(encoding="utf-8"))
         assert data["model"]["source"] == "local-dir:models/fmnist-resnet-overconfident"
         assert not [s for s in _strings(data) if s.startswith("/") or ":/" in s]
@@ -903,6 +959,19 @@ def test_init_study_handler_reports_both_initialisations():
     assert {t.name for t in fig.data} == {"random", "data-driven"}
 
 
+def test_init_study_progress_reaches_its_end_before_done():
+    """The fast fitter stops its fits before their budget: the planned total follows the fits'
+    real lengths, so the last report before "done" is near the end and the count names the passes run."""
+    reports = []
+    result = init_tab.run_study(SMALL, 3, 15, {"fitter": "fast"}, reports.append)
+    steps = [(f, m) for _, f, m in reports if "passes" in m]
+    fractions = [f for f, _ in steps]
+    final = re.search(r"about (\d+) of (\d+) passes", steps[-1][1])
+    assert int(final[2]) == round(result.study.n_passes)  # the last plan is the passes the study ran
+    assert fractions[-1] >= 0.95
+    assert max(b - a for a, b in zip(fractions, fractions[1:])) < 0.2  # no jump to the end
+
+
 # --------------------------------------------------------------------------- the shipped result
 
 
@@ -933,9 +1002,11 @@ def test_shipped_result_matches_the_shipped_model(default_model):
 
 
 def test_first_screen_is_the_shipped_result():
-    status, table, diagrams, params, delta, files = cal_tab.precomputed_view()
+    status, table, diagrams, stacked, params, delta, files = cal_tab.precomputed_view()
     assert state.PRECOMPUTED_LABEL in status and state.PRECOMPUTED_LABEL in table
     assert "| Neural Clamping (FL) |" in table and len(diagrams.data) > 0 and delta is not None
+    assert len(stacked.data) == len(diagrams.data)  # the same diagrams, stacked for a phone
+    assert Path(files[0]).name == "calibrators.zip"
     shipped = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     assert shipped == json.loads((state.precomputed_dir() / "results.json").read_text())
     # The shipped run's calibrators come as a zip too, and load back as the run's own δ and T.

@@ -152,6 +152,33 @@ def init_study_passes(model: torch.nn.Module | None, n_runs: int, **settings: An
     return 1.0 + fits * nc.expected_passes(1)
 
 
+class _FitPlan:
+    """The passes a run of several fits still plans, re-estimated as its fits end.
+
+    A fit's budget is an upper bound (the fast fitter usually stops at about half of it), so a
+    progress total from budgets stops short and then jumps to done. Here every fit not yet ended
+    is planned at the mean length of those that ended (its budget while none has), and the step
+    info that reaches ``callback`` carries the total so planned as ``planned_passes``."""
+
+    def __init__(self, fits: int, budget: float, callback: Any):
+        self.left, self.budget, self.callback = fits, budget, callback
+        self.lengths: list[float] = []
+        self.start = 0.0
+
+    def begin(self, passes: float) -> None:
+        self.start = passes
+
+    def end(self, passes: float) -> None:
+        self.lengths.append(passes - self.start)
+        self.left -= 1
+
+    def report(self, info: dict) -> None:
+        now = float(info["passes"])
+        per_fit = float(np.mean(self.lengths)) if self.lengths else self.budget
+        current = max(per_fit - (now - self.start), 0.0) if self.left else 0.0
+        self.callback({**info, "planned_passes": now + current + per_fit * max(self.left - 1, 0)})
+
+
 def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, seed: int = 0, n_bins: int = 15,
                **settings: Any) -> InitStudy:
     """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split.
@@ -167,6 +194,12 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         if key in settings:
             raise ValueError(f"init_study sets {key} itself; leave it out.")
     n_runs = check_whole(n_runs, "n_runs")
+    plan = None
+    if settings.get("callback") is not None:
+        probe = NeuralClamping(model, init="data", **{k: v for k, v in settings.items() if k != "callback"})
+        fits = n_runs + (1 if probe.fitter == "fast" else n_runs)
+        plan = _FitPlan(fits, probe.expected_passes(1), settings["callback"])
+        settings = {**settings, "callback": plan.report}
     nc = NeuralClamping(model, init="data", seed=seed, **settings)
     prepared = nc.prepare(*_pair(cal, "cal"))  # init="data": this pass also gives δ̃
     seeds = [int(seed) + r for r in range(n_runs)]
@@ -178,7 +211,11 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
             if init == "data" and shared and r > 0:
                 chosen[init].append(chosen[init][0])
                 continue
+            if plan is not None:
+                plan.begin(prepared.passes)
             fits = nc.fit_prepared(prepared, seed=s)
+            if plan is not None:
+                plan.end(prepared.passes)
             best, candidates = nc.choose(fits, prepared)
             chosen[init].append((best.result.delta, candidates[fits.index(best)]["temperature"]))
     n_passes = prepared.passes

@@ -49,11 +49,29 @@ INTRO = f"""## {TITLE}
 **Calibration** makes a classifier's confidence match how often it is right. Compare **Neural Clamping**
 (Tang, Chen & Ho, TMLR 2024: a learned input perturbation δ plus a temperature T on a frozen model) with
 temperature scaling and the other post-hoc methods. The first tab opens on a pre-computed result."""
-#: Page styles: diagrams keep a readable width (they scroll sideways on a phone, rather than
-#: squeezing their titles together).
+#: Width below which the page is laid out for a phone (one column; diagrams stacked).
+PHONE_WIDTH = 640
+#: Page styles. The Run bar (Run, Stop, status) stays in view on a wide screen while the settings
+#: below it scroll. Reliability diagrams come twice: in rows on a wide screen, stacked on a phone;
+#: the row, and the study figures, keep a readable width and scroll sideways where they do not fit.
+#: Result tables scroll sideways rather than break a number over two lines.
 APP_CSS = f"""
-#reliability-plot, #learn-plot {{ overflow-x: auto; }}
-#reliability-plot .js-plotly-plot {{ min-width: {MIN_PLOT_WIDTH}px; }}
+#learn-plot, #reliability-row, #gamma-plot, #init-plot {{ overflow-x: auto; }}
+#reliability-row .js-plotly-plot, #gamma-plot .js-plotly-plot, #init-plot .js-plotly-plot {{
+  min-width: {MIN_PLOT_WIDTH}px;
+}}
+@media (max-width: {PHONE_WIDTH}px) {{ #reliability-row {{ display: none !important; }} }}
+@media (min-width: {PHONE_WIDTH + 1}px) {{
+  #reliability-stack {{ display: none !important; }}
+  .run-bar {{ position: sticky; top: 0; z-index: 20; background: var(--background-fill-primary); }}
+}}
+.run-bar .prose {{ min-height: 0; }}
+/* A failed run's status line says what went wrong; Gradio's "Error" mark (shown even with its
+   progress hidden) would cover that text. */
+.run-bar [data-testid="status-tracker"] .error {{ display: none; }}
+.result-table {{ overflow-x: auto; }}
+.result-table table {{ width: max-content; max-width: none; }}
+.result-table th, .result-table td {{ white-space: nowrap; }}
 """
 #: Light handlers (a single image, a redraw) may run side by side; heavy ones take turns.
 LIGHT_CONCURRENCY = 4
@@ -194,11 +212,19 @@ def _nc_controls(gamma: bool = True, init: bool = True):
     return out
 
 
-def _run_buttons(label: str):
-    with gr.Row():
-        run = gr.Button(label, variant="primary")
-        stop = gr.Button("Stop", variant="stop")
-    return run, stop
+def _run_bar(label: str, status_id: str, status: str = ""):
+    """Run and Stop, and below them the status line: progress, the time left, the result or what
+    went wrong, where the person who pressed Run is looking."""
+    with gr.Column(elem_classes="run-bar"):
+        with gr.Row():
+            run = gr.Button(label, variant="primary", min_width=120)
+            stop = gr.Button("Stop", variant="stop", min_width=80)
+        status = gr.Markdown(status, elem_id=status_id)
+    # Said in the page at the click, before the server answers: runs take turns on the server, and
+    # the status line is where a run shows how it goes (Gradio's own progress marks are hidden).
+    run.click(None, None, status, js="() => '**Starting** — a run begins when the one before it (anyone\\'s) "
+                                     "has finished.'", queue=False, api_visibility="private")
+    return run, stop, status
 
 
 #: Run buttons accept a click even while the page believes a run is pending. With Gradio's default
@@ -218,48 +244,56 @@ def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
         api_visibility="private")
 
 
-def _study_run(button: str, plot_label: str, plot_id: str, handler, inputs: list, api_name: str) -> None:
-    """Run/Stop buttons, then status, figure, table and downloads of a study tab (γ sweep,
-    initialisation), with ``handler`` streaming into those four on the heavy queue."""
-    run, stop = _run_buttons(button)
-    status = gr.Markdown()
+def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list, api_name: str) -> None:
+    """Figure, table and downloads of a study tab (γ sweep, initialisation) below its settings, with
+    ``handler`` streaming into the status of its Run bar (``bar``: run, stop, status) and those three
+    on the heavy queue."""
+    run, stop, status = bar
     fig = gr.Plot(label=plot_label, elem_id=plot_id)
-    table = gr.Markdown()
+    table = gr.Markdown(elem_classes="result-table")
     files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
-                      trigger_mode=RUN_TRIGGER)
+                      show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
 
 
 def _calibrate_tab(shared: Shared, state: gr.State):
-    status0, table0, diagrams0, params0, delta0, files0 = cal_tab.precomputed_view()
+    status0, table0, diagrams0, stacked0, params0, delta0, files0 = cal_tab.precomputed_view()
     with gr.Row():
         with gr.Column(scale=1, min_width=300):
+            run, stop, status = _run_bar("Run calibration", "calibrate-status", status0)
             methods = gr.CheckboxGroup(cal_tab.method_choices(), value=list(cal_tab.DEFAULT_METHODS), label="Methods",
                                        info="The uncalibrated model is always the reference row. Matrix Scaling, "
                                             "MS-ODIR and Dir-ODIR are slow on a CPU (up to minutes).")
             with gr.Accordion("Neural Clamping settings", open=True):
                 nc = _nc_controls()
-            run, stop = _run_buttons("Run calibration")
         with gr.Column(scale=3):
-            status = gr.Markdown(status0, elem_id="calibrate-status")
             with gr.Column(visible=False) as live_panel:
                 live = gr.Plot(label="Neural Clamping as it trains: loss and T", elem_id="live-plot")
-            table = gr.Markdown(table0, elem_id="results-table")
-            diagrams = gr.Plot(fit_width(diagrams0), label="Reliability diagrams (test split)",
-                               elem_id="reliability-plot")
-            with gr.Row():
-                params = gr.Markdown(params0)
-                delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)")
-            files = gr.File(files0, label="Download this result (JSON, CSV, Markdown, LaTeX, figures, δ, "
-                                          "calibrators.zip)", file_count="multiple", interactive=False, height=140,
+            table = gr.Markdown(table0, elem_id="results-table", elem_classes="result-table")
+            with gr.Column(elem_id="reliability-plot"):
+                diagrams = gr.Plot(fit_width(diagrams0), label="Reliability diagrams (test split)",
+                                   elem_id="reliability-row")
+                stacked = gr.Plot(fit_width(stacked0), label="Reliability diagrams (test split)",
+                                  elem_id="reliability-stack")
+            with gr.Row():  # side by side where both fit, else one above the other
+                with gr.Column(min_width=320):
+                    params = gr.Markdown(params0)
+                with gr.Column(min_width=320):
+                    delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)")
+            # No height cap: every file in view, calibrators.zip (the one to reuse) first.
+            files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
+                                          "figures, δ)", file_count="multiple", interactive=False,
                             elem_id="calibrate-files")
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"]]
-    outputs = [status, live_panel, live, table, diagrams, params, delta, files, state]
-    # Progress (and, after a failure, the error mark) on the status line only: the result below stays readable.
+    outputs = [status, live_panel, live, table, diagrams, stacked, params, delta, files, state]
+    # The status line's own text is the progress (step, time left) and, after a failure, the error:
+    # Gradio's progress and error marks go on it alone and are hidden there (APP_CSS), since they
+    # would cover that text. The result below stays in view until the new one replaces it.
     event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
-                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status], trigger_mode=RUN_TRIGGER)
+                      concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
+                      show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
     return event
 
@@ -267,6 +301,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
 def _gamma_tab(shared: Shared):
     gr.Markdown("Neural Clamping fitted for each γ of the grid (the fast fitter continues from the previous γ). "
                 "The chosen γ has the lowest ECE on the calibration split.")
+    bar = _run_bar("Run γ sweep", "gamma-status")
     with gr.Row():
         # Range checks live in the handler, whose messages name γ.
         g_from = gr.Number(0.0, label="γ from", info=f"0 to {GAMMA_MAX:g}")
@@ -275,17 +310,18 @@ def _gamma_tab(shared: Shared):
     nc = _nc_controls(gamma=False)
     inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"],
                               nc["lr"]]
-    _study_run("Run γ sweep", "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
+    _study_run(bar, "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
                "gamma_sweep")
 
 
 def _init_tab(shared: Shared):
     gr.Markdown("Neural Clamping started from a random δ and from the data-driven δ̃ of Theorem 1, several runs "
                 "each, scored on the test split.")
+    bar = _run_bar("Run initialisation study", "init-status")
     runs = gr.Slider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
     nc = _nc_controls(init=False)
     inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"], nc["lr"]]
-    _study_run("Run initialisation study", "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
+    _study_run(bar, "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
                "init_study")
 
 

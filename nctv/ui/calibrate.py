@@ -18,8 +18,8 @@ import torch
 
 from nctv.results import CALIBRATORS_FOLDER
 from nctv.settings import FITTERS
-from nctv.ui.common import (Worker, export_dir, parse_gamma, parse_lr, parse_weight_decay, parse_whole, user_errors,
-                             with_warnings)
+from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_gamma, parse_lr,
+                             parse_weight_decay, parse_whole, user_errors, with_warnings)
 from nctv.ui.state import (
     NC_METHODS,
     PRECOMPUTED_LABEL,
@@ -101,7 +101,9 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
     """Fit ``methods`` on the calibration split of ``spec``, score them on its test split, through
     the library's :func:`nctv.experiment.run_experiment` (one run, seed = the split's seed).
 
-    ``report`` receives ``("progress", fraction, message)`` and, during Neural Clamping fits,
+    ``report`` receives ``("progress", fraction, message, unit, unit_fraction)`` (``unit``: the
+    running step, numbered: the two logit passes, then each method; ``unit_fraction``: how far into
+    it; together they time what is left of the step) and, during Neural Clamping fits,
     ``("nc", row, info)`` with the fit's step info (step, loss, temperature, passes; the last one,
     step "selected", carries the T it keeps). It may raise to cancel the run. Returns the
     ``RunResult`` (calibrated test logits attached) and the visitor's :class:`Calibration`.
@@ -110,18 +112,22 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
 
     say: Report = report or (lambda item: None)
     names = _ordered_methods(methods)
-    say(("progress", 0.0, f"loading model {spec.model}"))
+    say(("progress", 0.0, f"loading model {spec.model}", "model", 0.0))
     loaded = get_model(spec.model)
-    say(("progress", 0.01, "loading the calibration and test splits"))
+    say(("progress", 0.01, "loading the calibration and test splits", "splits", 0.0))
     cal, test = get_splits(spec)
     if n_bins > len(test):
         raise ValueError(f"{n_bins} bins are more than the {len(test)} test images; use fewer bins.")
 
+    # The engine's progress runs over equal units: the two logit passes, then one per method (one
+    # seed each); the time left is that of the running unit, from how far into it the run is.
+    units = 2 + len(names)
+
     def progress(fraction: float, message: str) -> None:
-        slow = next((m for m in SLOW_METHODS if message.startswith(m)), None)
-        if slow:
-            message += " (cross-validates its regularisation: this takes minutes on a CPU)"
-        say(("progress", min(0.02 + 0.97 * fraction, 0.99), message))
+        if any(message.startswith(m) for m in SLOW_METHODS) and "fold" not in message:
+            message += " (cross-validates its regularisation: minutes on a CPU)"
+        unit = min(int(fraction * units), units - 1)
+        say(("progress", min(0.02 + 0.97 * fraction, 0.99), message, unit, fraction * units - unit))
 
     nc_settings = nc.nc_kwargs()
     result = run_experiment(
@@ -131,7 +137,7 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
     result.settings.update(
         init=nc.init, weight_decay=nc.weight_decay, lr=nc.lr, dataset=spec.dataset,
         mean=[float(v) for v in loaded.data_config["mean"]], std=[float(v) for v in loaded.data_config["std"]])
-    say(("progress", 1.0, f"done in {result.seconds:.1f} s"))
+    say(("progress", 1.0, f"done in {result.seconds:.1f} s", "done", 1.0))
     return result, _calibration_of(result, spec, n_bins)
 
 
@@ -163,10 +169,20 @@ def table_markdown(result: Any, n_bins: int, source: str) -> str:
     return head + report.to_markdown(report.results_table(result, n_bins)) + note
 
 
-def reliability_plot(result: Any, n_bins: int, backend: str = "plotly"):
+#: Reliability diagrams per row of the in-app figure on a wide screen: the five default methods in one row.
+WIDE_PER_ROW = 5
+
+
+def reliability_plot(result: Any, n_bins: int, backend: str = "plotly", per_row: int | None = None):
+    """The run's reliability diagrams; in the app (plotly) without a figure title, since the box's
+    label says it, and ``per_row`` per row (1 stacks them for a phone)."""
     from nctv import plots
 
-    return plots.reliability_figure(plots.reliability_data_from_result(result, n_bins), backend=backend)
+    fig = plots.reliability_figure(plots.reliability_data_from_result(result, n_bins), backend=backend,
+                                   per_row=per_row)
+    if backend == "plotly":
+        fig.update_layout(title=None, margin=dict(t=50))
+    return fig
 
 
 def delta_plot(result: Any, calibration: Calibration, backend: str = "plotly", example: torch.Tensor | None = None,
@@ -242,14 +258,15 @@ def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str
     shipped = precomputed_dir() / CALIBRATORS_FOLDER if calibration.source == PRECOMPUTED_LABEL else None
     archive = calibrators_zip(result, calibration.model, out, shipped)
     if archive is not None:
-        paths.append(archive)
+        paths.insert(0, archive)  # the file to reuse (Try tab, ``nctv apply``) comes first
     return [str(p) for p in paths]
 
 
 def show(result: Any, calibration: Calibration, n_bins: int) -> tuple:
-    """(table, reliability diagrams, parameters, δ image) for a result."""
-    return (table_markdown(result, n_bins, calibration.source), reliability_plot(result, n_bins),
-            params_markdown(result, calibration), delta_plot(result, calibration))
+    """(table, reliability diagrams in rows, the same stacked for a phone, parameters, δ image) for a result."""
+    return (table_markdown(result, n_bins, calibration.source), reliability_plot(result, n_bins, per_row=WIDE_PER_ROW),
+            reliability_plot(result, n_bins, per_row=1), params_markdown(result, calibration),
+            delta_plot(result, calibration))
 
 
 # --------------------------------------------------------------------------- live view
@@ -266,8 +283,9 @@ class LiveTrace:
         self.series: dict[str, dict[str, list[float]]] = {}
 
     def add(self, method: str, info: dict) -> None:
+        """One step of ``method``'s fit: the library's step info (passes so far, loss, T)."""
         s = self.series.setdefault(method, {"x": [], "loss": [], "temperature": []})
-        s["x"].append(float(info.get("total_passes", len(s["x"]))))
+        s["x"].append(float(info["passes"]))
         s["loss"].append(float(info["loss"]))
         s["temperature"].append(float(info["temperature"]))
 
@@ -311,58 +329,75 @@ def parse_split(model: Any, hub_id: Any, dataset: Any, calibration_size: Any, te
                      None if empty else parse_whole(test_size, "Test size", 10))
 
 
-@user_errors(status_of=9)
+#: Outputs of :func:`calibrate`, in order.
+OUTPUTS = ("status", "live panel", "live plot", "table", "diagrams", "stacked diagrams", "parameters", "δ", "files",
+           "state")
+
+
+def fold_message(method: str, info: dict) -> tuple[str, float] | None:
+    """("fold i of n", fraction done) from a cross-validating method's step info, which names the
+    fold running and the count (``fold``, ``folds``); None for any other step info."""
+    fold, folds = info.get("fold"), info.get("folds")
+    if not isinstance(fold, (int, float)) or not isinstance(folds, (int, float)) or folds < 1:
+        return None
+    return f"{method}: fold {int(fold)} of {int(folds)}", min(max((fold - 1) / folds, 0.0), 1.0)
+
+
+@user_errors(status_of=len(OUTPUTS))
 def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, methods, gamma, weight_decay, init,
               fitter, epochs, lr="default", progress=gr.Progress()):
-    """Run the chosen methods; streams (status, live panel visibility, live plot, table, diagrams, parameters,
-    δ, files, state)."""
+    """Run the chosen methods; streams (status, live panel visibility, live plot, table, diagrams, stacked
+    diagrams, parameters, δ, files, state)."""
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     nc = parse_nc_settings(gamma, weight_decay, init, fitter, epochs, lr)
     names = _ordered_methods(methods or [])
     worker = Worker(lambda report: run_calibration(spec, names, n_bins, nc, report))
     live = LiveTrace()
+    line = ProgressLine()
     skip = gr.skip()
-    status = "Starting…"
-    progress(0.0, desc=status)
+    rest = (skip,) * (len(OUTPUTS) - 3)
+    progress(0.0, desc="Starting…")
     for items in worker.stream():
-        if not items:
-            # Nothing new; yield anyway, since a Stop can only close the handler between two yields.
-            yield (skip,) * 9
-            continue
         changed = False
         for item in items:
             if item[0] == "progress":
-                status = item[2]
-                progress(item[1], desc=status)
-            elif item[0] == "nc":
+                _, fraction, message, unit, within = item
+                progress(fraction, desc=message)
+                line.report(message, unit, within)
+            elif "passes" in item[2]:
                 live.add(item[1], item[2])
                 changed = True
-        shown = gr.update(visible=True) if changed else skip
-        plot = live.figure() if changed else skip
-        yield (f"**Running** — {status}", shown, plot, skip, skip, skip, skip, skip, skip)
+            elif (fold := fold_message(item[1], item[2])) is not None:
+                line.report(fold[0], SAME_TASK, fold[1])
+        status = line.line()
+        # Yield even when nothing is new: a Stop can only close the handler between two yields.
+        yield ((skip if status is None else status), gr.update(visible=True) if changed else skip,
+               live.figure() if changed else skip) + rest
     result, calibration = worker.result
     files = export_files(result, calibration, n_bins)
-    table, diagrams, params, delta = show(result, calibration, n_bins)
-    done = f"**Done** in {result.seconds:.1f} s ({len(result.methods)} methods, fitter {nc.fitter})."
+    table, diagrams, stacked, params, delta = show(result, calibration, n_bins)
+    done = (f"**Done** in {duration(result.seconds)} ({len(result.methods)} methods, fitter {nc.fitter}); "
+            "the results below are this run's.")
     shown = gr.update(visible=bool(live.series))
-    yield (with_warnings(done, worker), shown, live.figure() if live.series else None, table, diagrams, params, delta,
-           files, calibration)
+    yield (with_warnings(done, worker), shown, live.figure() if live.series else None, table, diagrams, stacked, params,
+           delta, files, calibration)
 
 
 def precomputed_view() -> tuple:
-    """The first screen: the shipped result (status, table, diagrams, parameters, δ, files), clearly
+    """The first screen: the shipped result (status, table, diagrams, stacked diagrams, parameters, δ,
+    files), clearly
     labelled, or a hint when none is shipped."""
     from nctv.ui.state import load_precomputed
 
     pre = load_precomputed()
     if pre is None:
         hint = "No pre-computed result is shipped with this copy of the app; press **Run calibration**."
-        return hint, None, None, hint, None, None
+        return hint, None, None, None, hint, None, None
     n_bins = pre.result.bins[0]
-    table, diagrams, params, delta = show(pre.result, pre.calibration, n_bins)
+    table, diagrams, stacked, params, delta = show(pre.result, pre.calibration, n_bins)
     files = export_files(pre.result, pre.calibration, n_bins)
     status = (f"Showing the result **{PRECOMPUTED_LABEL}** (model {pre.calibration.model}, "
               f"{pre.result.calibration['size']} calibration images, fitter {pre.result.fitter}). "
               "Press **Run calibration** for a live run with your settings.")
-    return status, table, diagrams, params, delta, files
+    return status, table, diagrams, stacked, params, delta, files

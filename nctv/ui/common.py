@@ -103,7 +103,7 @@ def user_errors(fn: Callable | None = None, *, status_of: int | None = None) -> 
 
     ``status_of=n`` is for a streaming handler with ``n`` outputs, the first a status line: an error
     is first written there in plain words (the other outputs are left as they were, so the last good
-    result stays on screen), then raised, so that a toast shows it and an API caller gets it."""
+    result stays on screen), then raised without a toast, so that an API caller gets it."""
     if fn is None:
         return functools.partial(user_errors, status_of=status_of)
     if inspect.isgeneratorfunction(fn):
@@ -116,6 +116,9 @@ def user_errors(fn: Callable | None = None, *, status_of: int | None = None) -> 
                 error = _message(e)
                 if status_of:
                     yield (error_status(str(error.message)),) + (gr.skip(),) * (status_of - 1)
+                    # The status line, beside the Run button, says it once; a toast would say it a
+                    # second time and pile up with the earlier ones.
+                    error.visible = False
                 raise error from None
 
         return gen_wrapper
@@ -262,18 +265,107 @@ def with_warnings(status: str, worker: Worker) -> str:
     return status + "".join(f"\n\n⚠ {redact(w)}" for w in worker.warnings)
 
 
+def duration(seconds: float) -> str:
+    """A duration as a person says it: "8 s", "2 min 05 s", "1 h 02 min"."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class TimeLeft:
+    """The time a task still needs, from how far it got and how long that took.
+
+    ``update(task, fraction)`` takes the running task's name and the fraction of it done (0 to 1);
+    a new name restarts the clock. The rate is measured from the task's first report, so the time
+    spent before it (loading, other tasks) does not count. ``clock`` is for tests to pass their own."""
+
+    #: No estimate before the task has run this long and moved this far: early rates are noise.
+    MIN_SECONDS, MIN_FRACTION = 1.0, 0.02
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._task: Any = None
+        self._start = self._start_fraction = 0.0
+
+    def update(self, task: Any, fraction: float) -> float | None:
+        """Seconds left of ``task`` (None while too early to say)."""
+        now = self._clock()
+        if task != self._task:
+            self._task, self._start, self._start_fraction = task, now, fraction
+            return None
+        elapsed, moved = now - self._start, fraction - self._start_fraction
+        if elapsed < self.MIN_SECONDS or moved < self.MIN_FRACTION:
+            return None
+        return max(0.0, 1.0 - fraction) * elapsed / moved
+
+    def elapsed(self) -> float:
+        """Seconds since the running task's first report."""
+        return self._clock() - self._start
+
+
+#: ``ProgressLine.report``'s task for a report from inside the running task.
+SAME_TASK = object()
+
+
+class ProgressLine:
+    """The status line of a running job: its latest message, then the time the running task still
+    needs (or, before that can be told, how long it has run). :meth:`line` gives the text when it
+    differs from the one shown last, so an idle poll redraws only when the clock's words change."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.pace = TimeLeft(clock)
+        self._message: str | None = None
+        self._task: Any = None
+        self._fraction = 0.0
+        self._shown: str | None = None
+
+    def report(self, message: str, task: Any, fraction: float) -> None:
+        """A new message from ``task`` (:data:`SAME_TASK`: the one running), ``fraction`` of which is done."""
+        if task is not SAME_TASK:
+            self._task = task
+        self._message, self._fraction = message, fraction
+        self.pace.update(self._task, fraction)
+
+    def text(self) -> str | None:
+        if self._message is None:
+            return None
+        left = self.pace.update(self._task, self._fraction)
+        if left is not None:
+            tail = f"about {duration(left)} left"
+        elif self.pace.elapsed() >= 5:
+            tail = f"running for {duration(self.pace.elapsed())}, no estimate yet"
+        else:
+            tail = "estimating the time left"
+        return f"**Running** — {self._message} · {tail}"
+
+    def line(self) -> str | None:
+        """:meth:`text` when it changed since the last call, else None."""
+        text = self.text()
+        if text == self._shown:
+            return None
+        self._shown = text
+        return text
+
+
 def stream_progress(worker: Worker, progress: Any, outputs: int) -> Iterator[tuple]:
     """Stream a worker whose items are ``("progress", fraction, message)`` into a handler with
-    ``outputs`` outputs, the first a status text: each yield shows the latest message as
-    "**Running** — …" (or skips when none came) and skips every other output. Returns the work's
+    ``outputs`` outputs, the first a status text: the status shows the latest message and the time
+    the run still needs (:class:`ProgressLine`); every other output is skipped. Returns the work's
     result, so a handler writes ``result = yield from stream_progress(worker, progress, n)``."""
     skip = gr.skip()
+    status = ProgressLine()
     for items in worker.stream():
         msgs = [i for i in items if i[0] == "progress"]
         if msgs:
-            progress(msgs[-1][1], desc=msgs[-1][2])
+            _, fraction, message = msgs[-1]
+            progress(fraction, desc=message)
+            status.report(message, "run", fraction)
+        line = status.line()
         # Yield even when idle: a Stop can only close the handler between two yields.
-        yield ((f"**Running** — {msgs[-1][2]}" if msgs else skip),) + (skip,) * (outputs - 1)
+        yield (skip if line is None else line,) + (skip,) * (outputs - 1)
     return worker.result
 
 

@@ -235,7 +235,8 @@ RUN_TRIGGER = "multiple"
 
 
 def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
-    """Stop cancels the running event (the work ends at its next progress report), then says so.
+    """Stop cancels the running event (every fitter notices within one iteration, and the next run
+    starts only once this one's worker has ended), then says so.
 
     The status is written after the cancellation, so that no update the run had already sent
     can overwrite it."""

@@ -166,9 +166,12 @@ def test_bad_input_gets_clear_messages_and_the_server_keeps_serving(client, tmp_
     # A colour picture for the grey default model is converted, and says so.
     *_, note = client.predict(handle_file(str(colour)), api_name="/classify")
     assert "converted to grey" in note
-    with pytest.raises(AppError, match="not in the list of choices"):
+    # A value outside a menu is refused in the app's words, not the framework's.
+    with pytest.raises(AppError, match=r"^Model must be one of: .*fmnist-resnet.*; got 'no-such-model'\.$"):
         client.predict("no-such-model", *SHARED[1:], ["Temperature Scaling"], "1", "auto", "random", "fast", 100,
                        api_name="/calibrate")
+    with pytest.raises(AppError, match=r"^Fitter must be one of: fast, paper, toolkit; got 'x+'…\.$"):
+        client.predict(*SHARED, ["Temperature Scaling"], "1", "auto", "random", "x" * 500, 100, api_name="/calibrate")
     with pytest.raises(AppError, match="Unknown model 'no-such-model'"):
         client.predict(DEFAULT_MODEL, "no-such-model", *SHARED[2:], ["Temperature Scaling"], "1", "auto", "random",
                        "fast", 100, api_name="/calibrate")

@@ -24,6 +24,7 @@ from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.ui.common import HEAVY, on_gpu
+from nctv.ui.choices import CheckedCheckboxGroup, CheckedDropdown, CheckedRadio
 from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
@@ -166,7 +167,7 @@ def _shared_panel() -> Shared:
         gr.Markdown(f"These settings drive the {PANEL_TABS} tabs. **Learn** and **Try your own image** use "
                     "the latest calibration you ran (at first, the pre-computed one).")
         with gr.Row():
-            model = gr.Dropdown(model_choices(), value=DEFAULT_MODEL, label="Model", scale=2)
+            model = CheckedDropdown(model_choices(), value=DEFAULT_MODEL, label="Model", scale=2)
             hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
                                 placeholder="e.g. timm/resnet18.a1_in1k", scale=2, max_length=MAX_TEXT_CHARS)
             dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
@@ -204,8 +205,8 @@ def _nc_controls(gamma: bool = True, init: bool = True):
                                                "toolkit: 0.01 on ‖δ‖); strong = 1 × that loss")
     with gr.Row():
         if init:
-            out["init"] = gr.Radio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
-        out["fitter"] = gr.Radio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
+            out["init"] = CheckedRadio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
+        out["fitter"] = CheckedRadio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
         out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
         out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
                                info="default = the recipe's own (paper 0.001, toolkit 0.01); or above 0, at most 10")
@@ -264,7 +265,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
     with gr.Row():
         with gr.Column(scale=1, min_width=300):
             run, stop, status = _run_bar("Run calibration", "calibrate-status", status0)
-            methods = gr.CheckboxGroup(cal_tab.method_choices(), value=list(cal_tab.DEFAULT_METHODS), label="Methods",
+            methods = CheckedCheckboxGroup(cal_tab.method_choices(), value=list(cal_tab.DEFAULT_METHODS), label="Methods",
                                        info="The uncalibrated model is always the reference row. Matrix Scaling, "
                                             "MS-ODIR and Dir-ODIR are slow on a CPU (up to minutes).")
             with gr.Accordion("Neural Clamping settings", open=True):

@@ -457,7 +457,7 @@ def cmd_timing(args: argparse.Namespace) -> str:
     result = experiment.run_timing(
         loaded, cal, test, resolutions=args.resolutions, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
         epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet, precision=args.precision)
+        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision)
     return _finish(result, args.out)
 
 

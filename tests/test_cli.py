@@ -164,6 +164,41 @@ def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
     assert bad.returncode == 2 and "expected a number ≥ 0 or auto / strong" in bad.stderr
 
 
+def test_timing_takes_every_option(tmp_path):
+    """Every option of `nctv timing`, each given a non-default value, reaches the run or the NC (FL) fit."""
+    from nctv import data, zoo
+    from nctv.calibration.clamping import NeuralClamping
+
+    assert zoo.DEFAULT_MODEL != "fmnist-resnet"
+    model = zoo.load_model("fmnist-resnet")
+    out = tmp_path / "res"
+    proc = nctv("timing", "--model", "fmnist-resnet", "--dataset", "fashion-mnist", "--calibration-seed", "3",
+                "--calibration-size", "200", "--test-size", "150", "--device", "cpu", "--precision", "fp32",
+                "--bins", "12", "--fitter", "toolkit", "--epochs", "1", "--gamma", "0.5", "--weight-decay", "0.05",
+                "--temperature-rule", "selected", "--init", "data", "--lr", "0.02", "--batch-size", "64",
+                "--resolutions", "0.1", "--out", str(out), "--no-cache", "--quiet", cwd=tmp_path)
+    assert proc.stderr == "" and proc.stdout.startswith("timing: 4 methods") and str(out) in proc.stdout  # --quiet
+    assert not (tmp_path / "cache").exists()  # --no-cache
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["name"] == "fmnist-resnet" and res["calibration"]["name"] == "fashion-mnist calibration"
+    cal, test = data.get_splits(model, calibration_size=200, calibration_seed=3, test_size=150)
+    assert res["calibration"]["fingerprint"] == cal.fingerprint and res["test"]["fingerprint"] == test.fingerprint
+    assert res["bins"] == [12] and res["fitter"] == "toolkit" and res["settings"]["resolutions"] == [0.1]
+    assert list(res["methods"]) == ["Uncalibrated", "TS-Grid (0.1)", "NC (Eff.) (0.1)", "Neural Clamping (FL)"]
+    s = res["settings"]
+    assert (s["gamma"], s["epochs"], s["batch_size"], s["device"], s["precision"]["precision"]) == (
+        0.5, 1, 64, "cpu", "fp32")
+    assert s["nc"] == {"weight_decay": 0.05, "init": "data", "lr": 0.02, "temperature": "selected"}
+    # The library fitted with these settings learns the same T: every Neural Clamping setting arrived.
+    lib = NeuralClamping(model.model, gamma=0.5, fitter="toolkit", epochs=1, weight_decay=0.05, init="data",
+                         lr=0.02, temperature="selected", seed=0, input_range=model.input_range,
+                         progress=False).fit(cal.loader(batch_size=64))
+    nc = res["methods"]["Neural Clamping (FL)"]["params"]
+    assert nc["gamma"] == 0.5 and nc["weight_decay"] == 0.05
+    assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
+    assert nc["delta_l2"] == pytest.approx(float(lib.delta_.norm()), rel=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:Neural Clamping. 300 calibration images")
 def test_run_takes_the_temperature_rule(tmp_path, default_model):
     """--temperature-rule reaches the fast fitter: "selected" learns T with δ and re-chooses it, as the library does."""

@@ -221,6 +221,35 @@ def test_run_takes_the_temperature_rule(tmp_path, default_model):
     assert bad.returncode != 0 and "anchored" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_bad_neural_clamping_setting_is_refused_before_the_model_runs(tmp_path):
+    """`--gamma 50` is refused with the estimator's own message before any logits are computed, not
+    after every baseline has run."""
+    proc = nctv("run", "--gamma", "50", "--seeds", "1", "--calibration-size", "100", "--test-size", "100",
+                "--out", str(tmp_path / "res"), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "nctv run: error: gamma must be at most 10 (the paper uses 0 to 5); got 50.0."
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()  # no logits, no model pass
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ablation", "--lr", "11"], "lr must be at most 10 (the recipes use 0.001 and 0.01); got 11.0."),
+    (["timing", "--weight-decay", "1e7"], "weight_decay must be at most 1,000,000 (larger holds δ at 0)"),
+    (["sweep-gamma", "--fitter", "paper", "--epochs", "20000"], "epochs must be at most 10,000"),
+    (["init-study", "--fitter", "toolkit", "--temperature-rule", "anchored"],
+     "temperature='anchored' is a rule of the fast fitter; the 'toolkit' recipe learns T with δ"),
+    (["run", "--gamma", "10.5", "--methods", "uncal"], "gamma must be at most 10"),
+])
+def test_every_neural_clamping_command_checks_its_settings_first(args, message, tmp_path, monkeypatch, capsys):
+    from nctv.cli import main
+
+    monkeypatch.setenv("NCTV_CACHE_DIR", str(tmp_path / "cache"))
+    small = ["--calibration-size", "100", "--test-size", "100", "--out", str(tmp_path / "res"), "--quiet"]
+    assert main([*args, *small]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nctv {args[0]}: error: ") and message in err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["run", "--seeds", "99999999999999999999"], "argument --seeds: expected a whole number from 1 to 2,147,483,647"),
     (["run", "--batch-size", "0"], "argument --batch-size: expected a whole number from 1"),

@@ -437,7 +437,10 @@ class NeuralClamping(_InputCalibrator):
         return SGDSettings(int(self._setting("epochs")), float(self._setting("lr")), float(self._setting("momentum")),
                            int(self._setting("batch_size")), bool(self.learn_delta))
 
-    def _validate(self) -> list[float]:
+    def check_settings(self) -> list[float]:
+        """Refuse a bad setting (γ, λ, fitter, temperature rule, init, SGD settings, …) without
+        touching the model or data, so a run can check before its first model pass; returns the γ
+        values to fit. ``fit`` checks again, with the needs of the data (``input_range``)."""
         gammas = self._gammas()
         if self.fitter not in FITTERS:
             raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
@@ -472,6 +475,10 @@ class NeuralClamping(_InputCalibrator):
         check_nonnegative(self.tol, "tol")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be a whole number; got {self.seed!r}.")
+        return gammas
+
+    def _validate(self) -> list[float]:
+        gammas = self.check_settings()
         if (self.init == "data" or self.clamp) and self.input_range is None:
             what = "init='data'" if self.init == "data" else "clamp=True"
             raise ValueError(f"{what} needs input_range=(alpha, beta): the preprocessed images of pixel values 0 and 1.")

@@ -184,6 +184,18 @@ def _nc_settings(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _check_nc_settings(args: argparse.Namespace) -> None:
+    """Refuse a bad Neural Clamping setting before the model loads, by the estimator's own checks:
+    the fit would refuse it only when its row starts, after every baseline."""
+    if not hasattr(args, "temperature_rule"):  # a command that fits no Neural Clamping
+        return
+    from nctv.calibration.clamping import NeuralClamping
+
+    gamma = getattr(args, "gamma", None)
+    NeuralClamping(None, fitter=args.fitter, epochs=args.epochs, **({} if gamma is None else {"gamma": gamma}),
+                   **_nc_settings(args)).check_settings()
+
+
 def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bins: bool = True,
                 gamma: bool = True) -> None:
     g = p.add_argument_group("model and data")
@@ -490,7 +502,7 @@ def cmd_timing(args: argparse.Namespace) -> str:
     result = experiment.run_timing(
         loaded, cal, test, resolutions=args.resolutions, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
         epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet, precision=args.precision)
+        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision)
     return _finish(result, args.out)
 
 
@@ -744,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
+        _check_nc_settings(args)
         writes = _join_processes(args)
         if getattr(args, "quiet", False):
             os.environ["TQDM_DISABLE"] = "1"

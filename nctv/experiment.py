@@ -606,13 +606,15 @@ def run_timing(
     progress: bool = True,
     callback: ProgressCallback | None = None,
     precision: str = "auto",
+    nc_settings: dict[str, Any] | None = None,
     intervals: IntervalSettings | None = IntervalSettings(),
 ) -> RunResult:
     """Table 7: TS by grid search and NC (Eff.) at each grid ``resolution``, and NC (FL), one run each.
 
     Rows are labelled "TS-Grid (0.01)", "NC (Eff.) (0.01)", …; ``params["resolution"]`` holds the
     step. ``fit_seconds`` is the time to fit given the cached unperturbed logits (NC (Eff.)'s
-    gradient pass and perturbed forward pass are included).
+    gradient pass and perturbed forward pass are included). ``nc_settings``: further
+    ``NeuralClamping`` settings of the NC (FL) row, as in :func:`run_experiment`.
     """
     steps = []
     for r in resolutions:
@@ -628,7 +630,7 @@ def run_timing(
     plans += [MethodPlan(f"NC (Eff.) ({r:g})", "NC (Eff.)", (("grid_step", r),)) for r in steps]
     plans.append(MethodPlan(COMPARED_METHOD, COMPARED_METHOD))
     result = _run_plans("timing", model, calibration, test, plans, 1, bins, fitter, gamma, epochs, device, batch_size,
-                        cache_dir, progress, callback, {"resolutions": steps}, input_range,
+                        cache_dir, progress, callback, {"resolutions": steps}, input_range, nc_settings,
                         precision_setting=precision, intervals=intervals)
     for m in result.methods.values():
         if "grid_step" in m.params:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 __all__ = [
-    "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubOfflineError", "hub_reachable", "hub_file",
+    "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubOfflineError", "hub_reachable", "hub_file", "hub_errors",
     "check_weight_size", "snapshot_folder", "model_folder", "model_card", "DEFAULT_MAX_MODEL_MB", "max_model_bytes",
 ]
 
@@ -113,25 +113,37 @@ def _offline_error(repo: str, missing: str) -> HubOfflineError:
 
 
 @contextmanager
-def _hub_errors(repo: str, revision: str | None, filename: str) -> Iterator[None]:
-    """Hub client errors about ``filename`` of model ``repo`` as messages that say what to do."""
+def hub_errors(what: str, repo: str, revision: str | None, filename: str, missing: str,
+               offline_error: Callable[[str], Exception]) -> Iterator[None]:
+    """Hub client errors about ``filename`` while loading ``what`` ("Model", "Calibrator") from
+    ``repo`` as messages that say what to do; other errors pass unchanged. ``missing``: what the
+    repository lacking ``filename`` means for ``what``; ``offline_error(filename)``: the error when
+    the file is not cached and could not be downloaded."""
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         yield
+        return
+    # Most specific first: a gated repository is also "not found", a missing local file also a missing entry.
     except LocalEntryNotFoundError:
-        raise _offline_error(repo, filename) from None
+        raise offline_error(filename) from None
     except GatedRepoError:
-        raise ValueError(f"hf-hub:{repo} is gated: accept its terms on the Hub and pass your token.") from None
+        why = "is gated: accept its terms on the Hub and log in (HF_TOKEN)"
     except RepositoryNotFoundError:
-        raise ValueError(f"hf-hub:{repo} does not exist on the Hub (or is private: pass a token).") from None
+        why = "does not exist on the Hub (or is private: log in with HF_TOKEN)"
     except RevisionNotFoundError:
-        raise ValueError(f"hf-hub:{repo} has no revision '{revision}'.") from None
+        why = f"has no revision '{revision}'"
     except EntryNotFoundError:
-        hint = (" NCTV reads weights from safetensors only; pickle checkpoints are refused."
-                if filename == WEIGHTS_NAME else " It is not a timm model.")
-        raise ValueError(f"hf-hub:{repo} has no {filename}.{hint}") from None
+        why = missing
+    raise ValueError(f"{what} 'hf-hub:{repo}' {why}.")
+
+
+def _model_errors(repo: str, revision: str | None, filename: str):
+    """:func:`hub_errors` of a Hub model."""
+    missing = (f"has no {filename}: NCTV reads weights from safetensors only; pickle checkpoints are refused"
+               if filename == WEIGHTS_NAME else f"has no {filename}: it is not a timm model")
+    return hub_errors("Model", repo, revision, filename, missing, lambda name: _offline_error(repo, name))
 
 
 def check_weight_size(what: str, size: int | None, limit: int | None) -> None:
@@ -152,7 +164,7 @@ def _weight_size(repo: str, revision: str | None, cached: str | Any, token: str 
 
     if isinstance(cached, str):
         return Path(cached).stat().st_size
-    with _hub_errors(repo, revision, WEIGHTS_NAME):
+    with _model_errors(repo, revision, WEIGHTS_NAME):
         url = hf_hub_url(repo, WEIGHTS_NAME, revision=revision)
         return get_hf_file_metadata(url, token=token, library_name="nctv").size
 
@@ -200,7 +212,7 @@ def model_folder(repo: str, revision: str | None = None, token: str | None = Non
             check_weight_size(f"hf-hub:{repo}", size, max_weight_bytes)
 
     return snapshot_folder(repo, (CONFIG_NAME, WEIGHTS_NAME), revision, token, check=check,
-                           errors=lambda filename: _hub_errors(repo, revision, filename),
+                           errors=lambda filename: _model_errors(repo, revision, filename),
                            offline_error=lambda missing: _offline_error(repo, missing))
 
 

@@ -5,10 +5,12 @@ gradients, so no test can change it for another), and one ``python app.py`` serv
 tests and the browser tests (each gradio_client and each browser page is its own visitor with its
 own state on the server, so one module's runs never show up in another's).
 """
+import http.server
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -42,6 +44,34 @@ def default_model():
     from nctv.zoo import DEFAULT_MODEL, load_model
 
     return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture
+def local_hub(tmp_path, monkeypatch):
+    """``serve(handler)``: the Hub client of this process talks to a local HTTP server run by
+    ``handler`` (the Hub cannot be reached from where this project is built), with an empty cache
+    and no proxy; the server stops when the test ends."""
+    from huggingface_hub import constants
+
+    servers = []
+
+    def serve(handler: type[http.server.BaseHTTPRequestHandler]) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        # The client builds download addresses from a template fixed at import, so both are redirected.
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        return endpoint
+
+    yield serve
+    for server in servers:
+        server.shutdown()
 
 
 def free_port() -> int:

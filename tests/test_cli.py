@@ -169,6 +169,41 @@ def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
     assert bad.returncode == 2 and "expected a number ≥ 0 or auto / strong" in bad.stderr
 
 
+def test_timing_takes_every_option(tmp_path):
+    """Every option of `nctv timing`, each given a non-default value, reaches the run or the NC (FL) fit."""
+    from nctv import data, zoo
+    from nctv.calibration.clamping import NeuralClamping
+
+    assert zoo.DEFAULT_MODEL != "fmnist-resnet"
+    model = zoo.load_model("fmnist-resnet")
+    out = tmp_path / "res"
+    proc = nctv("timing", "--model", "fmnist-resnet", "--dataset", "fashion-mnist", "--calibration-seed", "3",
+                "--calibration-size", "200", "--test-size", "150", "--device", "cpu", "--precision", "fp32",
+                "--bins", "12", "--fitter", "toolkit", "--epochs", "1", "--gamma", "0.5", "--weight-decay", "0.05",
+                "--temperature-rule", "selected", "--init", "data", "--lr", "0.02", "--batch-size", "64",
+                "--resolutions", "0.1", "--out", str(out), "--no-cache", "--quiet", cwd=tmp_path)
+    assert proc.stderr == "" and proc.stdout.startswith("timing: 4 methods") and str(out) in proc.stdout  # --quiet
+    assert not (tmp_path / "cache").exists()  # --no-cache
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["name"] == "fmnist-resnet" and res["calibration"]["name"] == "fashion-mnist calibration"
+    cal, test = data.get_splits(model, calibration_size=200, calibration_seed=3, test_size=150)
+    assert res["calibration"]["fingerprint"] == cal.fingerprint and res["test"]["fingerprint"] == test.fingerprint
+    assert res["bins"] == [12] and res["fitter"] == "toolkit" and res["settings"]["resolutions"] == [0.1]
+    assert list(res["methods"]) == ["Uncalibrated", "TS-Grid (0.1)", "NC (Eff.) (0.1)", "Neural Clamping (FL)"]
+    s = res["settings"]
+    assert (s["gamma"], s["epochs"], s["batch_size"], s["device"], s["precision"]["precision"]) == (
+        0.5, 1, 64, "cpu", "fp32")
+    assert s["nc"] == {"weight_decay": 0.05, "init": "data", "lr": 0.02, "temperature": "selected"}
+    # The library fitted with these settings learns the same T: every Neural Clamping setting arrived.
+    lib = NeuralClamping(model.model, gamma=0.5, fitter="toolkit", epochs=1, weight_decay=0.05, init="data",
+                         lr=0.02, temperature="selected", seed=0, input_range=model.input_range,
+                         progress=False).fit(cal.loader(batch_size=64))
+    nc = res["methods"]["Neural Clamping (FL)"]["params"]
+    assert nc["gamma"] == 0.5 and nc["weight_decay"] == 0.05
+    assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
+    assert nc["delta_l2"] == pytest.approx(float(lib.delta_.norm()), rel=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:Neural Clamping. 300 calibration images")
 def test_run_takes_the_temperature_rule(tmp_path, default_model):
     """--temperature-rule reaches the fast fitter: "selected" learns T with δ and re-chooses it, as the library does."""
@@ -189,6 +224,35 @@ def test_run_takes_the_temperature_rule(tmp_path, default_model):
     bad = nctv("run", "--fitter", "toolkit", "--temperature-rule", "anchored", "--methods", "nc-fl", "--seeds", "1",
                "--calibration-size", "100", "--test-size", "100", "--quiet", cwd=tmp_path, check=False)
     assert bad.returncode != 0 and "anchored" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_bad_neural_clamping_setting_is_refused_before_the_model_runs(tmp_path):
+    """`--gamma 50` is refused with the estimator's own message before any logits are computed, not
+    after every baseline has run."""
+    proc = nctv("run", "--gamma", "50", "--seeds", "1", "--calibration-size", "100", "--test-size", "100",
+                "--out", str(tmp_path / "res"), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "nctv run: error: gamma must be at most 10 (the paper uses 0 to 5); got 50.0."
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()  # no logits, no model pass
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ablation", "--lr", "11"], "lr must be at most 10 (the recipes use 0.001 and 0.01); got 11.0."),
+    (["timing", "--weight-decay", "1e7"], "weight_decay must be at most 1,000,000 (larger holds δ at 0)"),
+    (["sweep-gamma", "--fitter", "paper", "--epochs", "20000"], "epochs must be at most 10,000"),
+    (["init-study", "--fitter", "toolkit", "--temperature-rule", "anchored"],
+     "temperature='anchored' is a rule of the fast fitter; the 'toolkit' recipe learns T with δ"),
+    (["run", "--gamma", "10.5", "--methods", "uncal"], "gamma must be at most 10"),
+])
+def test_every_neural_clamping_command_checks_its_settings_first(args, message, tmp_path, monkeypatch, capsys):
+    from nctv.cli import main
+
+    monkeypatch.setenv("NCTV_CACHE_DIR", str(tmp_path / "cache"))
+    small = ["--calibration-size", "100", "--test-size", "100", "--out", str(tmp_path / "res"), "--quiet"]
+    assert main([*args, *small]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nctv {args[0]}: error: ") and message in err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()
 
 
 @pytest.mark.parametrize("args, message", [

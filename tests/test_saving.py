@@ -6,7 +6,6 @@ import http.server
 import json
 import pickle
 import re
-import threading
 import warnings
 from pathlib import Path
 
@@ -304,29 +303,17 @@ class _CalibratorHub(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_hub_download_through_a_local_endpoint(fitted, tmp_path, monkeypatch):
+def test_hub_download_through_a_local_endpoint(fitted, tmp_path, monkeypatch, local_hub):
     """The Hub cannot be reached from where this project is built, so a local endpoint stands in for it."""
     from huggingface_hub import constants
 
     _CalibratorHub.folder = fitted["Vector Scaling"].save_pretrained(tmp_path / "vs")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CalibratorHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    # The client builds download addresses from a template fixed at import, so both are redirected.
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    try:
-        downloaded = load_calibrator("hf-hub:nctv-test/vs")
-        with pytest.raises(ValueError, match=r"'hf-hub:nctv-test/none' does not exist on the Hub \(or is private"):
-            load_calibrator("hf-hub:nctv-test/none")
-        with pytest.raises(ValueError, match="'hf-hub:nctv-test/vs' has no revision 'v2'"):
-            load_calibrator("hf-hub:nctv-test/vs@v2")
-    finally:
-        server.shutdown()
+    local_hub(_CalibratorHub)
+    downloaded = load_calibrator("hf-hub:nctv-test/vs")
+    with pytest.raises(ValueError, match=r"'hf-hub:nctv-test/none' does not exist on the Hub \(or is private"):
+        load_calibrator("hf-hub:nctv-test/none")
+    with pytest.raises(ValueError, match="'hf-hub:nctv-test/vs' has no revision 'v2'"):
+        load_calibrator("hf-hub:nctv-test/vs@v2")
     assert torch.equal(downloaded.weight_, fitted["Vector Scaling"].weight_.cpu())
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # downloaded once: the cache serves it from now on
     assert torch.equal(load_calibrator("hf-hub:nctv-test/vs").bias_, downloaded.bias_)

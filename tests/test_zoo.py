@@ -344,6 +344,42 @@ def test_hub_weight_cap_is_checked_before_any_download(tmp_path):
     assert not list((tmp_path / "hf").rglob("*.safetensors")) and not list((tmp_path / "hf").rglob("config.json"))
 
 
+class _RefusingHub(http.server.BaseHTTPRequestHandler):
+    """Refuses every file the way the Hub does, with the error code its client reads: nctv-test/none
+    does not exist, nctv-test/gated is gated, nctv-test/empty has neither file, any other revision
+    than main is missing."""
+
+    def _refuse(self):
+        repo, _, rest = self.path.lstrip("/").partition("/resolve/")
+        code = {"nctv-test/none": "RepoNotFound", "nctv-test/gated": "GatedRepo"}.get(repo, "EntryNotFound")
+        if not rest.startswith("main/") and code == "EntryNotFound":
+            code = "RevisionNotFound"
+        self.send_response(403 if code == "GatedRepo" else 404)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+def test_hub_errors_say_what_to_do_about_the_model(local_hub):
+    local_hub(_RefusingHub)
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/none' does not exist on the Hub \(or is private"):
+        z.load_model("hf-hub:nctv-test/none")
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/gated' is gated: accept its terms"):
+        z.load_model("hf-hub:nctv-test/gated")
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has no revision 'v2'\.$"):
+        z.load_model("hf-hub:nctv-test/empty@v2")
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has no config\.json: it is not a timm"):
+        z.load_model("hf-hub:nctv-test/empty")
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has no model\.safetensors: NCTV reads "
+                                         "weights from safetensors only"):
+        z.load_model("hf-hub:nctv-test/empty", max_weight_bytes=10**6)  # the weights' size is asked first
+
+
 def test_cifar_stem_adapter_only_changes_what_the_checkpoint_needs():
     plain = timm.create_model("resnet18", num_classes=10, layers=[1, 1, 1, 1], channels=[8, 16, 16, 16], stem_width=8)
     shapes = {k: tuple(v.shape) for k, v in plain.state_dict().items()}

@@ -62,11 +62,11 @@ from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, ch
                          check_positive, check_whole)
 from nctv.calibration.clamping_fit import (
     FitResult,
+    InputStream,
     LBFGSMemory,
     Problem,
     Reporter,
     SGDSettings,
-    Split,
     StopFitting,
     best_log_temperature,
     check_label_range,
@@ -188,7 +188,7 @@ class _InputCalibrator(BaseCalibrator):
         batch_size = check_whole(batch_size, "batch_size")
         device = _compute_device(self.model, getattr(self, "device", None))
         with frozen(self.model):
-            split = Split(inputs_or_loader, labels, device, batch_size, need_labels=False)
+            split = InputStream(inputs_or_loader, labels, device, batch_size, need_labels=False)
             if split.input_shape != tuple(self.delta_.shape):
                 raise ValueError(
                     f"inputs have shape {split.input_shape} per sample but δ was fitted for {tuple(self.delta_.shape)}."
@@ -218,7 +218,7 @@ def data_driven_delta(model: torch.nn.Module, inputs_or_loader: Any, input_range
     batch_size = check_whole(batch_size, "batch_size")
     dev = _compute_device(model, device)
     with frozen(model):
-        split = Split(inputs_or_loader, None, dev, batch_size, need_labels=False)
+        split = InputStream(inputs_or_loader, None, dev, batch_size, need_labels=False)
         alpha, beta = input_bounds(input_range, split.input_shape, dev)
         g, lo, hi, _ = entropy_gradient(Problem(model, split, 0.0, 0.0))
     return theorem1_delta(g, lo, hi, alpha, beta).cpu()
@@ -252,7 +252,7 @@ class EfficientNeuralClamping(_InputCalibrator):
             raise ValueError("NC (Eff.) needs input_range=(alpha, beta), the preprocessed images of pixel values 0 and 1.")
         dev = _compute_device(self.model, self.device)
         with frozen(self.model):
-            split = Split(inputs_or_loader, labels, dev, batch_size)
+            split = InputStream(inputs_or_loader, labels, dev, batch_size)
             alpha, beta = input_bounds(self.input_range, split.input_shape, dev)
             problem = Problem(self.model, split, 0.0, 0.0, (alpha, beta) if self.clamp else None)
             g, lo, hi, z0 = entropy_gradient(problem)
@@ -437,7 +437,10 @@ class NeuralClamping(_InputCalibrator):
         return SGDSettings(int(self._setting("epochs")), float(self._setting("lr")), float(self._setting("momentum")),
                            int(self._setting("batch_size")), bool(self.learn_delta))
 
-    def _validate(self) -> list[float]:
+    def check_settings(self) -> list[float]:
+        """Refuse a bad setting (γ, λ, fitter, temperature rule, init, SGD settings, …) without
+        touching the model or data, so a run can check before its first model pass; returns the γ
+        values to fit. ``fit`` checks again, with the needs of the data (``input_range``)."""
         gammas = self._gammas()
         if self.fitter not in FITTERS:
             raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
@@ -472,6 +475,10 @@ class NeuralClamping(_InputCalibrator):
         check_nonnegative(self.tol, "tol")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be a whole number; got {self.seed!r}.")
+        return gammas
+
+    def _validate(self) -> list[float]:
+        gammas = self.check_settings()
         if (self.init == "data" or self.clamp) and self.input_range is None:
             what = "init='data'" if self.init == "data" else "clamp=True"
             raise ValueError(f"{what} needs input_range=(alpha, beta): the preprocessed images of pixel values 0 and 1.")
@@ -551,14 +558,14 @@ class NeuralClamping(_InputCalibrator):
         the split once (0.5 pass per δ); returns the logits and the split's labels on the device."""
         dev = prepared.problem.split.device
         with frozen(self.model):
-            split = Split(inputs_or_loader, labels, dev, int(self._setting("batch_size")))
+            split = InputStream(inputs_or_loader, labels, dev, int(self._setting("batch_size")))
             problem = Problem(self.model, split, 0.0, 0.0, prepared.problem.clamp_range)
             zs = _multi_logits(problem, deltas)
         check_label_range(split.labels, zs[0].shape[1])
         return zs, split.labels
 
     def _problem(self, inputs: Any, labels: Any, dev: torch.device) -> Problem:
-        split = Split(inputs, labels, dev, int(self._setting("batch_size")))
+        split = InputStream(inputs, labels, dev, int(self._setting("batch_size")))
         problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev))
         recipe = self._recipe()
         if recipe is not None:

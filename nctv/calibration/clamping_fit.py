@@ -48,12 +48,12 @@ class StopFitting(Exception):
 
 
 # --------------------------------------------------------------------------------------------
-# The split
+# The split's inputs as the fitters stream them
 # --------------------------------------------------------------------------------------------
 
 
-class Split:
-    """A labelled (or unlabelled) split as the fitters see it.
+class InputStream:
+    """A labelled (or unlabelled) split as the fitters see it: its inputs streamed to the device in batches.
 
     A tensor of inputs, or anything that yields ``(inputs, labels)`` batches. The inputs are held
     on ``device`` when they fit in ``DEVICE_CACHE_BYTES``. A ``DataLoader`` over a map-style dataset
@@ -282,7 +282,7 @@ class Problem:
     """
 
     model: torch.nn.Module
-    split: Split
+    split: InputStream
     gamma: float
     weight_decay: float
     clamp_range: tuple[torch.Tensor, torch.Tensor] | None = None

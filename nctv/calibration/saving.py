@@ -18,9 +18,8 @@ import math
 import os
 import re
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -560,7 +559,7 @@ def _hub_folder(text: str) -> Path:
     """The cached snapshot folder of a calibrator on the Hub, downloading its two files once."""
     from huggingface_hub import constants
 
-    from nctv.hub import snapshot_folder
+    from nctv.hub import hub_errors, snapshot_folder
     from nctv.zoo import parse_model_id
 
     source, _ = parse_model_id(f"hf-hub:{text}")  # checks the id and revision
@@ -568,24 +567,9 @@ def _hub_folder(text: str) -> Path:
     offline = ValueError(f"Calibrator 'hf-hub:{repo}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
                          "and the Hub cannot be reached (no connection, or HF_HUB_OFFLINE=1); connect once to "
                          "download it, or load a saved folder instead.")
-    return snapshot_folder(repo, (CONFIG_NAME, TENSORS_NAME), revision, errors=lambda _: _hub_errors(repo, revision),
-                           offline_error=lambda _: offline)
+    missing = f"is not a saved NCTV calibrator: it lacks {CONFIG_NAME} or {TENSORS_NAME}"
 
+    def errors(filename: str):
+        return hub_errors("Calibrator", repo, revision, filename, missing, lambda _: offline)
 
-@contextmanager
-def _hub_errors(repo: str, revision: str | None) -> Iterator[None]:
-    """What a Hub client error means for the person loading a calibrator; other errors pass unchanged."""
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-
-    reasons = ((LocalEntryNotFoundError, "is not fully in the Hugging Face cache and could not be downloaded; "
-                                         "check the connection and try again"),
-               (GatedRepoError, "is gated: accept its terms on the Hub and log in (HF_TOKEN)"),
-               (RepositoryNotFoundError, "does not exist on the Hub (or is private: log in with HF_TOKEN)"),
-               (RevisionNotFoundError, f"has no revision '{revision}'"),
-               (EntryNotFoundError, f"is not a saved NCTV calibrator: it lacks {CONFIG_NAME} or {TENSORS_NAME}"))
-    try:
-        yield
-    except tuple(kind for kind, _ in reasons) as error:
-        why = next(why for kind, why in reasons if isinstance(error, kind))
-        raise ValueError(f"Calibrator 'hf-hub:{repo}' {why}.") from None
+    return snapshot_folder(repo, (CONFIG_NAME, TENSORS_NAME), revision, errors=errors, offline_error=lambda _: offline)

@@ -24,7 +24,8 @@ from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.ui.common import HEAVY, on_gpu
-from nctv.ui.choices import CheckedCheckboxGroup, CheckedDropdown, CheckedRadio
+from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
+                             CheckedSlider)
 from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
@@ -173,14 +174,14 @@ def _shared_panel() -> Shared:
             dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
                                   label="Calibration pool (dataset)", scale=2, info=dataset_hint())
         with gr.Row():
-            size = gr.Number(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
+            size = CheckedNumber(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
                              elem_id="calibration-size",
                              info=f"10 up to the pool's size; {DEFAULT_CALIBRATION_SIZE} keeps a live run under a "
                                   "minute on a CPU")
-            test_size = gr.Number(0, precision=0, label="Test size (images)", elem_id="test-size",
+            test_size = CheckedNumber(0, precision=0, label="Test size (images)", elem_id="test-size",
                                   info="0: the whole test split (10,000 images for Fashion-MNIST); else at least 10")
-            seed = gr.Number(0, precision=0, label="Seed", info="0 to 2³¹ − 1; draws the calibration split and seeds δ")
-            bins = gr.Slider(5, 50, DEFAULT_BINS, step=1, label="Bins (ECE, AECE, SCE)")
+            seed = CheckedNumber(0, precision=0, label="Seed", info="0 to 2³¹ − 1; draws the calibration split and seeds δ")
+            bins = CheckedSlider(5, 50, DEFAULT_BINS, step=1, label="Bins (ECE, AECE, SCE)")
         info = gr.Markdown(describe_model(DEFAULT_MODEL, ""))
     for box in (model, hub_id):
         box.change(describe_model, [model, hub_id], info, queue=False, show_progress="hidden", api_visibility="private")
@@ -207,7 +208,7 @@ def _nc_controls(gamma: bool = True, init: bool = True):
         if init:
             out["init"] = CheckedRadio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
         out["fitter"] = CheckedRadio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
-        out["epochs"] = gr.Number(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
+        out["epochs"] = CheckedNumber(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
         out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
                                info="default = the recipe's own (paper 0.001, toolkit 0.01); or above 0, at most 10")
     return out
@@ -306,9 +307,9 @@ def _gamma_tab(shared: Shared):
     bar = _run_bar("Run γ sweep", "gamma-status")
     with gr.Row():
         # Range checks live in the handler, whose messages name γ.
-        g_from = gr.Number(0.0, label="γ from", info=f"0 to {GAMMA_MAX:g}")
-        g_to = gr.Number(1.0, label="γ to", info=f"up to {GAMMA_MAX:g}")
-        g_step = gr.Number(0.1, label="γ step", info=f"> 0; at most {gamma_tab.MAX_GAMMAS} values")
+        g_from = CheckedNumber(0.0, label="γ from", info=f"0 to {GAMMA_MAX:g}")
+        g_to = CheckedNumber(1.0, label="γ to", info=f"up to {GAMMA_MAX:g}")
+        g_step = CheckedNumber(0.1, label="γ step", info=f"> 0; at most {gamma_tab.MAX_GAMMAS} values")
     nc = _nc_controls(gamma=False)
     inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"],
                               nc["lr"]]
@@ -320,7 +321,7 @@ def _init_tab(shared: Shared):
     gr.Markdown("Neural Clamping started from a random δ and from the data-driven δ̃ of Theorem 1, several runs "
                 "each, scored on the test split.")
     bar = _run_bar("Run initialisation study", "init-status")
-    runs = gr.Slider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
+    runs = CheckedSlider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
     nc = _nc_controls(init=False)
     inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"], nc["lr"]]
     _study_run(bar, "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
@@ -402,8 +403,8 @@ def _learn_tab(state: gr.State, run_event) -> None:
     # A finished run becomes the Learn tab's model: its logits go to the page once.
     run_event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
     # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.
-    api_t = gr.Number(1.0, visible=False)
-    api_bins = gr.Number(DEFAULT_BINS, visible=False)
+    api_t = CheckedNumber(1.0, visible=False)
+    api_bins = CheckedNumber(DEFAULT_BINS, visible=False)
     api_fig = gr.Plot(visible=False)
     gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, table, text],
           api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)

@@ -1,0 +1,80 @@
+"""The app's inputs (menus, numbers, sliders) with the refusal of a value they cannot take in the
+app's own words.
+
+Gradio checks an input's value while preprocessing, before any handler runs. A value outside a
+menu gets Gradio's own message, which repeats the whole value and its Python type; a number or a
+slider sent text through the API fails inside Gradio with a Python error ("type str doesn't define
+__round__ method"). A visitor of a public copy may send anything; every refusal should read like
+the app's other messages, name the setting, and repeat only the start of the value.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import gradio as gr
+
+from nctv.checks import shown
+
+
+class _OwnRefusal:
+    """Re-words whatever the Gradio component refuses while preprocessing; every accepted value and
+    every other behaviour is unchanged."""
+
+    is_template = True  # drawn by the browser exactly as the Gradio component
+
+    def expected(self) -> str:
+        raise NotImplementedError
+
+    def refusal(self, payload: Any) -> gr.Error:
+        return gr.Error(f"{self.label or 'This setting'} must be {self.expected()}; got {shown(payload)}.",
+                        print_exception=False)
+
+    def preprocess(self, payload: Any) -> Any:  # noqa: D401 - Gradio hook
+        try:
+            return super().preprocess(payload)
+        except (gr.Error, TypeError, ValueError, OverflowError):
+            raise self.refusal(payload) from None
+
+
+class _Menu(_OwnRefusal):
+    def expected(self) -> str:
+        names = ", ".join(str(value) for _, value in (self.choices or []))
+        return "one of: " + (names if len(names) <= 300 else names[:300] + "…")
+
+
+class CheckedDropdown(_Menu, gr.Dropdown):
+    """``gr.Dropdown`` whose refusal of an unknown value is the app's own sentence."""
+
+
+class CheckedRadio(_Menu, gr.Radio):
+    """``gr.Radio`` whose refusal of an unknown value is the app's own sentence."""
+
+
+class CheckedCheckboxGroup(_Menu, gr.CheckboxGroup):
+    """``gr.CheckboxGroup`` whose refusal of an unknown value is the app's own sentence."""
+
+
+class CheckedNumber(_OwnRefusal, gr.Number):
+    """``gr.Number`` whose refusal of text or an out-of-range number is the app's own sentence.
+
+    Without a precision Gradio passes any JSON value on unchanged (a list, a string); this one
+    passes only numbers."""
+
+    def preprocess(self, payload: Any) -> Any:  # noqa: D401 - Gradio hook
+        value = super().preprocess(payload)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise self.refusal(payload)
+        return value
+
+    def expected(self) -> str:
+        whole = "a whole number" if self.precision == 0 else "a number"
+        if self.minimum is not None and self.maximum is not None:
+            return f"{whole} from {self.minimum:g} to {self.maximum:g}"
+        return whole
+
+
+class CheckedSlider(_OwnRefusal, gr.Slider):
+    """``gr.Slider`` whose refusal of text or a number outside its range is the app's own sentence."""
+
+    def expected(self) -> str:
+        return f"a number from {self.minimum:g} to {self.maximum:g}"

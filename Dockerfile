@@ -24,10 +24,11 @@ ENV HOME=/home/user \
 WORKDIR /home/user/app
 
 # Dependencies first, so editing the code does not reinstall PyTorch.
-COPY --chown=user pyproject.toml README.md ./
+COPY --chown=user pyproject.toml README.md constraints.txt ./
 COPY --chown=user nctv/__init__.py nctv/__init__.py
-RUN pip install --user --extra-index-url "$TORCH_INDEX_URL" torch torchvision \
- && pip install --user --extra-index-url "$TORCH_INDEX_URL" .
+# constraints.txt pins the versions the tests passed with.
+RUN pip install --user --extra-index-url "$TORCH_INDEX_URL" -c constraints.txt torch torchvision \
+ && pip install --user --extra-index-url "$TORCH_INDEX_URL" -c constraints.txt .
 
 COPY --chown=user . .
 RUN pip install --user --no-deps --force-reinstall .

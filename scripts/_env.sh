@@ -11,9 +11,11 @@
 #   PYTHON            interpreter that makes the environment (default python3; needs 3.10 or newer)
 #   NCTV_VENV         where the environment lives (default <repository>/.venv)
 #   NCTV_REINSTALL=1  run pip even when the environment is up to date
+#   NCTV_UNPINNED=1   install the newest versions pyproject.toml admits instead of constraints.txt
 #   NCTV_IMPORT_CHECK modules imported after an install to prove it works
 #                     (default: nctv.zoo, torchvision, gradio)
 #
+# pip installs the versions pinned in constraints.txt (one tested set; pyproject.toml keeps ranges).
 # An environment is reused while its python runs and comes from the same interpreter (same prefix
 # and Python version); otherwise it is made again. pip runs only when pyproject.toml or the
 # requirements files changed since the last install: a stamp file in the environment holds their hash.
@@ -127,7 +129,7 @@ _nctv_stamp_hash() {
 import hashlib, pathlib, sys
 h = hashlib.sha256(("extras=%s python=%s\n" % (sys.argv[1], sys.version)).encode())
 root = pathlib.Path(sys.argv[2])
-for name in ("pyproject.toml", "requirements.txt", "requirements-test.txt"):
+for name in ("pyproject.toml", "requirements.txt", "requirements-test.txt", "constraints.txt"):
     p = root / name
     h.update(name.encode() + b"\0" + (p.read_bytes() if p.is_file() else b"") + b"\0")
 print(h.hexdigest())
@@ -163,8 +165,12 @@ nctv_install() {
     _nctv_say "first install: PyTorch is large (several GB with its CUDA libraries); this download happens once, later runs reuse $NCTV_VENV"
     quiet=""
   fi
+  local pins=()
+  if [ "${NCTV_UNPINNED:-0}" != 1 ] && [ -f "$NCTV_ROOT/constraints.txt" ]; then
+    pins=(-c "$NCTV_ROOT/constraints.txt")  # the tested versions (constraints.txt); NCTV_UNPINNED=1: newest
+  fi
   _nctv_say "installing NCTV ($spec) into $NCTV_VENV"
-  (cd "$NCTV_ROOT" && "$NCTV_PY" -m pip install $quiet --disable-pip-version-check -e "$spec") \
+  (cd "$NCTV_ROOT" && "$NCTV_PY" -m pip install $quiet --disable-pip-version-check ${pins[@]+"${pins[@]}"} -e "$spec") \
     || _nctv_die "pip could not install NCTV into $NCTV_VENV (see above)."
   local check="${NCTV_IMPORT_CHECK-nctv.zoo, torchvision, gradio}" err
   if [ -n "$check" ] && ! err="$(cd "$NCTV_ROOT" && "$NCTV_PY" -c "import $check" 2>&1)"; then

@@ -83,10 +83,11 @@ def make_project(root: Path, version="0.1.0") -> Path:
     return root
 
 
-def env_sh(root: Path, *args, python=SYSTEM_PY, path=None):
+def env_sh(root: Path, *args, python=SYSTEM_PY, path=None, **settings):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHON", "NCTV_VENV", "NCTV_REINSTALL", "VIRTUAL_ENV", "PIP_BREAK_SYSTEM_PACKAGES")}
-    env.update(PYTHON=python, NCTV_IMPORT_CHECK="toy", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+           if k not in ("PYTHON", "NCTV_VENV", "NCTV_REINSTALL", "NCTV_UNPINNED", "VIRTUAL_ENV",
+                        "PIP_BREAK_SYSTEM_PACKAGES")}
+    env.update(PYTHON=python, NCTV_IMPORT_CHECK="toy", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", **settings)
     if path is not None:
         env["PATH"] = path
     return subprocess.run(["bash", str(root / "scripts" / "_env.sh"), *args], cwd=root, env=env,
@@ -188,6 +189,23 @@ def test_a_broken_venv_is_made_again(tmp_path):
     assert fixed.returncode == 0, fixed.stderr
     assert "again: its python does not run" in fixed.stderr and "installing" in fixed.stderr
     assert venv_run(root, "import toy; print(toy.VALUE)") == "42"
+
+
+@needs_system_python
+@pytest.mark.slow
+def test_constraints_pin_what_is_installed_unless_unpinned(tmp_path):
+    root = make_project(tmp_path / "p", version="0.2.0")
+    # A pin the project cannot meet shows that pip was held to the file, and that its change counts.
+    (root / "constraints.txt").write_text("# tested versions\ntoy==0.1.0\n")
+    pinned = env_sh(root)
+    assert pinned.returncode != 0 and "conflicting dependencies" in pinned.stderr, pinned.stderr
+    (root / "constraints.txt").write_text("toy==0.2.0\n")
+    assert env_sh(root).returncode == 0
+    assert venv_run(root, "import importlib.metadata as m; print(m.version('toy'))") == "0.2.0"
+    (root / "constraints.txt").write_text("toy==0.1.0\n")
+    assert env_sh(root, "--check").returncode == 1  # the constraints are part of the stamp
+    unpinned = env_sh(root, NCTV_UNPINNED="1")
+    assert unpinned.returncode == 0 and "installing" in unpinned.stderr, unpinned.stderr
 
 
 def _fake(path: Path, text: str) -> None:

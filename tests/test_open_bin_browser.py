@@ -4,6 +4,7 @@ the data's labels, the keyboard opens and Escape closes, and a phone shows the p
 sideways scrolling. Final screenshots go to docs/img/."""
 import base64
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from nctv.ui import learn, state
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not __import__("pathlib").Path(CHROMIUM).exists(), reason=f"needs Debian's Chromium at {CHROMIUM}"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"needs Debian's Chromium at {CHROMIUM}"),
 ]
 BINS = 15
 
@@ -37,7 +38,7 @@ def top_group():
     group = np.clip(np.searchsorted(np.linspace(0, 1, BINS + 1), conf, side="left") - 1, 0, BINS - 1)
     top = group.max()
     rows = np.flatnonzero(group == top)
-    return {"bin": int(top), "rows": rows, "conf": conf, "pred": pred, "labels": y, "right": pred == y}
+    return {"bin": int(top), "rows": rows, "conf": conf, "pred": pred, "labels": y, "right": pred == y, "group": group}
 
 
 def items(page) -> list[dict]:
@@ -116,6 +117,14 @@ def test_keyboard_opens_a_group_and_escape_closes_it(browser, server, top_group)
         assert pg.locator("#learn-bin").is_hidden()
         # Focus goes back to the bar that opened the group.
         assert pg.evaluate("document.activeElement.dataset.bin") == str(top_group["bin"])
+        # Two bars clicked in quick succession: the panel ends with the second's pictures.
+        pg.evaluate("""() => { for (const b of [13, 14]) document.querySelector(`.nl-hit[data-bin="${b}"]`)
+            .dispatchEvent(new MouseEvent('click', {bubbles: true})); }""")
+        wait_for_pictures(pg)
+        pg.wait_for_function("document.querySelector('#learn-bin-note').innerText.startsWith('Wrong predictions')")
+        assert int(pg.locator("#learn-bin").get_attribute("data-count")) == len(top_group["rows"])
+        assert {s["row"] for s in items(pg)} <= set(top_group["rows"].tolist())
+        pg.get_by_role("button", name="Close").click()
         # At another T the group is opened at that T: confidences at T = 1 and at T both listed.
         box = pg.locator("#learn-t-box")
         box.fill("2")
@@ -126,6 +135,12 @@ def test_keyboard_opens_a_group_and_escape_closes_it(browser, server, top_group)
         assert s["text"][5] == "T = 1" and s["text"][7] == "T = 2.00"
         t1, t2 = (float(v.strip(">%")) for v in (s["text"][6], s["text"][8]))
         assert 60 <= t2 <= 66.7 and t1 > t2  # the group 60–66.7% at T = 2; softer than T = 1
+        # Once a new T settles, the opened group follows it (the same bar, at T = 1 now).
+        box.fill("1")
+        box.press("Enter")
+        pg.wait_for_function("document.querySelector('#learn-bin-note').innerText.endsWith('at T = 1.00.')")
+        assert int(pg.locator("#learn-bin").get_attribute("data-count")) == int((top_group["group"] == 9).sum())
+        assert {s["row"] for s in items(pg)} <= set(np.flatnonzero(top_group["group"] == 9).tolist())
     finally:
         pg.context.close()
 
@@ -138,7 +153,8 @@ def test_phone_panel_stacks_under_the_diagram_without_overflow(browser, server, 
         pg.locator(f'.nl-hit[data-bin="{top_group["bin"]}"]').tap()
         wait_for_pictures(pg)
         boxes = pg.evaluate("""() => {
-            const box = (e) => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; };
+            const box = (e) => { const r = e.getBoundingClientRect();
+                                 return {x: r.x, y: r.y, width: r.width, height: r.height}; };
             return {plot: box(document.querySelector('#learn-plot')), panel: box(document.querySelector('#learn-bin')),
                     title: box(document.querySelector('#learn-bin-title')),
                     pics: [...document.querySelectorAll('#learn-bin-list li')].map(box),
@@ -154,5 +170,27 @@ def test_phone_panel_stacks_under_the_diagram_without_overflow(browser, server, 
         # The end of the diagram, with its opened bar, above the panel.
         pg.evaluate("document.querySelector('#learn-bin').scrollIntoView({block: 'start'}); window.scrollBy(0, -140)")
         save_small(pg.screenshot(), "learn-open-bin-390.png")
+    finally:
+        pg.context.close()
+
+
+def test_presenter_mode_shows_the_group_in_large_type(browser, server, top_group):  # noqa: F811
+    pg = open_learn(browser, server, 1280, 720)
+    try:
+        pg.click("#learn-presenter")
+        pg.wait_for_function("document.querySelector('.nl').dataset.presenter === 'on'")
+        pg.locator(f'.nl-hit[data-bin="{top_group["bin"]}"]').click()
+        wait_for_pictures(pg)
+        sizes = pg.evaluate("""() => [...document.querySelectorAll('#learn-bin-title, #learn-bin-note, #learn-bin dd')]
+            .map(e => parseFloat(getComputedStyle(e).fontSize))""")
+        assert min(sizes) >= 20, sizes
+        # The panel is scrolled into the full-screen view.
+        title = pg.locator("#learn-bin-title").bounding_box()
+        assert 0 <= title["y"] and title["y"] + title["height"] <= 720
+        # Escape closes the group first, then leaves presenter mode.
+        pg.keyboard.press("Escape")
+        assert pg.locator("#learn-bin").is_hidden() and pg.locator(".nl").get_attribute("data-presenter") == "on"
+        pg.keyboard.press("Escape")
+        assert pg.locator(".nl").get_attribute("data-presenter") == "off"
     finally:
         pg.context.close()

@@ -273,7 +273,8 @@ watch("bin", () => {
     binNote.textContent = answer.message;
     return;
   }
-  binNote.textContent = `Wrong predictions first, then the surest; confidence as trained (T = 1) and at T = ${tText(opened.t)}` +
+  binNote.textContent = "Wrong predictions first, then the surest; confidence as trained (T = 1) and at " +
+    `T = ${tText(opened.t)}` +
     (data && data.rows ? "; groups counted on the page's sample." : ".");
   binList.replaceChildren(...answer.items.map((p) => item(p, opened.t)));
 });

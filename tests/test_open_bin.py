@@ -87,3 +87,34 @@ def test_bad_temperature_or_event_is_refused_in_words():
 def test_the_largest_request_is_answered():
     got = answer({"rows": list(range(learn.BIN_MAX_ROWS)), "temperature": 1.0, "request": 1})
     assert [item["row"] for item in got["items"]] == list(range(learn.BIN_MAX_ROWS))
+
+
+def test_a_folder_of_colour_pictures_gives_colour_thumbnails(tmp_path, monkeypatch):
+    """A visitor's run on an image folder: the thumbnails are that folder's own (colour, large) pictures,
+    shrunk; labels and predictions named by the folder's classes."""
+    from nctv.data import get_splits, load_pools
+    from nctv.zoo import DEFAULT_MODEL
+
+    images, labels = load_pools("fashion-mnist").test
+    root = tmp_path / "data" / "fmnist"
+    for cls in (1, 8):
+        (root / FASHION_MNIST_CLASSES[cls]).mkdir(parents=True)
+        for i in np.flatnonzero(labels == cls)[:30]:
+            # Red pictures of 120 × 120 pixels.
+            grey = np.asarray(images.pil(int(i)).convert("L").resize((120, 120)))
+            rgb = np.stack([grey, grey // 3, grey // 3], axis=-1)
+            Image.fromarray(rgb, "RGB").save(root / FASHION_MNIST_CLASSES[cls] / f"{i}.png")
+    monkeypatch.setenv("NCTV_DATA_ROOTS", str(tmp_path / "data"))
+    spec = state.SplitSpec(DEFAULT_MODEL, f"folder:{root}", 10, 0, 20)
+    cal = state.Calibration(split=spec, model=DEFAULT_MODEL, ts_temperature=1.0, nc_temperature=None, delta=None,
+                            nc_method=None, source="a test run")
+    test = get_splits(state.get_model(DEFAULT_MODEL), dataset=f"folder:{root}", calibration_size=10, test_size=20)[1]
+    got = learn.open_bin(cal, gr.EventData(None, {"rows": [0, 19], "temperature": 2.0, "request": 1}))["bin"]
+    for row, item in zip([0, 19], got["items"], strict=True):
+        thumb = pixels(item["src"])
+        assert thumb.shape == (learn.THUMB_PX, learn.THUMB_PX, 3) and not item["small"]
+        assert thumb[..., 0].mean() > 2 * thumb[..., 1].mean()  # still red
+        assert item["label"] == FASHION_MNIST_CLASSES[int(test.labels[row])]
+        assert item["prediction"] in FASHION_MNIST_CLASSES
+    # Row 20 is past the end of this 20-picture test split.
+    assert "0 to 19" in learn.open_bin(cal, gr.EventData(None, {"rows": [20], "temperature": 1}))["bin"]["message"]

@@ -307,7 +307,8 @@ def _column(table_text: str, row: str, header: str) -> float:
     lines = [ln.split("\t") for ln in table_text.splitlines() if "\t" in ln]
     head = next(cells for cells in lines if header in [c.strip() for c in cells])
     cells = next(cells for cells in lines if cells[0].strip().startswith(row))
-    return float(cells[[c.strip() for c in head].index(header)])
+    # A cell may carry its interval after the value: "8.80 [6.15, 11.33]".
+    return float(cells[[c.strip() for c in head].index(header)].split()[0])
 
 
 @pytest.mark.parametrize("learn_seen_first", [False, True], ids=["learn-unseen", "learn-seen"])

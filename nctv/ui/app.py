@@ -400,6 +400,11 @@ def _learn_tab(state: gr.State, run_event) -> None:
                  concurrency_limit=1, api_visibility="private")
     view.first_view(learn_tab.page_data, [state], [view], show_progress="hidden",
                     concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+    # A clicked bar: the pictures of the rows the page asks for go to the view's "bin" property. Every
+    # click counts (with "once" a second bar clicked while the first loads would be dropped); the page
+    # keeps the answer to its latest request only.
+    view.open_bin(learn_tab.open_bin, [state], [view], show_progress="hidden", trigger_mode="multiple",
+                  concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
     # A finished run becomes the Learn tab's model: its logits go to the page once.
     run_event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
     # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.

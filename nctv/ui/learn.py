@@ -5,6 +5,7 @@ the numbers of the model in use, once T settles; the paper's headline results fo
 from __future__ import annotations
 
 import base64
+import io
 import math
 from importlib import resources
 from typing import Any
@@ -15,13 +16,17 @@ import torch
 
 from nctv import metrics, report
 from nctv.ui.common import parse_whole, user_errors
-from nctv.ui.state import DEFAULT_BINS, Calibration, load_precomputed, test_logits_of
+from nctv.ui.state import DEFAULT_BINS, Calibration, get_splits, load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
 BINS_MIN, BINS_MAX = 5, 50
 #: At most this many logits go to the page (3 MB as float32); a larger test split goes as a seeded sample.
 PAGE_MAX_VALUES = 750_000
 PAGE_SAMPLE_SEED = 0
+#: An opened group shows at most this many pictures; a request for more rows is refused.
+BIN_MAX_ROWS = 200
+#: Thumbnails are at most this many pixels on their longer side (small images are sent as they are).
+THUMB_PX = 96
 
 #: the paper's ECE (%) on the test split, 15 bins, mean over 5 runs.
 PAPER_TABLE = """| setup | uncalibrated | TS | TS grid | Dir-ODIR | NC (FL) |
@@ -170,8 +175,73 @@ def page_data(state: Calibration | None) -> dict:
     if rows < n:
         keep = torch.randperm(n, generator=torch.Generator().manual_seed(PAGE_SAMPLE_SEED))[:rows].sort().values
         z, y = z[keep], y[keep]
+        # The sample's rows in the split, so that the page can ask for the pictures of a group.
+        sampled = {"rows": _b64(keep.numpy().astype("<i4"))}
+    else:
+        sampled = {}
     return {"logits": _b64(z.detach().cpu().numpy().astype("<f4")), "labels": _b64(y.cpu().numpy().astype("<i4")),
-            "n": rows, "k": k, "n_total": n, "where": where, "ts_temperature": _calibration(state).ts_temperature}
+            "n": rows, "k": k, "n_total": n, "where": where, "ts_temperature": _calibration(state).ts_temperature,
+            **sampled}
+
+
+def checked_rows(rows: Any, n: int) -> list[int]:
+    """The row numbers a page asked for: a list of at most :data:`BIN_MAX_ROWS` whole numbers in
+    [0, n), or a ValueError in the visitor's words (the request comes from the page, so anything goes)."""
+    if not isinstance(rows, list | tuple):
+        raise ValueError("The pictures to show must be a list of row numbers.")
+    if len(rows) > BIN_MAX_ROWS:
+        raise ValueError(f"At most {BIN_MAX_ROWS} pictures can be shown at once; {len(rows)} were asked for.")
+    # bool is an int in Python, a float may carry a fraction: only true integers are row numbers.
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < n for r in rows):
+        raise ValueError(f"Row numbers must be whole numbers from 0 to {n - 1}.")
+    return list(rows)
+
+
+def _thumbnail(image) -> tuple[str, bool]:
+    """(PNG data URL, whether it is small enough to be enlarged pixel by pixel) of a split's image."""
+    image = image.convert("RGB") if image.mode not in ("L", "RGB") else image
+    small = max(image.size) <= THUMB_PX // 2
+    if max(image.size) > THUMB_PX:
+        image = image.copy()
+        image.thumbnail((THUMB_PX, THUMB_PX))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii"), small
+
+
+def bin_pictures(rows: Any, temperature: Any, state: Calibration | None) -> list[dict]:
+    """The pictures of the test rows ``rows`` with their true label, the model's prediction (class
+    names) and its confidence at T = 1 and at ``temperature``, in the order asked."""
+    t, _ = _checked(temperature, DEFAULT_BINS)
+    z, y, _ = test_logits_of(state)
+    rows = checked_rows(rows, int(z.shape[0]))
+    spec = state.split if state is not None and state.split is not None else load_precomputed().split
+    split = get_splits(spec)[1]
+    names = split.class_names
+    z = z[rows].double()
+    conf1, pred = torch.softmax(z, dim=1).max(dim=1)
+    conf_t = torch.softmax(z / t, dim=1).max(dim=1).values
+    out = []
+    for i, row in enumerate(rows):
+        src, small = _thumbnail(split.image(row))
+        label, p = int(y[row]), int(pred[i])
+        out.append({"row": row, "src": src, "small": small, "label": names[label], "prediction": names[p],
+                    "right": label == p, "confidence_1": float(conf1[i]), "confidence_t": float(conf_t[i])})
+    return out
+
+
+@user_errors
+def open_bin(state: Calibration | None, evt: gr.EventData) -> dict:
+    """The page's "open_bin" event: the asked rows' pictures for the view's ``bin`` property, with the
+    page's request number (an answer to an older request is then ignored), or a message."""
+    data = evt._data if isinstance(evt._data, dict) else {}
+    request = data.get("request")
+    answer = {"request": request if isinstance(request, int) else 0}
+    try:
+        answer["items"] = bin_pictures(data.get("rows"), data.get("temperature"), state)
+    except (ValueError, IndexError) as e:
+        answer["message"] = str(e)
+    return gr.update(bin=answer)
 
 
 def page_view() -> gr.HTML:
@@ -181,4 +251,5 @@ def page_view() -> gr.HTML:
     return gr.HTML(None, html_template=(static / "learn.html").read_text(encoding="utf-8"),
                    css_template=(static / "learn.css").read_text(encoding="utf-8"),
                    js_on_load=(static / "learn.js").read_text(encoding="utf-8"), elem_id="learn-view",
-                   t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=DEFAULT_BINS)
+                   t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=DEFAULT_BINS,
+                   bin=None)

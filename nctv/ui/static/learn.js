@@ -8,8 +8,14 @@ const range = pick("#learn-t"), box = pick("#learn-t-box"), binsInput = pick("#l
 const binsOut = pick("#learn-bins-value"), message = pick("#learn-message"), plot = pick("#learn-plot");
 const presenter = pick("#learn-presenter"), fitButton = pick("#learn-fit"), note = pick("#learn-note");
 const out = {ece: pick("#learn-ece"), accuracy: pick("#learn-accuracy"), confidence: pick("#learn-confidence")};
+const binPanel = pick("#learn-bin"), binTitle = pick("#learn-bin-title"), binNote = pick("#learn-bin-note");
+const binList = pick("#learn-bin-list"), binMore = pick("#learn-bin-more");
+// An opened group lists this many of its pictures (the server accepts up to 200 rows a request).
+const BIN_SHOWN = 24;
 const T_MIN = Number(range.min), T_MAX = Number(range.max);
 let data = null, t = 1, bins = Number(binsInput.value), stats = null;
+// The opened group: {bin, m, t, request}, or null.
+let opened = null, requests = 0;
 
 function decode(b64, Type) {
   const s = atob(b64), bytes = new Uint8Array(s.length);
@@ -31,7 +37,9 @@ function load(value) {
     top[i] = best;
     correct[i] = best === labels[i] ? 1 : 0;
   }
-  data = {n, k, z, top, correct, fitted: value.ts_temperature};
+  // rows: where each row of a sample lies in the test split (the server's pictures are numbered so).
+  const rows = value.rows ? decode(value.rows, Int32Array) : null;
+  data = {n, k, z, top, correct, rows, fitted: value.ts_temperature};
   const sample = value.n < value.n_total
     ? `a seeded sample of ${value.n.toLocaleString("en")} of its ${value.n_total.toLocaleString("en")} test pictures`
     : `its ${value.n.toLocaleString("en")} test pictures`;
@@ -47,14 +55,19 @@ function binOf(c, m) {
   return Math.min(Math.max(i - 1, 0), m - 1);
 }
 
+// The confidence of row i at T: the top class's softmax probability.
+function confidenceOf(d, i, temperature) {
+  const o = i * d.k, best = d.z[o + d.top[i]] / temperature;
+  let s = 0;
+  for (let j = 0; j < d.k; j++) s += Math.exp(d.z[o + j] / temperature - best);
+  return 1 / s;
+}
+
 function compute(d, temperature, m) {
   const counts = new Float64Array(m), sumConf = new Float64Array(m), sumAcc = new Float64Array(m);
   let confTotal = 0, right = 0;
   for (let i = 0; i < d.n; i++) {
-    const o = i * d.k, best = d.z[o + d.top[i]] / temperature;
-    let s = 0;
-    for (let j = 0; j < d.k; j++) s += Math.exp(d.z[o + j] / temperature - best);
-    const c = 1 / s, b = binOf(c, m);
+    const c = confidenceOf(d, i, temperature), b = binOf(c, m);
     counts[b] += 1;
     sumConf[b] += c;
     sumAcc[b] += d.correct[i];
@@ -68,6 +81,11 @@ function compute(d, temperature, m) {
 
 const pct = (x, digits = 2) => `${(100 * x).toFixed(digits)}%`;
 const tText = (x) => (Math.abs(x * 100 - Math.round(x * 100)) < 1e-9 ? x.toFixed(2) : String(Number(x.toFixed(3))));
+const edge = (b, m) => String(Number((100 * b / m).toFixed(1)));
+const binRange = (b, m) => `${edge(b, m)}–${edge(b + 1, m)}%`;
+const count = (x) => x.toLocaleString("en");
+// A confidence with two decimals; one that only rounds to 100% says so.
+const sure = (c) => (c < 1 && 100 * c >= 99.995 ? ">99.99%" : pct(c));
 
 function readouts() {
   for (const key of ["ece", "accuracy", "confidence"]) {
@@ -122,6 +140,16 @@ function draw() {
     }
   }
   line(x(0), y(0), x(1), y(1), "nl-diag");
+  // One focusable target per non-empty group over its whole column: click, tap or Enter opens it.
+  for (let b = 0; b < m; b++) {
+    if (!stats.counts[b]) continue;
+    const label = `Open the group of confidence ${binRange(b, m)}: ${count(stats.counts[b])} pictures, ` +
+      `${pct(stats.sumAcc[b] / stats.counts[b], 1)} right`;
+    const open = opened && opened.bin === b && opened.m === m ? " nl-hit--open" : "";
+    parts.push(`<rect x="${(x(b / m) + 1).toFixed(1)}" y="${top.toFixed(1)}" width="${(inner / m - 2).toFixed(1)}" ` +
+      `height="${(hy(0) - top).toFixed(1)}" class="nl-hit${open}" data-bin="${b}" tabindex="0" role="button" ` +
+      `aria-label="${label}"/>`);
+  }
   parts.push(`<rect x="${x(0)}" y="${top}" width="${inner}" height="${mainH}" class="nl-frame"/>`);
   parts.push(`<rect x="${x(0)}" y="${hy0}" width="${inner}" height="${histH}" class="nl-frame"/>`);
   // The count panel's scale is fixed (0 to 100% of the pictures), so it reads the same after every move.
@@ -141,7 +169,7 @@ function draw() {
     else ly += font * 1.6;
   }
   const title = `Reliability diagram at T = ${tText(t)}, ${m} bins: ECE ${pct(stats.ece)}`;
-  plot.innerHTML = `<svg role="img" width="${width}" height="${height}" viewBox="0 0 ${width} ${height}" ` +
+  plot.innerHTML = `<svg role="group" width="${width}" height="${height}" viewBox="0 0 ${width} ${height}" ` +
     `aria-label="${title}"><title>${title}</title>${parts.join("")}</svg>`;
 }
 
@@ -165,8 +193,103 @@ function setTemperature(value, start, fromBox = false) {
 let settleTimer = null;
 function settle() {
   clearTimeout(settleTimer);
-  settleTimer = setTimeout(() => trigger("release", {temperature: t, bins}), 150);
+  settleTimer = setTimeout(() => {
+    trigger("release", {temperature: t, bins});
+    // An opened group follows the settled T and bins (not every move: its pictures come from the server).
+    if (opened && (opened.t !== t || opened.m !== bins)) openGroup(opened.bin < bins ? opened.bin : bins - 1, false);
+  }, 150);
 }
+
+// Open group b at the current T and bins: its header from the page's own numbers, its pictures (wrong
+// predictions first, then the surest) from the server, asked for by their rows in the test split.
+function openGroup(b, focus = true) {
+  if (!data || !stats) return;
+  const m = bins, members = [];
+  for (let i = 0; i < data.n; i++) {
+    const c = confidenceOf(data, i, t);
+    if (binOf(c, m) === b) members.push([i, c]);
+  }
+  members.sort((p, q) => data.correct[p[0]] - data.correct[q[0]] || q[1] - p[1]);
+  const shown = members.slice(0, BIN_SHOWN), right = stats.counts[b] ? stats.sumAcc[b] / stats.counts[b] : 0;
+  requests += 1;
+  opened = {bin: b, m, t, request: requests};
+  binPanel.dataset.count = String(members.length);
+  binPanel.dataset.accuracy = String(right);
+  binTitle.textContent = `Confidence ${binRange(b, m)}: ${count(members.length)} pictures` +
+    (members.length ? `, ${pct(right, 1)} right` : "");
+  binNote.textContent = members.length ? "Loading the pictures…" : `No pictures in this group at T = ${tText(t)}.`;
+  binList.replaceChildren();
+  binMore.textContent = members.length > shown.length
+    ? `… and ${count(members.length - shown.length)} more in this group.` : "";
+  binPanel.hidden = false;
+  draw();
+  if (shown.length) {
+    trigger("open_bin", {rows: shown.map(([i]) => (data.rows ? data.rows[i] : i)), temperature: t,
+                         request: requests});
+  }
+  if (focus) {
+    binTitle.focus({preventScroll: true});
+    binPanel.scrollIntoView({block: "nearest"});
+  }
+}
+
+function closeGroup() {
+  if (!opened) return;
+  const b = opened.bin;
+  opened = null;
+  binPanel.hidden = true;
+  binList.replaceChildren();
+  draw();
+  const bar = plot.querySelector(`.nl-hit[data-bin="${b}"]`);
+  if (bar) bar.focus({preventScroll: true});
+}
+
+function item(p, at) {
+  const li = document.createElement("li"), img = document.createElement("img"), dl = document.createElement("dl");
+  li.className = p.right ? "nl-pic" : "nl-pic nl-pic--wrong";
+  li.dataset.row = String(p.row);
+  img.src = p.src;
+  img.alt = `Test picture ${p.row}, a ${p.label}`;
+  if (p.small) img.className = "nl-pixelated";
+  const verdict = document.createElement("dt");
+  verdict.className = "nl-verdict";
+  verdict.textContent = p.right ? "Right" : "Wrong";
+  dl.append(verdict);
+  for (const [name, value] of [["True", p.label], ["Model", p.prediction], ["T = 1", sure(p.confidence_1)],
+                               [`T = ${tText(at)}`, sure(p.confidence_t)]]) {
+    const dt = document.createElement("dt"), dd = document.createElement("dd");
+    dt.textContent = name;
+    dd.textContent = value;
+    dl.append(dt, dd);
+  }
+  li.append(img, dl);
+  return li;
+}
+
+watch("bin", () => {
+  const answer = props.bin;
+  if (!opened || !answer || answer.request !== opened.request) return;  // closed, or an older group's answer
+  if (answer.message) {
+    binNote.textContent = answer.message;
+    return;
+  }
+  binNote.textContent = "Wrong predictions first, then the surest; confidence as trained (T = 1) and at " +
+    `T = ${tText(opened.t)}` +
+    (data && data.rows ? "; groups counted on the page's sample." : ".");
+  binList.replaceChildren(...answer.items.map((p) => item(p, opened.t)));
+});
+pick("#learn-bin-close").addEventListener("click", closeGroup);
+plot.addEventListener("click", (e) => {
+  const bar = e.target.closest(".nl-hit");
+  if (bar) openGroup(Number(bar.dataset.bin));
+});
+plot.addEventListener("keydown", (e) => {
+  const bar = e.target.closest(".nl-hit");
+  if (bar && (e.key === "Enter" || e.key === " ")) {
+    e.preventDefault();
+    openGroup(Number(bar.dataset.bin));
+  }
+});
 
 range.addEventListener("input", (e) => { message.textContent = ""; setTemperature(Number(range.value), e.timeStamp); });
 range.addEventListener("change", settle);
@@ -209,8 +332,11 @@ function setPresenter(on) {
   draw();
 }
 presenter.addEventListener("click", () => setPresenter(!root.classList.contains("nl--present")));
+// Escape closes an opened group first, then leaves presenter mode.
 document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape" && root.classList.contains("nl--present")) setPresenter(false);
+  if (e.key !== "Escape") return;
+  if (opened) closeGroup();
+  else if (root.classList.contains("nl--present")) setPresenter(false);
 });
 // The logits come with the first view of the tab, not with the app's first screen: a visitor who
 // never opens it never downloads them. Hidden tabs have no size: draw when the box gets one.
@@ -234,6 +360,7 @@ let viewed = false;
 watch("value", () => {
   const firstView = asked && !viewed;
   viewed = true;
+  if (opened) closeGroup();  // its rows belong to the logits being replaced
   load(props.value);
   update();
   if (!firstView) settle();

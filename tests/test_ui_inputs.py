@@ -21,6 +21,13 @@ def inputs():
     return checked, plain
 
 
+def test_the_browser_draws_them_as_gradio_components(inputs):
+    checked, plain = inputs
+    for name in checked:
+        assert checked[name].get_block_name() == plain[name].get_block_name() == type(plain[name]).__name__.lower()
+        assert checked[name].get_block_class() == plain[name].get_block_class()
+
+
 @pytest.mark.parametrize("name, good", [("size", 1234.0), ("step", 0.25), ("bins", 20), ("fitter", "paper"),
                                         ("model", "m2"), ("methods", ["NC", "TS"])])
 def test_good_values_pass_as_gradio_passes_them(inputs, name, good):

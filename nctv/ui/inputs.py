@@ -20,7 +20,12 @@ class _OwnRefusal:
     """Re-words whatever the Gradio component refuses while preprocessing; every accepted value and
     every other behaviour is unchanged."""
 
-    is_template = True  # drawn by the browser exactly as the Gradio component
+    # Drawn by the browser exactly as the Gradio component it extends. (Gradio's own template
+    # mechanism names a component after its first base class, which is this mixin here.)
+    def get_block_name(self) -> str:
+        return next(c for c in type(self).__mro__ if c.__module__.startswith("gradio.")).__name__.lower()
+
+    get_block_class = get_block_name
 
     def expected(self) -> str:
         raise NotImplementedError

@@ -39,7 +39,8 @@ def shoot(url: str, out: Path) -> list[Path]:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
         for size, (w, h) in SIZES.items():
             page = browser.new_page(viewport={"width": w, "height": h})
-            page.goto(url, wait_until="networkidle")
+            page.goto(url)
+            page.wait_for_selector("#results-table table", timeout=120_000)
             for key, tab in TABS.items():
                 page.get_by_role("tab", name=tab).click()
                 page.wait_for_timeout(2500)

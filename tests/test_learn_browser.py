@@ -1,7 +1,7 @@
 """The Learn tab in headless Chromium, against the launched app: the page's own read-outs equal
 ``nctv.metrics`` on the shipped logits file, a move of T redraws without a request, a typed T out of
 range is clamped with a message, presenter mode is large and legible on a 1280 × 720 projector, the
-dark theme darkens the plot, and nothing overlaps on a phone. Final screenshots go to docs/img/."""
+dark theme darkens the plot, and nothing overlaps on a phone. Screenshots go to test-artifacts/."""
 import io
 import json
 import re
@@ -20,12 +20,13 @@ pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"needs Debian's Chromium at {CHROMIUM}"),
 ]
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+SHOTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 
 def save_small(png: bytes, name: str) -> None:
-    """A screenshot for the docs, as a small palette PNG."""
-    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=96).save(DOCS_IMG / name, optimize=True)
+    """A screenshot to look at, as a small palette PNG (scripts/screenshots.py makes the docs' own)."""
+    SHOTS.mkdir(exist_ok=True)
+    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=96).save(SHOTS / name, optimize=True)
 
 
 @pytest.fixture(scope="module")

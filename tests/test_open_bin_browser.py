@@ -1,7 +1,7 @@
 """Opening a group of the Learn tab's diagram in headless Chromium, against the launched app: the
 header's count and accuracy equal numpy's on the shipped logits, wrong predictions come first with
 the data's labels, the keyboard opens and Escape closes, and a phone shows the pictures without
-sideways scrolling. Final screenshots go to docs/img/."""
+sideways scrolling. Screenshots go to test-artifacts/."""
 import base64
 import io
 from pathlib import Path

@@ -1007,6 +1007,14 @@ def test_first_screen_is_the_shipped_result():
     assert "| Neural Clamping (FL) |" in table and len(diagrams.data) > 0 and delta is not None
     assert len(stacked.data) == len(diagrams.data)  # the same diagrams, stacked for a phone
     assert Path(files[0]).name == "calibrators.zip"
+    # The parameters say in words how large δ is: its largest change in 0–255 levels, from the
+    # shipped δ and the model's normalisation (x = (p / 255 − mean) / std, so Δp = 255 · std · δ).
+    pre = state.load_precomputed()
+    largest = 255 * float((pre.calibration.delta.abs() * torch.tensor(pre.result.settings["std"]).view(-1, 1, 1)).max())
+    assert f"its largest change is {largest:.1f} of 255 grey levels" in params
+    # The run's verdict on Neural Clamping, from the paired interval, stands under the table.
+    assert "Neural Clamping (FL) and TS by Grid Search are tied on this model" in table or \
+        "Neural Clamping (FL) is" in table
     shipped = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     assert shipped == json.loads((state.precomputed_dir() / "results.json").read_text())
     # The shipped run's calibrators come as a zip too, and load back as the run's own δ and T.

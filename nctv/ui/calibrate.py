@@ -192,7 +192,12 @@ def delta_plot(result: Any, calibration: Calibration, backend: str = "plotly", e
 
 
 def params_markdown(result: Any, calibration: Calibration) -> str:
+    from nctv import plots
+
     lines = [f"**Learned parameters** ({calibration.source}; model {calibration.model})", ""]
+    if calibration.delta is not None:
+        s = result.settings
+        lines += [plots.delta_sentence(plots.delta_image_data(calibration.delta, s["mean"], s["std"])), ""]
     for name, m in result.methods.items():
         p = m.params
         if "temperature" not in p:

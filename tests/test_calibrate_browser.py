@@ -89,29 +89,6 @@ def test_first_screen_reads_at_every_size(browser, server, width, height, phone)
         page.context.close()
 
 
-def test_delta_titles_stay_on_their_panels_on_a_phone(browser, server):  # noqa: F811
-    page = open_at(browser, server, 390, 844, True)
-    try:
-        page.get_by_role("tab", name="Try your own image").click()
-        page.locator("#try-delta .js-plotly-plot").wait_for()
-        page.wait_for_function("document.querySelectorAll('#try-delta .annotation-text').length >= 4")
-        titles = page.locator("#try-delta .annotation-text").all()
-        boxes = [t.bounding_box() for t in titles]
-        assert_apart(boxes, "δ figure titles at 390 px")
-        # Each panel's span on the page: its x axis's offset and length, as plotly laid them out.
-        spans = page.evaluate("""() => { const gd = document.querySelector('#try-delta .js-plotly-plot');
-            const left = gd.getBoundingClientRect().left + window.scrollX, L = gd._fullLayout;
-            return Object.keys(L).filter(k => /^xaxis\\d*$/.test(k))
-                .map(k => ({x: left + L[k]._offset, width: L[k]._length})); }""")
-        page.locator("#try-delta").screenshot(path=str(ARTIFACTS / "calibrate-390-delta.png"))
-        assert len(spans) >= 4, spans
-        for t in boxes:  # each title within the width of the panel below it
-            inside = [s for s in spans if s["x"] - 4 <= t["x"] and t["x"] + t["width"] <= s["x"] + s["width"] + 4]
-            assert inside, (t, spans)
-    finally:
-        page.context.close()
-
-
 def errors_shown(page, words: str) -> int:
     """How many visible elements of the page carry ``words`` (the innermost ones)."""
     return page.evaluate("""words => [...document.querySelectorAll('body *')].filter(e =>

@@ -175,8 +175,10 @@ def test_torchrun_nctv_run_writes_one_result_equal_to_one_process(tmp_path):
               "--bins", "15", "--batch-size", "150", "--quiet"]
     two = _nctv(*common, "--out", str(tmp_path / "two"), cwd=tmp_path, cache=tmp_path / "cache-two", processes=2)
     _nctv(*common, "--out", str(tmp_path / "one"), cwd=tmp_path, cache=tmp_path / "cache-one")
+    # One process writes and prints: the table once, then one summary line.
     lines = two.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("run: 2 methods"), two.stdout
+    assert lines[-1].startswith("run: 2 methods") and sum(ln.startswith("run: ") for ln in lines) == 1, two.stdout
+    assert sum(ln.startswith("| Method |") for ln in lines) == 1, two.stdout
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("cache")) == ["one", "two"]
     assert len(list((tmp_path / "cache-two" / "logits").glob("*.safetensors"))) == 2
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))

@@ -162,7 +162,7 @@ def test_a_file_that_is_no_picture_clears_the_result_with_one_message(browser, s
         pg.wait_for_timeout(1500)  # a second message, if one came, would be here by now
         toasts = pg.locator(".toast-body")
         assert toasts.count() == 1
-        message = "That file is not an image this app can read"
+        message = "is not an image this app can read"
         assert toasts.first.inner_text().count(message) == 1
         assert message not in pg.locator("#try-verdict").inner_text()  # said once, in the toast
         assert pg.locator("#try-verdict").inner_text().strip() == try_image.HINT

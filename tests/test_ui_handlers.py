@@ -183,23 +183,25 @@ def _row(table: str, method: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_table_marks_best_and_second_per_column(run):
+def test_table_marks_best_only_where_the_paired_interval_says_so(run):
     result, calibration, _ = run
     table = cal_tab.table_markdown(result, 15, calibration.source)
     head = next(ln for ln in table.splitlines() if ln.startswith("| Method"))
     header = [c.strip() for c in head.strip("|").split("|")]
     col = header.index("ECE (%) ↓")
-    ece = {m: round(100 * r.metrics[15]["ece"].mean, 2) for m, r in result.methods.items()}
-    order = sorted(set(ece.values()))
-    for method, value in ece.items():
+    ece = {m: r.metrics[15]["ece"] for m, r in result.methods.items()}
+    best = min(ece, key=lambda m: ece[m].mean)
+    for method, stats in ece.items():
         cell = _row(table, method)[col]
-        if value == order[0]:
-            assert cell == f"**{value:.2f}**"
-        elif value == order[1]:
-            assert cell == f"_{value:.2f}_"
-        else:
-            assert cell == f"{value:.2f}"
-    assert "±" not in table  # one run per method: no spread shown
+        # Every figure with its 95 % interval: "value [low, high]" in % with two decimals.
+        shown = f"{100 * stats.mean:.2f} [{100 * stats.ci_low:.2f}, {100 * stats.ci_high:.2f}]"
+        assert cell.strip("*_") == shown
+        # Bold for the lowest ECE and for every row whose paired difference to it has an interval
+        # holding 0 (the data cannot tell them apart); never for a row the interval separates.
+        c = result.comparison(method, best, "ece", 15)
+        tied = method == best or (c.low <= 0 <= c.high)
+        assert cell.startswith("**") == tied, (method, cell, c)
+    assert "±" not in table  # one run per method: no seed spread, only the test split's interval
 
 
 def test_calibrate_handler_streams_then_returns_everything(tmp_path):

@@ -129,7 +129,9 @@ function draw() {
     const x0 = x(b / m) + 1, w = inner / m - 2;
     const acc = stats.sumAcc[b] / stats.counts[b], conf = stats.sumConf[b] / stats.counts[b];
     rect(x0, y(acc), w, y(0) - y(acc), "nl-acc");
-    rect(x0, y(Math.max(acc, conf)), w, Math.abs(y(acc) - y(conf)), "nl-gap");
+    // Where the group is right more often than it is sure (under-confident), the gap lies inside the
+    // accuracy bar: outlined, not filled, so the bar keeps its colour.
+    rect(x0, y(Math.max(acc, conf)), w, Math.abs(y(acc) - y(conf)), acc > conf ? "nl-gap nl-gap-under" : "nl-gap");
     const share = stats.counts[b] / stats.n;
     rect(x0, hy(share), w, hy(0) - hy(share), "nl-hist");
     // The share of the crowded groups, written on the bar (inside it when it is tall).

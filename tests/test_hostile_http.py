@@ -120,13 +120,15 @@ def app(tmp_path_factory):
         if saved is not None:
             os.environ["NCTV_UPLOAD_BUDGET_BYTES"] = saved
     server = Server(proc, url)
-    # A picture that works first: the model, its logits and the out-of-distribution check are then
-    # loaded, so what follows measures only the attack.
-    kind, out = server.call("classify", [_file(server.upload("ok.png", png(28, 28, 8, 0)))])
-    assert kind == "complete" and "nctv-verdict" in out[0] and "The model's answer" in out[1], out
-    yield server
-    server.http.close()
-    stop_app(proc)
+    try:
+        # A picture that works first: the model, its logits and the out-of-distribution check are then
+        # loaded, so what follows measures only the attack.
+        kind, out = server.call("classify", [_file(server.upload("ok.png", png(28, 28, 8, 0)))])
+        assert kind == "complete" and "nctv-verdict" in out[0] and "The model's answer" in out[1], out
+        yield server
+    finally:  # the server stops even when the first picture fails
+        server.http.close()
+        stop_app(proc)
 
 
 def _file(path: str, name: str = "picture.png") -> dict:

@@ -200,7 +200,7 @@ GRID_STEP_MIN = 1e-6
 ECHO_CHARS = 80
 #: Longest typed value (a model id, a dataset name, a setting) accepted; longer ones are refused
 #: before any work is done on them. ``$NCTV_MAX_TEXT_CHARS``.
-MAX_TEXT_CHARS = int(env_number("NCTV_MAX_TEXT_CHARS", 1000, 1, whole=True))
+MAX_TEXT_CHARS = env_limit("NCTV_MAX_TEXT_CHARS", 1000)
 
 
 def shown(value: Any, limit: int = ECHO_CHARS) -> str:

@@ -19,14 +19,14 @@ import PIL.ImageChops
 import PIL.ImageOps
 import PIL.PngImagePlugin
 
-from nctv.checks import env_number, shown
+from nctv.checks import env_limit, shown
 
 #: Largest image accepted, in pixels (40 megapixels, e.g. 8000 × 5000); ``$NCTV_MAX_PIXELS``.
-MAX_PIXELS = int(env_number("NCTV_MAX_PIXELS", 40_000_000, 1, whole=True))
+MAX_PIXELS = env_limit("NCTV_MAX_PIXELS", 40_000_000)
 #: Largest image accepted once decoded, in bytes (pixels × channels × bytes per channel: an 8-bit RGB
 #: picture at :data:`MAX_PIXELS`); ``$NCTV_MAX_IMAGE_BYTES``. Pixel count alone lets a 16-bit RGBA
 #: file take 8 bytes a pixel, and every later step (channels, transparency) copies it.
-MAX_IMAGE_BYTES = int(env_number("NCTV_MAX_IMAGE_BYTES", 120_000_000, 1, whole=True))
+MAX_IMAGE_BYTES = env_limit("NCTV_MAX_IMAGE_BYTES", 120_000_000)
 #: Longest side over shortest side: beyond this, resizing the short side to the model's input size
 #: would blow the long side up to an absurd size.
 MAX_ASPECT = 20

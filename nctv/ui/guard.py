@@ -15,17 +15,17 @@ import time
 from collections import deque
 from typing import Any
 
-from nctv.checks import MAX_TEXT_CHARS, env_number
+from nctv.checks import MAX_TEXT_CHARS, env_limit, env_number
 from nctv.ui.images import MAX_UPLOAD_BYTES
 
 #: Largest request body, in bytes: one upload at the file cap and its envelope;
 #: ``$NCTV_MAX_REQUEST_BYTES``.
-MAX_REQUEST_BYTES = int(env_number("NCTV_MAX_REQUEST_BYTES", MAX_UPLOAD_BYTES + 2**20, 1, whole=True))
+MAX_REQUEST_BYTES = env_limit("NCTV_MAX_REQUEST_BYTES", MAX_UPLOAD_BYTES + 2**20)
 #: Seconds an uploaded file is kept before the app deletes it; ``$NCTV_UPLOAD_KEEP_S``.
 UPLOAD_KEEP_S = int(env_number("NCTV_UPLOAD_KEEP_S", 1800, 60, whole=True))
 #: Bytes one address may upload within :data:`UPLOAD_KEEP_S` (what it can hold on the disk at
 #: once); ``$NCTV_UPLOAD_BUDGET_BYTES``.
-UPLOAD_BUDGET_BYTES = int(env_number("NCTV_UPLOAD_BUDGET_BYTES", 8 * MAX_UPLOAD_BYTES, 1, whole=True))
+UPLOAD_BUDGET_BYTES = env_limit("NCTV_UPLOAD_BUDGET_BYTES", 8 * MAX_UPLOAD_BYTES)
 #: Routes that store what they receive (files, a drawing's parts).
 UPLOAD_ROUTES = ("/upload", "/component_server")
 #: Inline pictures (``data:`` URLs) are capped by the image input, not as text.

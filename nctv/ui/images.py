@@ -21,12 +21,12 @@ from gradio import processing_utils
 from gradio.components.base import server
 from gradio.data_classes import FileData, ImageData
 
-from nctv.checks import env_number
+from nctv.checks import env_limit
 from nctv.images import MAX_IMAGE_BYTES, ImageError, decoded_bytes, open_checked
 
 #: Largest uploaded file, in bytes (Gradio's ``max_file_size``), and largest picture sent inline as a
 #: ``data:`` URL once decoded; ``$NCTV_MAX_UPLOAD_BYTES``.
-MAX_UPLOAD_BYTES = int(env_number("NCTV_MAX_UPLOAD_BYTES", 25 * 2**20, 1, whole=True))
+MAX_UPLOAD_BYTES = env_limit("NCTV_MAX_UPLOAD_BYTES", 25 * 2**20)
 #: Bytes of drawings held between the browser sending them and the event that reads them (for all
 #: visitors together); past it the oldest are dropped.
 PENDING_DRAWING_BYTES = 2 * MAX_UPLOAD_BYTES

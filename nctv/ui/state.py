@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from nctv.checks import env_number as _env_number
+from nctv.checks import env_limit
 from nctv.data import DATASETS, allowed_folder, assets_dir
 from nctv.hub import max_model_bytes
 
@@ -87,7 +87,7 @@ class Memo:
 
 
 #: Models held in memory at once (``$NCTV_MAX_MODELS``, read at start); the least recently used goes first.
-_models = Memo(int(_env_number("NCTV_MAX_MODELS", DEFAULT_MAX_MODELS, 1, whole=True)))
+_models = Memo(env_limit("NCTV_MAX_MODELS", DEFAULT_MAX_MODELS))
 _splits = Memo(6)
 _logits = Memo(8)
 _hashes = Memo(8)

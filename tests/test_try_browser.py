@@ -90,6 +90,12 @@ def test_the_tab_reads_at_every_size(browser, server, width, height):
         verdict = pg.locator("#try-verdict .nctv-verdict").bounding_box()
         first_class = pg.locator("#try-chart .nctv-class").first.bounding_box()
         assert verdict["y"] + verdict["height"] <= first_class["y"]
+        picture = pg.locator("#try-image").bounding_box()
+        examples = pg.get_by_text("Or pick a shipped example").bounding_box()
+        if width < 500:  # stacked in reading order: the picture, its verdict, and only then the examples
+            assert picture["y"] + picture["height"] <= verdict["y"] < examples["y"]
+        else:  # side by side: the verdict beside the picture, at its height
+            assert verdict["x"] >= picture["x"] + picture["width"] and verdict["y"] < picture["y"] + picture["height"]
         for element in ("#try-verdict", "#try-chart", "#try-delta", "#try-note"):  # nothing sticks out sideways
             box = pg.locator(element).bounding_box()
             assert box["x"] >= 0 and box["x"] + box["width"] <= width + 0.5, element
@@ -212,5 +218,44 @@ def test_amplifying_and_blending_delta_redraws_the_canvases_exactly(browser, ser
         assert np.abs(grey("blend") - grey("input")).max() == 0
         assert "δ" in pg.locator("#try-delta .nctv-delta-sentence").inner_text()
         assert "grey levels" in pg.locator("#try-delta .nctv-delta-sentence").inner_text()
+    finally:
+        pg.context.close()
+
+
+def test_loaded_calibrators_reach_the_learn_tab(browser, server, tmp_path):
+    """A calibrators.zip whose temperature-scaling T differs from the shipped one: once loaded in the Try
+    tab, the Learn tab's "temperature-scaling fit" is that T, without a new run."""
+    import shutil
+    import zipfile
+
+    from nctv.data import assets_dir
+
+    shipped = assets_dir() / "precomputed" / "calibrators"
+    folder = tmp_path / "calibrators"
+    for name in ("neural-clamping-fl", "temperature-scaling"):
+        shutil.copytree(shipped / name, folder / name)
+    config_path = folder / "temperature-scaling" / "config.json"
+    config = json.loads(config_path.read_text())
+    assert abs(config["fitted"]["temperature_"] - 2.5) > 0.1  # so that the check below can tell them apart
+    config["fitted"]["temperature_"] = 2.5
+    config_path.write_text(json.dumps(config))
+    archive = tmp_path / "calibrators.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                z.write(f, f.relative_to(folder))
+    pg = open_try(browser, server, 1280, 720)
+    try:
+        pg.get_by_role("tab", name="Learn").click()  # the page has the shipped calibration first
+        pg.wait_for_function("document.querySelector('#learn-ece').textContent.includes('%')", timeout=60_000)
+        pg.get_by_role("tab", name="Try your own image").click()
+        pg.locator("#try-load-calibrator input[type=file], input[type=file][accept*='.zip']").first.set_input_files(
+            str(archive))
+        pg.wait_for_function("document.querySelector('#try-loaded').innerText.includes('T = 2.500')", timeout=60_000)
+        pg.get_by_role("tab", name="Learn").click()
+        pg.wait_for_timeout(500)
+        pg.click("#learn-fit")
+        pg.wait_for_function("document.querySelector('#learn-message').textContent.includes('2.50')", timeout=30_000)
+        assert float(pg.locator("#learn-t-box").input_value()) == pytest.approx(2.5, abs=0.005)
     finally:
         pg.context.close()

@@ -71,6 +71,14 @@ APP_CSS = f"""
 /* A failed run's status line says what went wrong; Gradio's "Error" mark (shown even with its
    progress hidden) would cover that text. */
 .run-bar [data-testid="status-tracker"] .error {{ display: none; }}
+/* The Try tab on a phone: the picture, its result, then the examples and the calibrators' loader. */
+@media (max-width: {PHONE_WIDTH}px) {{
+  #try-row {{ flex-direction: column; }}
+  #try-inputs {{ display: contents; }}
+  #try-sources {{ order: 0; }}
+  #try-results {{ order: 1; }}
+  #try-more {{ order: 2; }}
+}}
 .result-table {{ overflow-x: auto; }}
 .result-table table {{ width: max-content; max-width: none; }}
 .result-table th, .result-table td {{ white-space: nowrap; }}
@@ -332,29 +340,32 @@ def _try_tab(state: gr.State):
     gr.Markdown("One picture through the model as it is, with temperature scaling and with Neural Clamping, using "
                 "your latest calibration from the first tab (or the pre-computed one). The embedded models know "
                 "Fashion-MNIST: clothing, light on a dark background.")
-    # Two columns on a wide screen; on a phone they stack, the picture first, then the result in one column.
-    with gr.Row():
-        with gr.Column(scale=1, min_width=300):
-            with gr.Tab("Picture"):
-                examples = try_tab.example_images()
-                image = CheckedImage(examples[0] if examples else None, type="filepath", image_mode=None,
-                                     sources=["upload", "clipboard", "webcam"], label="Upload, paste or take a picture",
-                                     height=300, elem_id="try-image")
+    # Two columns on a wide screen. On a phone they stack in reading order: the picture, then its result,
+    # then the shipped examples and the calibrators' loader (APP_CSS reorders the column's parts).
+    with gr.Row(elem_id="try-row"):
+        with gr.Column(scale=1, min_width=300, elem_id="try-inputs"):
+            examples = try_tab.example_images()
+            with gr.Tabs(elem_id="try-sources"):
+                with gr.Tab("Picture"):
+                    image = CheckedImage(examples[0] if examples else None, type="filepath", image_mode=None,
+                                         sources=["upload", "clipboard", "webcam"],
+                                         label="Upload, paste or take a picture", height=300, elem_id="try-image")
+                with gr.Tab("Draw"):
+                    sketch = CheckedSketchpad(label="Draw a piece of clothing (white on black)", type="numpy",
+                                              image_mode="RGB", canvas_size=(280, 280), value=_black_canvas(),
+                                              brush=gr.Brush(colors=["#ffffff", "#bbbbbb", "#777777"],
+                                                             default_color="#ffffff", default_size=14),
+                                              height=320, elem_id="try-sketch")
+                    draw_btn = gr.Button("Classify the drawing", variant="primary")
+            with gr.Column(elem_id="try-more"):
                 shipped = gr.Examples([[p] for p in examples], inputs=[image], label="Or pick a shipped example",
                                       examples_per_page=12, cache_examples=False,
                                       api_visibility="private") if examples else None
-            with gr.Tab("Draw"):
-                sketch = CheckedSketchpad(label="Draw a piece of clothing (white on black)", type="numpy",
-                                          image_mode="RGB", canvas_size=(280, 280), value=_black_canvas(),
-                                          brush=gr.Brush(colors=["#ffffff", "#bbbbbb", "#777777"],
-                                                         default_color="#ffffff", default_size=14),
-                                          height=320, elem_id="try-sketch")
-                draw_btn = gr.Button("Classify the drawing", variant="primary")
-            upload = gr.UploadButton("Load saved calibrators (.zip)", file_types=[".zip"], file_count="single",
-                                     size="sm", elem_id="try-load-calibrator")
-            loaded_note = gr.Markdown("Or load the calibrators.zip that the Calibrate tab offers for download.",
-                                      elem_id="try-loaded")
-        with gr.Column(scale=2, min_width=300):
+                upload = gr.UploadButton("Load saved calibrators (.zip)", file_types=[".zip"], file_count="single",
+                                         size="sm", elem_id="try-load-calibrator")
+                loaded_note = gr.Markdown("Or load the calibrators.zip that the Calibrate tab offers for download.",
+                                          elem_id="try-loaded")
+        with gr.Column(scale=2, min_width=300, elem_id="try-results"):
             # The verdict first: a foreign picture's confidences below it are dimmed.
             verdict = gr.HTML(try_tab.verdict_html(None), css_template=try_tab.VERDICT_CSS, js_on_load=None,
                               elem_id="try-verdict")
@@ -372,10 +383,10 @@ def _try_tab(state: gr.State):
         shipped.load_input_event.then(try_tab.classify, [image, state], outputs, api_visibility="private", **light)
     draw_btn.click(try_tab.classify_drawing, [sketch, state], outputs, api_name="classify_drawing", **light).failure(
         try_tab.cleared, None, outputs, queue=False, api_visibility="private")
-    upload.upload(load_calibrators, [upload, state], [state, loaded_note], api_visibility="private",
-                  concurrency_limit=LIGHT_CONCURRENCY).success(
-        try_tab.classify, [image, state], outputs, api_visibility="private", **light)
-    return image, outputs
+    loaded = upload.upload(load_calibrators, [upload, state], [state, loaded_note], api_visibility="private",
+                           concurrency_limit=LIGHT_CONCURRENCY)
+    loaded.success(try_tab.classify, [image, state], outputs, api_visibility="private", **light)
+    return image, outputs, loaded
 
 
 def _black_canvas():
@@ -384,7 +395,7 @@ def _black_canvas():
     return {"background": np.zeros((280, 280, 3), dtype=np.uint8), "layers": [], "composite": None}
 
 
-def _learn_tab(state: gr.State, run_event) -> None:
+def _learn_tab(state: gr.State, *new_calibrations) -> None:
     table0, text0 = _initial_learn()
     # Controls, read-outs and diagram live in the page, which computes them from the test logits it
     # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
@@ -405,8 +416,9 @@ def _learn_tab(state: gr.State, run_event) -> None:
     # keeps the answer to its latest request only.
     view.open_bin(learn_tab.open_bin, [state], [view], show_progress="hidden", trigger_mode="multiple",
                   concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
-    # A finished run becomes the Learn tab's model: its logits go to the page once.
-    run_event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
+    # A finished run, or loaded calibrators, become the Learn tab's model: its logits go to the page once.
+    for event in new_calibrations:
+        event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
     # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.
     api_t = CheckedNumber(1.0, visible=False)
     api_bins = CheckedNumber(DEFAULT_BINS, visible=False)
@@ -437,9 +449,9 @@ def build_app() -> gr.Blocks:
             with gr.Tab("Initialisation", id="init"):
                 _init_tab(shared)
             with gr.Tab("Try your own image", id="try"):
-                try_image, try_outputs = _try_tab(state)
+                try_image, try_outputs, loaded = _try_tab(state)
             with gr.Tab("Learn", id="learn"):
-                _learn_tab(state, run_event)
+                _learn_tab(state, run_event, loaded)
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
                   show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)

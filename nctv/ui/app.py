@@ -79,6 +79,16 @@ APP_CSS = f"""
   #try-results {{ order: 1; }}
   #try-more {{ order: 2; }}
 }}
+/* Plotly draws its figures white with dark ink (inline styles). In the dark theme they take the page's
+   colours instead: a clear background, light text and axes, dim grid lines. */
+.dark .js-plotly-plot .main-svg {{ background: transparent !important; }}
+.dark .js-plotly-plot rect.bg {{ fill: transparent !important; }}
+.dark .js-plotly-plot .legend rect.bg {{ fill: transparent !important; stroke: #6b7280 !important; }}
+.dark .js-plotly-plot text {{ fill: #e5e7eb !important; }}
+.dark .js-plotly-plot .gridlayer path, .dark .js-plotly-plot .zerolinelayer path {{ stroke: #4b5563 !important; }}
+.dark .js-plotly-plot path.xline, .dark .js-plotly-plot path.yline,
+.dark .js-plotly-plot .xtick, .dark .js-plotly-plot .ytick {{ stroke: #9ca3af !important; }}
+.dark .js-plotly-plot .modebar-btn path {{ fill: #9ca3af !important; }}
 .result-table {{ overflow-x: auto; }}
 .result-table table {{ width: max-content; max-width: none; }}
 .result-table th, .result-table td {{ white-space: nowrap; }}
@@ -292,7 +302,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                 with gr.Column(min_width=320):
                     params = gr.Markdown(params0)
                 with gr.Column(min_width=320):
-                    delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)")
+                    delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)", elem_id="delta-plot")
             # No height cap: every file in view, calibrators.zip (the one to reuse) first.
             files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
                                           "figures, δ)", file_count="multiple", interactive=False,

@@ -293,9 +293,9 @@ def _resolve(path: str) -> Path:
 def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = PANEL_INTERVALS) -> dict[str, Any]:
     """Every row's test ECE on one shared set of resamples of the test split (``nctv.intervals``: one
     count matrix for all rows, so differences are paired; a row's seeds are redrawn with each resample
-    and pooled, as the engine pools a stochastic method's seeds). Rows whose runs did not all keep their
-    logits (rows lent by reports made before logits were kept) or whose labels differ from the first
-    row's (another test split) are left out."""
+    and pooled, as the engine pools a stochastic method's seeds, row after row in the order given).
+    Rows whose runs did not all keep their logits (rows lent by reports made before logits were kept)
+    or whose labels differ from the first row's (another test split) are left out."""
     from safetensors.torch import load_file
 
     from nctv.intervals import method_draws, resample_counts, seed_counts
@@ -309,13 +309,14 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
         return {}
     labels = next(iter(loaded.values()))[1]
     counts = resample_counts(len(labels), settings.resamples, settings.seed)
+    # One generator redraws the seeds of every row in turn, as the engine does over a run's methods: rows
+    # whose seeds are independent fits get independent redraws.
+    generator = torch.Generator().manual_seed(settings.seed + 1)
     out = {}
     for label, (logits, y) in loaded.items():
         if not torch.equal(y, labels):
             continue
-        # A fresh generator per row: a row's draws do not depend on which other rows the panel has.
-        seeds = (seed_counts(len(logits), settings.resamples, torch.Generator().manual_seed(settings.seed + 1))
-                 if len(logits) > 1 else None)
+        seeds = seed_counts(len(logits), settings.resamples, generator) if len(logits) > 1 else None
         out[label] = method_draws(logits, labels, counts, N_BINS, ["ece"], seeds)["ece"]
     return out
 

@@ -373,7 +373,7 @@ def panel_summary(model: str, baselines: dict, nc_runs: dict[str, list[dict]], d
                            "delta_norm": [r["delta_norm"] for r in ok]}
             if all(r.get("from_report") for r in ok):
                 lent.add(label)
-    best_baseline = min(PANEL_BASELINES, key=lambda n: rows[n]["ece"][0])
+    best_baseline = min((n for n in PANEL_BASELINES if n in rows), key=lambda n: rows[n]["ece"][0])
     out: dict[str, Any] = {"model": model, "uncalibrated_ece": rows["Uncalibrated"]["ece"][0],
                            "rows": {k: {f: mean_std(v) for f, v in r.items()} for k, r in rows.items()},
                            "n_seeds": {k: len(r["ece"]) for k, r in rows.items()}, "best_baseline": best_baseline,
@@ -668,7 +668,7 @@ def markdown(summary: dict, settings: dict) -> list[str]:
                 n = m["n_seeds"][name]
                 ece = _ms(row["ece"]) if n > 1 else f"{row['ece'][0]:.2f}"
                 temp = _ms(row.get("temperature"), 3) if n > 1 else f"{row['temperature'][0]:.3f}"
-                dn = _ms(row.get("delta_norm")) if "delta_norm" in row else "–"
+                dn = "–" if "delta_norm" not in row else _ms(row["delta_norm"]) if n > 1 else f"{row['delta_norm'][0]:.2f}"
                 ci = f"[{intervals[name][0]:.2f}, {intervals[name][1]:.2f}]" if name in intervals else "–"
                 mark = " †" if name in m.get("referenced_rows", []) else ""
                 lines.append(f"| {name}{mark} | {ece} | {ci} | {temp} | {dn} | {row['passes'][0]:.1f} | "

@@ -405,9 +405,15 @@ def targets(args: argparse.Namespace, results: dict) -> list[dict]:
     if "panel_nc" in results:
         for m in panel.summarise(results)["panel"]:
             t, pt = m.get("ece_target"), m.get("pass_target")
-            if t:
-                add(f"{m['model']}: default NC mean test ECE vs min(TS grid, recipes) + 0.1 pt",
-                    f"{t['measured']:.2f} %", f"≤ {t['value']:.2f} %", t["met"])
+            if t and t["rule"] == "paired":
+                c = t["paired"][t["best_alternative"]]
+                add(f"{m['model']}: NC default − best alternative ({t['best_alternative']}), test ECE, "
+                    "upper end of the paired 95 % interval", f"{c['difference']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}] pt",
+                    f"≤ +{panel.ECE_MARGIN_PT:g} pt", t["met"], c["relation"])
+            elif t:
+                add(f"{m['model']}: NC default mean test ECE vs the best alternative ({t['best_alternative']}) + 0.1 pt",
+                    f"{t['measured']:.2f} %", f"≤ {t['value']:.2f} %", t["met"],
+                    f"earlier rule on means: {panel.NO_LOGITS}")
             if pt:
                 add(f"{m['model']}: default NC passes vs the recipe's", f"{pt['ratio']:.3f}", "≤ 0.2", pt["met"])
         runs = [r for r in results["panel_nc"] if r.get("model") == DEFAULT_MODEL and r.get("row") == "NC default"
@@ -415,8 +421,9 @@ def targets(args: argparse.Namespace, results: dict) -> list[dict]:
         name = f"NC default on the embedded default ({DEFAULT_MODEL}, {DEFAULT_NC_CAL_SIZE} images), wall"
         if runs and runs[0].get("cal_size", DEFAULT_NC_CAL_SIZE) and args.cal_size == DEFAULT_NC_CAL_SIZE:
             sec = float(np.median([r["seconds"] for r in runs]))
+            cpu = [r["cpu_seconds"] for r in runs if "cpu_seconds" in r]  # reports before the engine ran the panel
             add(name, f"{sec:.1f} s (median of {len(runs)})", f"< {DEFAULT_NC_SECONDS_MAX:g} s on {args.threads} threads",
-                sec < DEFAULT_NC_SECONDS_MAX, f"CPU time {np.median([r['cpu_seconds'] for r in runs]):.1f} s")
+                sec < DEFAULT_NC_SECONDS_MAX, f"CPU time {np.median(cpu):.1f} s" if cpu else "")
         else:
             add(name, "not measured", f"< {DEFAULT_NC_SECONDS_MAX:g} s", None,
                 "needs the default model in the panel at 5000 calibration images")
@@ -819,10 +826,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.panel_dir = cache_dir() / "panel"
     if args.nctoolkit is not None and not (args.nctoolkit / "neural_clamping" / "nc_wrapper.py").is_file():
         ap.error(f"--nctoolkit {args.nctoolkit}: no neural_clamping/nc_wrapper.py there; give the folder of a checkout.")
-    missing = [m for m in args.panel_models if m not in panel.MILD and not (args.panel_dir / m).is_dir()]
-    if "panel" in args.sections and missing:
-        ap.error(f"panel models missing in {args.panel_dir}: {', '.join(missing)}; train them with "
-                 "`python scripts/make_assets.py panel` (about 50 min on 2 cores) or pass --panel-dir.")
     if args.out is None:
         args.out = ROOT / "bench" / "results" / ("quick" if args.quick else "")
     if not 2 <= args.sequential <= len(SWEEP_GAMMAS):
@@ -865,6 +868,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) == 2 and argv[0] == "--render":
         return render_again(Path(argv[1]))
     args = parse_args(argv)
+    # Checked here, not in parse_args: --render derives figures again and needs no model.
+    missing = [m for m in args.panel_models if m not in panel.MILD and not (args.panel_dir / m).is_dir()]
+    if "panel" in args.sections and missing:
+        print(f"python -m bench: error: panel models missing in {args.panel_dir}: {', '.join(missing)}; train them "
+              "with `python scripts/make_assets.py panel` (about 50 min on 2 cores) or pass --panel-dir.", file=sys.stderr)
+        return 2
     OMP_PASSIVE = bool(args.omp_passive)
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -8,7 +8,8 @@
 #
 # PYTHON picks the interpreter (default python3; the oldest PyTorch allowed has no wheels for
 # Python 3.13, so use 3.10-3.12). NCTV_MIN_VENV is where the environment goes (default
-# $TMPDIR/nctv-min-venv, made afresh on every run). Downloads the old PyTorch (several GB).
+# $TMPDIR/nctv-min-venv, made afresh on every run; NCTV_MIN_REUSE=1 runs the tests in the one a
+# previous run made, without installing again). Downloads the old PyTorch (several GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -63,9 +64,13 @@ fi
 
 echo "check_min_versions: Python $("$PY" -c 'import sys; print(sys.version.split()[0])') ($PY), environment $VENV"
 echo "check_min_versions: pins: ${PINS[*]}"
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e . "${PINS[@]}"
+if [ "${NCTV_MIN_REUSE:-0}" = 1 ] && [ -x "$VENV/bin/python" ]; then
+  echo "check_min_versions: reusing $VENV (NCTV_MIN_REUSE=1)"
+else
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e . "${PINS[@]}"
+fi
 "$VENV/bin/python" -m pip check
 echo "check_min_versions: installed:"
 names="$(printf '%s\n' "${PINS[@]}" | sed 's/==.*//' | paste -sd' ')"

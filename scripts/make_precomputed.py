@@ -1,8 +1,8 @@
 """Make ``assets/precomputed/``: the result the web app shows before anyone runs anything.
 
-It is the app's own Calibrate run (``nctv.ui.calibrate.run_calibration``) with the page's default
-settings on the embedded default model — so pressing "Run calibration" without changing anything
-reproduces it — plus a few test images for the "Try your own image" tab:
+It is the engine's run (``nctv.experiment.run_experiment``) that the app's Calibrate tab makes with the
+page's default settings on the embedded default model — so pressing "Run calibration" without changing
+anything reproduces it — plus a few test images for the "Try your own image" tab:
 
     results.json              the RunResult (metrics per method, learned T, γ, λ, settings)
     test_logits.safetensors   calibrated test logits per method (+ "labels"): the reliability diagrams
@@ -21,16 +21,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nctv.data import assets_dir, get_splits  # noqa: E402
+from nctv.experiment import run_experiment  # noqa: E402
+from nctv.inference import resolve_device  # noqa: E402
 from nctv.results import method_slug  # noqa: E402
-from nctv.ui.calibrate import DEFAULT_METHODS, NCSettings, run_calibration  # noqa: E402
-from nctv.ui.state import (DEFAULT_BINS, DEFAULT_CALIBRATION_SIZE, SplitSpec, get_model, get_splits,  # noqa: E402
-                            precomputed_dir)
-from nctv.zoo import DEFAULT_MODEL  # noqa: E402
+from nctv.settings import DEFAULT_CALIBRATION_SIZE  # noqa: E402
+from nctv.zoo import DEFAULT_MODEL, load_model  # noqa: E402
+
+#: The Calibrate tab's default methods and bins (``nctv.ui.calibrate.DEFAULT_METHODS``, ``nctv.ui.state.DEFAULT_BINS``),
+#: written here because this script reaches the engine without the app.
+APP_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
+APP_BINS = 15
+#: The page's Neural Clamping settings left at their defaults: γ = 1, the fast fitter, random δ₀.
+APP_GAMMA, APP_FITTER, APP_INIT = 1.0, "fast", "random"
 
 
-def write_examples(spec: SplitSpec, folder: Path) -> list[Path]:
+def write_examples(test, folder: Path) -> list[Path]:
     """The first test image of every class, named ``NN-class.png`` (NN: its index in the test split)."""
-    _, test = get_splits(spec)
     folder.mkdir(parents=True, exist_ok=True)
     labels = test.labels.tolist()
     written = []
@@ -44,23 +51,29 @@ def write_examples(spec: SplitSpec, folder: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=precomputed_dir(), help="output folder (default: assets/precomputed)")
+    ap.add_argument("--out", type=Path, default=assets_dir() / "precomputed",
+                    help="output folder (default: assets/precomputed)")
     ap.add_argument("--calibration-size", type=int, default=DEFAULT_CALIBRATION_SIZE)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
+    ap.add_argument("--bins", type=int, default=APP_BINS)
     args = ap.parse_args(argv)
 
-    spec = SplitSpec(DEFAULT_MODEL, None, args.calibration_size, args.seed)
+    loaded = load_model(DEFAULT_MODEL, device=resolve_device(None))
+    cal, test = get_splits(loaded, None, calibration_size=args.calibration_size, calibration_seed=args.seed)
 
-    def report(item: tuple) -> None:
-        if item[0] == "progress":
-            print(f"[{100 * item[1]:5.1f}%] {item[2]}", flush=True)
+    def report(fraction: float, message: str) -> None:
+        print(f"[{100 * fraction:5.1f}%] {message}", flush=True)
 
-    result, _ = run_calibration(spec, DEFAULT_METHODS, args.bins, NCSettings(), report)
+    result = run_experiment(loaded, cal, test, APP_METHODS, seeds=[args.seed], bins=[args.bins], fitter=APP_FITTER,
+                            gamma=APP_GAMMA, progress=False, callback=report, nc_settings={"init": APP_INIT})
+    # The settings the app records beside a run of its own, which its δ image and Learn tab read.
+    result.settings.update(init=APP_INIT, weight_decay=None, lr=None, dataset=None,
+                           mean=[float(v) for v in loaded.data_config["mean"]],
+                           std=[float(v) for v in loaded.data_config["std"]])
     if args.out.exists():
         shutil.rmtree(args.out)
-    written = result.save(args.out, model=get_model(spec.model))
-    written += write_examples(spec, args.out / "examples")
+    written = result.save(args.out, model=loaded)
+    written += write_examples(test, args.out / "examples")
     for p in written:
         print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KiB)")
     return 0

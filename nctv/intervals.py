@@ -29,6 +29,7 @@ import torch
 from scipy.stats import norm
 
 from nctv.checks import check_bins, check_labels, check_logits
+from nctv.metrics import SmoothReliability, smooth_ece_batch, smooth_reliability_curves
 from nctv.settings import DEFAULT_LEVEL, DEFAULT_RESAMPLES
 
 #: The interval construction, recorded with every result.
@@ -373,3 +374,45 @@ def wilson_interval(successes: Any, trials: Any, level: float = DEFAULT_LEVEL) -
         half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     empty = n <= 0
     return np.where(empty, np.nan, np.clip(centre - half, 0, 1)), np.where(empty, np.nan, np.clip(centre + half, 0, 1))
+
+
+@dataclass(frozen=True)
+class SmoothBand(SmoothReliability):
+    """A smoothed reliability diagram with its pointwise ``level`` band over ``resamples`` resamples.
+
+    ``low`` and ``high`` bound the smoothed accuracy at each mesh point (``confidence``): the basic
+    bootstrap interval of the curve at the test split's bandwidth, clipped to [0, 1].
+    """
+
+    low: np.ndarray
+    high: np.ndarray
+    level: float
+    resamples: int
+
+
+def smooth_band(confidence: Any, correct: Any, *, level: float = DEFAULT_LEVEL,
+                resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> SmoothBand:
+    """The smoothed reliability curve of top-label ``confidence`` and 0/1 ``correct`` (1-D, one per
+    sample), with its bootstrap band.
+
+    Every resample is smoothed at the test split's automatic bandwidth σ*, so all curves share one mesh;
+    the band is the pointwise basic bootstrap interval [2·curve − q_hi, 2·curve − q_lo] (q: quantiles of
+    the resampled curves), the same construction as every other interval of a run. All resamples are
+    smoothed at once from one count matrix (:func:`resample_counts` with ``seed``).
+    """
+    settings = IntervalSettings(level, resamples, seed)
+    c = np.asarray(confidence.detach().cpu() if isinstance(confidence, torch.Tensor) else confidence, dtype=np.float64)
+    y = np.asarray(correct.detach().cpu() if isinstance(correct, torch.Tensor) else correct, dtype=np.float64)
+    if c.ndim != 1 or y.ndim != 1:
+        raise ValueError("smooth_band takes one value of confidence and of correctness per sample (1-D arrays).")
+    value, sigma = smooth_ece_batch(c, y)
+    bandwidth = float(sigma[0])
+    mesh, curve, density = smooth_reliability_curves(c, y, bandwidth)
+    counts = resample_counts(len(c), settings.resamples, settings.seed)
+    _, draws, _ = smooth_reliability_curves(c, y, bandwidth, counts=counts)
+    alpha = (1.0 - settings.level) / 2
+    q_low, q_high = np.quantile(draws, [alpha, 1 - alpha], axis=0)
+    low = np.clip(2 * curve[0] - q_high, 0.0, 1.0)
+    high = np.clip(2 * curve[0] - q_low, 0.0, 1.0)
+    return SmoothBand(mesh, curve[0], density[0], bandwidth, float(value[0]), low, high,
+                      float(settings.level), settings.resamples)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy import sparse
 
 from nctv.checks import check_bins, check_labels, check_logits
 
@@ -378,14 +379,25 @@ def _linear_weights(x: np.ndarray, grid: int) -> tuple[np.ndarray, np.ndarray]:
     return left, pos - left
 
 
-def _spread(conf: np.ndarray, weights: np.ndarray, grid: int) -> np.ndarray:
+def _spread(conf: np.ndarray, weights: np.ndarray, grid: int, counts: np.ndarray | None = None) -> np.ndarray:
     """Each sample's weight split between its two neighbouring grid points (linear interpolation).
 
-    ``conf`` (B, N), ``weights`` (W, B, N) -> (W, B, grid). Depends on σ only through the grid size,
-    so the bandwidth search spreads once per grid size and smooths many times.
+    ``conf`` (B, N), ``weights`` (W, B, N) -> (W, B, grid). With ``counts`` (B, N), ``conf`` (N,) and
+    ``weights`` (W, N) are one sample and row b weighs sample i ``counts[b, i]`` times (a resample,
+    without copying its samples): one sparse product per weight. Depends on σ only through the grid
+    size, so the bandwidth search spreads once per grid size and smooths many times.
     """
-    n_rows = conf.shape[0]
     left, frac = _linear_weights(conf, grid)
+    if counts is not None:
+        n = conf.shape[0]
+        rows = np.concatenate([np.arange(n), np.arange(n)])
+        cols = np.concatenate([left, left + 1])
+        out = np.empty((len(weights), counts.shape[0], grid))
+        for k, w in enumerate(weights):
+            to_grid = sparse.csr_matrix((np.concatenate([w * (1.0 - frac), w * frac]), (rows, cols)), shape=(n, grid))
+            out[k] = (to_grid.T @ counts.T).T
+        return out
+    n_rows = conf.shape[0]
     index = (np.arange(n_rows)[:, None] * grid + left).ravel()
     out = np.empty((len(weights), n_rows, grid))
     for k, w in enumerate(weights):
@@ -409,17 +421,21 @@ def _smooth_on_mesh(values: np.ndarray, bandwidth: float) -> np.ndarray:
 
 
 class _RowsSmoother:
-    """Kernel sums of (c − y) and of 1 for a block of rows, spread once per grid size."""
+    """Kernel sums of (c − y) and of 1 for a block of rows, spread once per grid size.
 
-    def __init__(self, conf: np.ndarray, correct: np.ndarray):
-        self.conf = conf
+    Rows are (B, N) arrays, or one sample (N,) weighed by the (B, N) ``counts`` of B resamples.
+    """
+
+    def __init__(self, conf: np.ndarray, correct: np.ndarray, counts: np.ndarray | None = None):
+        self.conf, self.counts = conf, counts
+        self.n_rows = conf.shape[0] if counts is None else counts.shape[0]
         self.weights = np.stack([conf - correct, np.ones_like(conf)])
         self.spread: dict[int, np.ndarray] = {}
 
     def sums(self, bandwidth: float, rows: np.ndarray | slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
         grid = smooth_grid_size(bandwidth)
         if grid not in self.spread:
-            self.spread[grid] = _spread(self.conf, self.weights, grid)
+            self.spread[grid] = _spread(self.conf, self.weights, grid, self.counts)
         residual, density = _smooth_on_mesh(self.spread[grid][:, rows], bandwidth)
         return residual, density
 
@@ -437,8 +453,7 @@ def _smooth_ece_search(rows: _RowsSmoother) -> tuple[np.ndarray, np.ndarray]:
     where σ < smECE_σ (or σ is below SMOOTH_ECE_MIN_BANDWIDTH) and ``high`` where σ ≥ smECE_σ; after
     10 halvings σ* = ``high``. Rows share each evaluation at the bandwidths they have in common.
     """
-    n_rows = rows.conf.shape[0]
-    low, high = np.zeros(n_rows), np.ones(n_rows)
+    low, high = np.zeros(rows.n_rows), np.ones(rows.n_rows)
     value = rows.smooth_ece(1.0)
     for _ in range(_SEARCH_STEPS):
         mid = (low + high) / 2
@@ -488,18 +503,49 @@ def _check_batch(confidence: Any, correct: Any) -> tuple[np.ndarray, np.ndarray]
     return c, y
 
 
-def smooth_ece_batch(confidence: Any, correct: Any, bandwidth: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _check_counts(counts: Any, n: int) -> np.ndarray:
+    a = (counts.detach().cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts))
+    if a.ndim != 2 or a.shape[1] != n:
+        raise ValueError(f"counts must be (resamples, {n}): how often each sample is drawn; got shape {a.shape}.")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all() or a.min() < 0 or (a.sum(1) <= 0).any():
+        raise ValueError("counts must be non-negative with at least one drawn sample per resample.")
+    return a
+
+
+def _smooth_blocks(confidence: Any, correct: Any, counts: Any | None):
+    """(rows, smoother) per block of at most _ROWS_PER_CHUNK rows (resamples when ``counts`` is given)."""
+    c, y = _check_batch(confidence, correct)
+    if counts is None:
+        for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
+            block = slice(start, start + _ROWS_PER_CHUNK)
+            yield block, _RowsSmoother(c[block], y[block]), c.shape[1]
+        return
+    if c.shape[0] != 1:
+        raise ValueError("With counts, confidence and correct are one sample (1-D); counts gives the resamples.")
+    w = _check_counts(counts, c.shape[1])
+    for start in range(0, w.shape[0], _ROWS_PER_CHUNK):
+        block = slice(start, start + _ROWS_PER_CHUNK)
+        yield block, _RowsSmoother(c[0], y[0], w[block]), w[block].sum(1, keepdims=True)
+
+
+def _batch_rows(confidence: Any, counts: Any | None) -> int:
+    return _as_rows(confidence, "confidence").shape[0] if counts is None else len(counts)
+
+
+def smooth_ece_batch(confidence: Any, correct: Any, bandwidth: float | None = None,
+                     counts: Any | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Smooth ECE of every row of a (B, N) batch of top-label confidences and 0/1 correctness.
 
-    A 1-D pair is one row. ``bandwidth`` None picks σ* per row (the paper's automatic choice); a number
+    A 1-D pair is one row. With ``counts`` (B, N), the pair is one sample of N and row b is the
+    resample that draws sample i ``counts[b, i]`` times (exactly the smECE of that resample, without
+    materialising it). ``bandwidth`` None picks σ* per row (the paper's automatic choice); a number
     fixes σ for every row. Returns (smECE per row, σ per row) as float64 arrays of length B.
     """
     sigma = _check_bandwidth(bandwidth)
-    c, y = _check_batch(confidence, correct)
-    value, width = np.empty(c.shape[0]), np.full(c.shape[0], sigma or 0.0)
-    for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
-        block = slice(start, start + _ROWS_PER_CHUNK)
-        rows = _RowsSmoother(c[block], y[block])
+    n_rows = _batch_rows(confidence, counts)
+    value, width = np.empty(n_rows), np.full(n_rows, sigma or 0.0)
+    for block, rows, _ in _smooth_blocks(confidence, correct, counts):
         if sigma is None:
             value[block], width[block] = _smooth_ece_search(rows)
         else:
@@ -527,25 +573,25 @@ def smooth_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: b
     return float(smooth_ece_batch(conf, correct, bandwidth)[0][0])
 
 
-def smooth_reliability_curves(confidence: Any, correct: Any, bandwidth: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def smooth_reliability_curves(confidence: Any, correct: Any, bandwidth: float,
+                               counts: Any | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The smoothed reliability curve and confidence density of every row of a batch, at one bandwidth.
 
     Returns (mesh (T,), accuracy (B, T), density (B, T)). accuracy(t) = t − r̂_σ(t), so the gap to the
     diagonal is the smoothed residual that smECE integrates; density is ρ̂_σ / N, a density on
     [0, 1] (its mean over the mesh is about 1). One σ for all rows (e.g. the point estimate's σ*)
-    puts every row on the same mesh, as a band over resamples needs.
+    puts every row on the same mesh, as a band over resamples needs. ``counts`` (B, N): rows are
+    resamples of one sample, as in :func:`smooth_ece_batch`.
     """
     sigma = _check_bandwidth(bandwidth)
     if sigma is None:
         raise ValueError("smooth_reliability_curves needs a bandwidth; take it from smooth_ece_batch.")
-    c, y = _check_batch(confidence, correct)
     mesh = smooth_mesh(sigma)
-    accuracy, density = np.empty((2, c.shape[0], len(mesh)))
-    for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
-        block = slice(start, start + _ROWS_PER_CHUNK)
-        residual, dens = _RowsSmoother(c[block], y[block]).sums(sigma)
+    accuracy, density = np.empty((2, _batch_rows(confidence, counts), len(mesh)))
+    for block, rows, n in _smooth_blocks(confidence, correct, counts):
+        residual, dens = rows.sums(sigma)
         accuracy[block] = mesh - residual / (dens + _DENSITY_FLOOR)
-        density[block] = dens / c.shape[1]
+        density[block] = dens / n
     return mesh, accuracy, density
 
 

@@ -32,78 +32,22 @@ from scipy import sparse
 
 from nctv.checks import check_bins, check_labels, check_logits
 
-METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier")
+METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier", "smooth_ece")
 
 
-@dataclass(frozen=True)
-class MetricInfo:
-    """How a metric is named, compared and shown (the paper's table units)."""
-
-    title: str
-    # True for accuracy; None for entropy, a description with no better direction (a calibrated model
-    # is neither as sure as possible nor as unsure as possible).
-    higher_is_better: bool | None
-    percent: bool  # shown × 100 with "%"
-    decimals: int
-
-
-METRICS: dict[str, MetricInfo] = {
-    "accuracy": MetricInfo("Accuracy", True, True, 2),
-    "entropy": MetricInfo("Entropy", None, False, 4),
-    "ece": MetricInfo("ECE", False, True, 2),
-    "aece": MetricInfo("AECE", False, True, 2),
-    "sce": MetricInfo("SCE", False, False, 4),  # scaled by 10^sce_exponent(K)
-    "mce": MetricInfo("MCE", False, True, 2),
-    "nll": MetricInfo("NLL", False, False, 4),
-    "brier": MetricInfo("Brier", False, False, 4),
-    "smooth_ece": MetricInfo("smECE", False, True, 2),  # not in METRIC_NAMES: evaluate() leaves it out
+#: Which way is better: True for accuracy, False for the errors, None for entropy, a description of
+#: the model with no better direction (a calibrated model is neither as sure nor as unsure as possible).
+HIGHER_IS_BETTER: dict[str, bool | None] = {
+    "accuracy": True, "entropy": None, "ece": False, "aece": False, "sce": False, "mce": False, "nll": False,
+    "brier": False, "smooth_ece": False,
 }
-
-
-def sce_exponent(n_classes: int) -> int:
-    """The power of ten SCE is shown in: 2 (×10⁻²) below 1000 classes, else 3 (×10⁻³), as in the paper."""
-    return 3 if n_classes >= 1000 else 2
-
-
-@dataclass(frozen=True)
-class Column:
-    """``key`` is a metric name or "resolution"/"seconds"; shown value = fraction × ``scale``."""
-
-    key: str
-    title: str
-    unit: str = ""
-    scale: float = 1.0
-    decimals: int = 4
-    higher_is_better: bool | None = None
-
-    def label(self) -> str:
-        """Title, unit and direction as a reader sees them, e.g. "SCE (×10⁻²) ↓" (LaTeX: ``nctv.report``)."""
-        arrow = "" if self.higher_is_better is None else (" ↑" if self.higher_is_better else " ↓")
-        return f"{self.title} ({self.unit}){arrow}" if self.unit else f"{self.title}{arrow}"
-
-
-_SUPERSCRIPTS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
-
-
-def metric_column(metric: str, n_classes: int) -> Column:
-    info = METRICS.get(metric)
-    if info is None:
-        raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(METRIC_NAMES)}.")
-    if info.percent:
-        unit, scale = "%", 100.0
-    elif metric == "sce":
-        e = sce_exponent(n_classes)
-        unit, scale = "×10⁻" + _SUPERSCRIPTS[e], 10.0**e
-    else:
-        unit, scale = "", 1.0
-    return Column(metric, info.title, unit, scale, info.decimals, info.higher_is_better)
 
 
 def better(metric: str, a: float, b: float) -> bool | None:
     """Is value ``a`` better than ``b`` for ``metric``? None when equal or the metric has no direction."""
-    if a == b or METRICS[metric].higher_is_better is None:
+    if a == b or HIGHER_IS_BETTER[metric] is None:
         return None
-    return (a > b) if METRICS[metric].higher_is_better else (a < b)
+    return (a > b) if HIGHER_IS_BETTER[metric] else (a < b)
 
 
 def _prepare(logits: Any, labels: Any | None, from_probabilities: bool):
@@ -328,6 +272,7 @@ def evaluate(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: boo
         "mce": _mce(p, y, n_bins),
         "nll": _nll(logp, y),
         "brier": _brier(p, y),
+        "smooth_ece": _smooth_ece(p, y),
     }
 
 
@@ -507,7 +452,6 @@ def _check_counts(counts: Any, n: int) -> np.ndarray:
     a = (counts.detach().cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts))
     if a.ndim != 2 or a.shape[1] != n:
         raise ValueError(f"counts must be (resamples, {n}): how often each sample is drawn; got shape {a.shape}.")
-    a = a.astype(np.float64)
     if not np.isfinite(a).all() or a.min() < 0 or (a.sum(1) <= 0).any():
         raise ValueError("counts must be non-negative with at least one drawn sample per resample.")
     return a
@@ -553,10 +497,18 @@ def smooth_ece_batch(confidence: Any, correct: Any, bandwidth: float | None = No
     return value, width
 
 
-def _top1_correct(logits: Any, labels: Any, from_probabilities: bool) -> tuple[np.ndarray, np.ndarray]:
-    _, p, y = _prepare(logits, labels, from_probabilities)
+def _conf_correct(p: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     conf, pred = _top1(p)
     return conf.numpy(), (pred == y).double().numpy()
+
+
+def _top1_correct(logits: Any, labels: Any, from_probabilities: bool) -> tuple[np.ndarray, np.ndarray]:
+    _, p, y = _prepare(logits, labels, from_probabilities)
+    return _conf_correct(p, y)
+
+
+def _smooth_ece(p, y):
+    return float(smooth_ece_batch(*_conf_correct(p, y))[0][0])
 
 
 def smooth_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False,

@@ -329,19 +329,19 @@ def _spread(conf: np.ndarray, weights: np.ndarray, grid: int, counts: np.ndarray
 
     ``conf`` (B, N), ``weights`` (W, B, N) -> (W, B, grid). With ``counts`` (B, N), ``conf`` (N,) and
     ``weights`` (W, N) are one sample and row b weighs sample i ``counts[b, i]`` times (a resample,
-    without copying its samples): one sparse product per weight. Depends on σ only through the grid
+    without copying its samples): one sparse product for all weights. Depends on σ only through the grid
     size, so the bandwidth search spreads once per grid size and smooths many times.
     """
     left, frac = _linear_weights(conf, grid)
     if counts is not None:
-        n = conf.shape[0]
-        rows = np.concatenate([np.arange(n), np.arange(n)])
-        cols = np.concatenate([left, left + 1])
-        out = np.empty((len(weights), counts.shape[0], grid))
-        for k, w in enumerate(weights):
-            to_grid = sparse.csr_matrix((np.concatenate([w * (1.0 - frac), w * frac]), (rows, cols)), shape=(n, grid))
-            out[k] = (to_grid.T @ counts.T).T
-        return out
+        # One sparse (N, W·grid) matrix: sample i puts w·(1 − frac) on its left and w·frac on its right
+        # grid point, in weight k's block of columns.
+        n, n_weights = conf.shape[0], len(weights)
+        rows = np.tile(np.arange(n), 2 * n_weights)
+        cols = np.concatenate([k * grid + left + side for k in range(n_weights) for side in (0, 1)])
+        vals = np.concatenate([w * share for w in weights for share in (1.0 - frac, frac)])
+        to_grid = sparse.csr_matrix((vals, (rows, cols)), shape=(n, n_weights * grid))
+        return (to_grid.T @ counts.T).T.reshape(counts.shape[0], n_weights, grid).transpose(1, 0, 2)
     n_rows = conf.shape[0]
     index = (np.arange(n_rows)[:, None] * grid + left).ravel()
     out = np.empty((len(weights), n_rows, grid))

@@ -238,8 +238,8 @@ def interval_note(result: RunResult) -> str:
     iv = result.settings["intervals"]
     return (f"Intervals: {_percent(iv['level'])} interval of the value on the population the test split was drawn "
             f"from ({iv['resamples']} resamples of the test split, seed {iv['seed']}, {iv['method']}; seeds redrawn "
-            "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are centred on a "
-            "debiased estimate and may lie below the value shown.")
+            "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are built around a "
+            "debiased estimate and may lie below the value shown; smooth ECE keeps the test split's bandwidth.")
 
 
 def _percent(level: float) -> str:

@@ -16,15 +16,17 @@ from scipy import stats as sps
 
 from nctv import metrics
 from nctv.calibration.studies import GammaSweep, InitStudy
+from nctv.intervals import interval
 from nctv.results import MethodResult, MetricStats, RunResult, WelchTest, welch_test, welch_tests
 from nctv.report import (
+    comparison_table,
     gamma_table,
     init_study_table,
     latex_escape,
     metric_column,
     metrics_table,
-    sce_exponent,
     results_table,
+    sce_exponent,
     summary_line,
     timing_table,
     to_csv,
@@ -532,3 +534,20 @@ def test_study_tables_show_the_test_split_intervals(case):
     _, init = _with_intervals(case, (-0.006, -0.011, -0.001))
     random_row = next(line for line in to_markdown(init).splitlines() if line.startswith("| Random"))
     assert "**2.10 [1.00, 4.00]**" in random_row
+
+
+def test_smooth_ece_is_the_last_column_with_its_interval_and_old_runs_leave_it_out(paired_case):
+    result, draws, logits, labels = paired_case
+    table = results_table(result, 15)
+    assert [c.key for c in table.columns][-1] == "smooth_ece" and table.columns[-1].label() == "smECE (%) ↓"
+    row = table.rows.index("Temperature Scaling")
+    cell = table.cells[row][-1]
+    assert cell.mean == pytest.approx(100 * metrics.smooth_ece(logits["Temperature Scaling"][0], labels), abs=1e-9)
+    ci = interval(draws["Temperature Scaling"][15]["smooth_ece"], "smooth_ece")
+    assert (cell.low, cell.high) == pytest.approx((100 * ci.low, 100 * ci.high))
+    # A run saved before smooth ECE existed: the table leaves the column out instead of failing.
+    old = dataclasses.replace(result, methods={
+        n: dataclasses.replace(m, metrics={b: {k: v for k, v in per.items() if k != "smooth_ece"}
+                                           for b, per in m.metrics.items()}) for n, m in result.methods.items()})
+    assert "smooth_ece" not in [c.key for c in results_table(old, 15).columns]
+    assert "smooth_ece" not in [c.key for c in comparison_table(old, 15).columns]

@@ -28,81 +28,26 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy import sparse
 
 from nctv.checks import check_bins, check_labels, check_logits
 
-METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier")
+METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier", "smooth_ece")
 
 
-@dataclass(frozen=True)
-class MetricInfo:
-    """How a metric is named, compared and shown (the paper's table units)."""
-
-    title: str
-    # True for accuracy; None for entropy, a description with no better direction (a calibrated model
-    # is neither as sure as possible nor as unsure as possible).
-    higher_is_better: bool | None
-    percent: bool  # shown × 100 with "%"
-    decimals: int
-
-
-METRICS: dict[str, MetricInfo] = {
-    "accuracy": MetricInfo("Accuracy", True, True, 2),
-    "entropy": MetricInfo("Entropy", None, False, 4),
-    "ece": MetricInfo("ECE", False, True, 2),
-    "aece": MetricInfo("AECE", False, True, 2),
-    "sce": MetricInfo("SCE", False, False, 4),  # scaled by 10^sce_exponent(K)
-    "mce": MetricInfo("MCE", False, True, 2),
-    "nll": MetricInfo("NLL", False, False, 4),
-    "brier": MetricInfo("Brier", False, False, 4),
-    "smooth_ece": MetricInfo("smECE", False, True, 2),  # not in METRIC_NAMES: evaluate() leaves it out
+#: Which way is better: True for accuracy, False for the errors, None for entropy, a description of
+#: the model with no better direction (a calibrated model is neither as sure nor as unsure as possible).
+HIGHER_IS_BETTER: dict[str, bool | None] = {
+    "accuracy": True, "entropy": None, "ece": False, "aece": False, "sce": False, "mce": False, "nll": False,
+    "brier": False, "smooth_ece": False,
 }
-
-
-def sce_exponent(n_classes: int) -> int:
-    """The power of ten SCE is shown in: 2 (×10⁻²) below 1000 classes, else 3 (×10⁻³), as in the paper."""
-    return 3 if n_classes >= 1000 else 2
-
-
-@dataclass(frozen=True)
-class Column:
-    """``key`` is a metric name or "resolution"/"seconds"; shown value = fraction × ``scale``."""
-
-    key: str
-    title: str
-    unit: str = ""
-    scale: float = 1.0
-    decimals: int = 4
-    higher_is_better: bool | None = None
-
-    def label(self) -> str:
-        """Title, unit and direction as a reader sees them, e.g. "SCE (×10⁻²) ↓" (LaTeX: ``nctv.report``)."""
-        arrow = "" if self.higher_is_better is None else (" ↑" if self.higher_is_better else " ↓")
-        return f"{self.title} ({self.unit}){arrow}" if self.unit else f"{self.title}{arrow}"
-
-
-_SUPERSCRIPTS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
-
-
-def metric_column(metric: str, n_classes: int) -> Column:
-    info = METRICS.get(metric)
-    if info is None:
-        raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(METRIC_NAMES)}.")
-    if info.percent:
-        unit, scale = "%", 100.0
-    elif metric == "sce":
-        e = sce_exponent(n_classes)
-        unit, scale = "×10⁻" + _SUPERSCRIPTS[e], 10.0**e
-    else:
-        unit, scale = "", 1.0
-    return Column(metric, info.title, unit, scale, info.decimals, info.higher_is_better)
 
 
 def better(metric: str, a: float, b: float) -> bool | None:
     """Is value ``a`` better than ``b`` for ``metric``? None when equal or the metric has no direction."""
-    if a == b or METRICS[metric].higher_is_better is None:
+    if a == b or HIGHER_IS_BETTER[metric] is None:
         return None
-    return (a > b) if METRICS[metric].higher_is_better else (a < b)
+    return (a > b) if HIGHER_IS_BETTER[metric] else (a < b)
 
 
 def _prepare(logits: Any, labels: Any | None, from_probabilities: bool):
@@ -327,6 +272,7 @@ def evaluate(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: boo
         "mce": _mce(p, y, n_bins),
         "nll": _nll(logp, y),
         "brier": _brier(p, y),
+        "smooth_ece": _smooth_ece(p, y),
     }
 
 
@@ -378,14 +324,25 @@ def _linear_weights(x: np.ndarray, grid: int) -> tuple[np.ndarray, np.ndarray]:
     return left, pos - left
 
 
-def _spread(conf: np.ndarray, weights: np.ndarray, grid: int) -> np.ndarray:
+def _spread(conf: np.ndarray, weights: np.ndarray, grid: int, counts: np.ndarray | None = None) -> np.ndarray:
     """Each sample's weight split between its two neighbouring grid points (linear interpolation).
 
-    ``conf`` (B, N), ``weights`` (W, B, N) -> (W, B, grid). Depends on σ only through the grid size,
-    so the bandwidth search spreads once per grid size and smooths many times.
+    ``conf`` (B, N), ``weights`` (W, B, N) -> (W, B, grid). With ``counts`` (B, N), ``conf`` (N,) and
+    ``weights`` (W, N) are one sample and row b weighs sample i ``counts[b, i]`` times (a resample,
+    without copying its samples): one sparse product for all weights. Depends on σ only through the grid
+    size, so the bandwidth search spreads once per grid size and smooths many times.
     """
-    n_rows = conf.shape[0]
     left, frac = _linear_weights(conf, grid)
+    if counts is not None:
+        # One sparse (N, W·grid) matrix: sample i puts w·(1 − frac) on its left and w·frac on its right
+        # grid point, in weight k's block of columns.
+        n, n_weights = conf.shape[0], len(weights)
+        rows = np.tile(np.arange(n), 2 * n_weights)
+        cols = np.concatenate([k * grid + left + side for k in range(n_weights) for side in (0, 1)])
+        vals = np.concatenate([w * share for w in weights for share in (1.0 - frac, frac)])
+        to_grid = sparse.csr_matrix((vals, (rows, cols)), shape=(n, n_weights * grid))
+        return (to_grid.T @ counts.T).T.reshape(counts.shape[0], n_weights, grid).transpose(1, 0, 2)
+    n_rows = conf.shape[0]
     index = (np.arange(n_rows)[:, None] * grid + left).ravel()
     out = np.empty((len(weights), n_rows, grid))
     for k, w in enumerate(weights):
@@ -409,17 +366,21 @@ def _smooth_on_mesh(values: np.ndarray, bandwidth: float) -> np.ndarray:
 
 
 class _RowsSmoother:
-    """Kernel sums of (c − y) and of 1 for a block of rows, spread once per grid size."""
+    """Kernel sums of (c − y) and of 1 for a block of rows, spread once per grid size.
 
-    def __init__(self, conf: np.ndarray, correct: np.ndarray):
-        self.conf = conf
+    Rows are (B, N) arrays, or one sample (N,) weighed by the (B, N) ``counts`` of B resamples.
+    """
+
+    def __init__(self, conf: np.ndarray, correct: np.ndarray, counts: np.ndarray | None = None):
+        self.conf, self.counts = conf, counts
+        self.n_rows = conf.shape[0] if counts is None else counts.shape[0]
         self.weights = np.stack([conf - correct, np.ones_like(conf)])
         self.spread: dict[int, np.ndarray] = {}
 
     def sums(self, bandwidth: float, rows: np.ndarray | slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
         grid = smooth_grid_size(bandwidth)
         if grid not in self.spread:
-            self.spread[grid] = _spread(self.conf, self.weights, grid)
+            self.spread[grid] = _spread(self.conf, self.weights, grid, self.counts)
         residual, density = _smooth_on_mesh(self.spread[grid][:, rows], bandwidth)
         return residual, density
 
@@ -437,8 +398,7 @@ def _smooth_ece_search(rows: _RowsSmoother) -> tuple[np.ndarray, np.ndarray]:
     where σ < smECE_σ (or σ is below SMOOTH_ECE_MIN_BANDWIDTH) and ``high`` where σ ≥ smECE_σ; after
     10 halvings σ* = ``high``. Rows share each evaluation at the bandwidths they have in common.
     """
-    n_rows = rows.conf.shape[0]
-    low, high = np.zeros(n_rows), np.ones(n_rows)
+    low, high = np.zeros(rows.n_rows), np.ones(rows.n_rows)
     value = rows.smooth_ece(1.0)
     for _ in range(_SEARCH_STEPS):
         mid = (low + high) / 2
@@ -488,18 +448,48 @@ def _check_batch(confidence: Any, correct: Any) -> tuple[np.ndarray, np.ndarray]
     return c, y
 
 
-def smooth_ece_batch(confidence: Any, correct: Any, bandwidth: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _check_counts(counts: Any, n: int) -> np.ndarray:
+    a = (counts.detach().cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts))
+    if a.ndim != 2 or a.shape[1] != n:
+        raise ValueError(f"counts must be (resamples, {n}): how often each sample is drawn; got shape {a.shape}.")
+    if not np.isfinite(a).all() or a.min() < 0 or (a.sum(1) <= 0).any():
+        raise ValueError("counts must be non-negative with at least one drawn sample per resample.")
+    return a
+
+
+def _smooth_blocks(confidence: Any, correct: Any, counts: Any | None):
+    """(rows, smoother) per block of at most _ROWS_PER_CHUNK rows (resamples when ``counts`` is given)."""
+    c, y = _check_batch(confidence, correct)
+    if counts is None:
+        for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
+            block = slice(start, start + _ROWS_PER_CHUNK)
+            yield block, _RowsSmoother(c[block], y[block]), c.shape[1]
+        return
+    if c.shape[0] != 1:
+        raise ValueError("With counts, confidence and correct are one sample (1-D); counts gives the resamples.")
+    w = _check_counts(counts, c.shape[1])
+    for start in range(0, w.shape[0], _ROWS_PER_CHUNK):
+        block = slice(start, start + _ROWS_PER_CHUNK)
+        yield block, _RowsSmoother(c[0], y[0], w[block]), w[block].sum(1, keepdims=True)
+
+
+def _batch_rows(confidence: Any, counts: Any | None) -> int:
+    return _as_rows(confidence, "confidence").shape[0] if counts is None else len(counts)
+
+
+def smooth_ece_batch(confidence: Any, correct: Any, bandwidth: float | None = None,
+                     counts: Any | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Smooth ECE of every row of a (B, N) batch of top-label confidences and 0/1 correctness.
 
-    A 1-D pair is one row. ``bandwidth`` None picks σ* per row (the paper's automatic choice); a number
+    A 1-D pair is one row. With ``counts`` (B, N), the pair is one sample of N and row b is the
+    resample that draws sample i ``counts[b, i]`` times (exactly the smECE of that resample, without
+    materialising it). ``bandwidth`` None picks σ* per row (the paper's automatic choice); a number
     fixes σ for every row. Returns (smECE per row, σ per row) as float64 arrays of length B.
     """
     sigma = _check_bandwidth(bandwidth)
-    c, y = _check_batch(confidence, correct)
-    value, width = np.empty(c.shape[0]), np.full(c.shape[0], sigma or 0.0)
-    for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
-        block = slice(start, start + _ROWS_PER_CHUNK)
-        rows = _RowsSmoother(c[block], y[block])
+    n_rows = _batch_rows(confidence, counts)
+    value, width = np.empty(n_rows), np.full(n_rows, sigma or 0.0)
+    for block, rows, _ in _smooth_blocks(confidence, correct, counts):
         if sigma is None:
             value[block], width[block] = _smooth_ece_search(rows)
         else:
@@ -507,10 +497,18 @@ def smooth_ece_batch(confidence: Any, correct: Any, bandwidth: float | None = No
     return value, width
 
 
-def _top1_correct(logits: Any, labels: Any, from_probabilities: bool) -> tuple[np.ndarray, np.ndarray]:
-    _, p, y = _prepare(logits, labels, from_probabilities)
+def _conf_correct(p: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     conf, pred = _top1(p)
     return conf.numpy(), (pred == y).double().numpy()
+
+
+def _top1_correct(logits: Any, labels: Any, from_probabilities: bool) -> tuple[np.ndarray, np.ndarray]:
+    _, p, y = _prepare(logits, labels, from_probabilities)
+    return _conf_correct(p, y)
+
+
+def _smooth_ece(p, y):
+    return float(smooth_ece_batch(*_conf_correct(p, y))[0][0])
 
 
 def smooth_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False,
@@ -527,25 +525,25 @@ def smooth_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: b
     return float(smooth_ece_batch(conf, correct, bandwidth)[0][0])
 
 
-def smooth_reliability_curves(confidence: Any, correct: Any, bandwidth: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def smooth_reliability_curves(confidence: Any, correct: Any, bandwidth: float,
+                               counts: Any | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The smoothed reliability curve and confidence density of every row of a batch, at one bandwidth.
 
     Returns (mesh (T,), accuracy (B, T), density (B, T)). accuracy(t) = t − r̂_σ(t), so the gap to the
     diagonal is the smoothed residual that smECE integrates; density is ρ̂_σ / N, a density on
     [0, 1] (its mean over the mesh is about 1). One σ for all rows (e.g. the point estimate's σ*)
-    puts every row on the same mesh, as a band over resamples needs.
+    puts every row on the same mesh, as a band over resamples needs. ``counts`` (B, N): rows are
+    resamples of one sample, as in :func:`smooth_ece_batch`.
     """
     sigma = _check_bandwidth(bandwidth)
     if sigma is None:
         raise ValueError("smooth_reliability_curves needs a bandwidth; take it from smooth_ece_batch.")
-    c, y = _check_batch(confidence, correct)
     mesh = smooth_mesh(sigma)
-    accuracy, density = np.empty((2, c.shape[0], len(mesh)))
-    for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
-        block = slice(start, start + _ROWS_PER_CHUNK)
-        residual, dens = _RowsSmoother(c[block], y[block]).sums(sigma)
+    accuracy, density = np.empty((2, _batch_rows(confidence, counts), len(mesh)))
+    for block, rows, n in _smooth_blocks(confidence, correct, counts):
+        residual, dens = rows.sums(sigma)
         accuracy[block] = mesh - residual / (dens + _DENSITY_FLOOR)
-        density[block] = dens / c.shape[1]
+        density[block] = dens / n
     return mesh, accuracy, density
 
 

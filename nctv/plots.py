@@ -9,7 +9,8 @@ text shows the numbers (for reliability diagrams: bin range, count, accuracy, co
 Data objects and their units:
 
 * :class:`ReliabilityData` — equal-width bins of top-1 confidence from
-  :func:`nctv.metrics.reliability_bins`; fractions; ECE shown in %.
+  :func:`nctv.metrics.reliability_bins`; fractions; ECE shown in %. Optionally the smoothed reliability
+  curve with its bootstrap band (:func:`nctv.intervals.smooth_band`), drawn beside the bins.
 * :class:`DeltaImageData` — Neural Clamping's δ **in pixel units**: δ lives in the model's
   normalised input space, so δ_pixel = δ · std (per channel); shown on the 0–255 intensity scale
   with a symmetric diverging colour map (white = 0).
@@ -28,6 +29,8 @@ import numpy as np
 
 from nctv import metrics
 from nctv.checks import check_whole
+from nctv.intervals import IntervalSettings, SmoothBand, smooth_band
+from nctv.report import metric_column
 
 BACKENDS = ("matplotlib", "plotly")
 BLUE, GREEN, RED, GREY = "#1f77b4", "#2ca02c", "#d62728", "#7f7f7f"
@@ -65,6 +68,7 @@ class ReliabilityData:
 
     The per-bin numbers are a :class:`nctv.metrics.ReliabilityBins`; its ``edges``, ``counts``,
     ``confidence``, ``accuracy``, ``n`` and ``n_bins`` read through as attributes of this object.
+    ``smooth``: the smoothed reliability curve with its bootstrap band (None: not computed).
     """
 
     method: str
@@ -72,6 +76,7 @@ class ReliabilityData:
     ece: float
     overall_accuracy: float
     mean_confidence: float
+    smooth: SmoothBand | None = None
 
     edges = _from_bins("edges")
     counts = _from_bins("counts")
@@ -88,21 +93,33 @@ class ReliabilityData:
         return wilson_interval(np.round(self.accuracy * self.counts), self.counts)
 
 
-def reliability_data(logits: Any, labels: Any, n_bins: int = 15, method: str = "") -> ReliabilityData:
-    """Bins from :func:`nctv.metrics.reliability_bins` of ``logits`` (N, K) and ``labels`` (N,)."""
+def reliability_data(logits: Any, labels: Any, n_bins: int = 15, method: str = "",
+                     smooth: IntervalSettings | None = None) -> ReliabilityData:
+    """Bins from :func:`nctv.metrics.reliability_bins` of ``logits`` (N, K) and ``labels`` (N,); with
+    ``smooth``, also the smoothed reliability curve and its band at those interval settings."""
     bins = metrics.reliability_bins(logits, labels, n_bins)
-    conf, _ = metrics.confidences_and_predictions(logits)
+    conf, pred = metrics.confidences_and_predictions(logits)
+    band = None
+    if smooth is not None:
+        correct = pred == _to_numpy(labels)  # labels already checked by reliability_bins
+        band = smooth_band(conf, correct, level=smooth.level, resamples=smooth.resamples, seed=smooth.seed)
     return ReliabilityData(
-        method, bins, metrics.ece(logits, labels, n_bins), metrics.accuracy(logits, labels), float(conf.mean()),
+        method, bins, metrics.ece(logits, labels, n_bins), metrics.accuracy(logits, labels), float(conf.mean()), band,
     )
 
 
-def reliability_data_from_result(result: Any, n_bins: int = 15,
-                                 methods: Sequence[str] | None = None) -> list[ReliabilityData]:
-    """One :class:`ReliabilityData` per method of a ``RunResult`` (first seed's calibrated test logits)."""
+def reliability_data_from_result(result: Any, n_bins: int = 15, methods: Sequence[str] | None = None,
+                                 smooth: bool = False) -> list[ReliabilityData]:
+    """One :class:`ReliabilityData` per method of a ``RunResult`` (first seed's calibrated test logits);
+    with ``smooth``, each with its smoothed curve and band at the run's interval settings (the defaults
+    for a run without intervals)."""
     names = list(result.methods) if methods is None else list(methods)
     if result.test_labels is None:
         raise ValueError("This result has no test logits (it was read from JSON); re-run it to draw diagrams.")
+    settings = None
+    if smooth:
+        given = result.settings.get("intervals", {})
+        settings = IntervalSettings(**{k: given[k] for k in ("level", "resamples", "seed") if k in given})
     out = []
     for name in names:
         if name not in result.methods:
@@ -110,7 +127,7 @@ def reliability_data_from_result(result: Any, n_bins: int = 15,
         z = result.methods[name].test_logits
         if z is None:
             raise ValueError(f"Method {name!r} kept no test logits; re-run it to draw diagrams.")
-        out.append(reliability_data(z, result.test_labels, n_bins, name))
+        out.append(reliability_data(z, result.test_labels, n_bins, name, settings))
     return out
 
 
@@ -143,46 +160,86 @@ def _hover_rows(d: ReliabilityData) -> list[str]:
 def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib",
                        per_row: int | None = None):
     """Reliability diagrams side by side (``per_row`` per row: five for matplotlib,
-    :data:`PLOTLY_PER_ROW` for plotly; 1 stacks them): per bin the accuracy as a bar against the
-    diagonal, the gap to the bin's mean confidence shaded, ECE written on the panel, and the sample
-    count per bin below."""
+    :data:`PLOTLY_PER_ROW` for plotly; 1 stacks them): per bin the accuracy as a bar with its 95 %
+    Wilson interval against the diagonal, the gap to the bin's mean confidence shaded, ECE written on
+    the panel, and the sample count per bin below. A method with a smoothed curve (``smooth``) gets a
+    second panel beside it: the curve with its bootstrap band, smECE, and the confidence density below."""
     items = _as_list(data)
     if per_row is not None:
         check_whole(per_row, "per_row", 1)
     if _check_backend(backend) == "plotly":
         return _reliability_plotly(items, per_row or PLOTLY_PER_ROW)
     rows, cols = _grid(len(items), per_row or _PER_ROW)
-    fig = _new_figure(3.0 * cols, 4.0 * rows)
-    grid = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows)
+    panels = 2 if any(d.smooth is not None for d in items) else 1
+    fig = _new_figure(3.0 * cols * panels, 4.0 * rows)
+    grid = fig.add_gridspec(2 * rows, cols * panels, height_ratios=[3, 1] * rows)
     for k, d in enumerate(items):
         r, c = divmod(k, cols)
-        ax = fig.add_subplot(grid[2 * r, c])
-        hx = fig.add_subplot(grid[2 * r + 1, c], sharex=ax)
-        left, width = d.edges[:-1], np.diff(d.edges)
-        filled = d.counts > 0
-        acc = np.where(filled, d.accuracy, 0.0)
-        conf = np.where(filled, d.confidence, 0.0)
-        ax.bar(left, acc, width=width, align="edge", color=BLUE, edgecolor="black", linewidth=0.5, label="Accuracy")
-        ax.bar(left, conf - acc, bottom=acc, width=width, align="edge", color=RED, alpha=0.3, edgecolor=RED,
-               hatch="//", linewidth=0.5, label="Gap")
-        low, high = d.accuracy_interval
-        mid = (d.edges[:-1] + d.edges[1:]) / 2
-        # The Wilson interval holds the bin's accuracy; clipping at 0 only removes rounding below it.
-        below, above = np.clip(acc - low, 0, None), np.clip(high - acc, 0, None)
-        ax.errorbar(mid[filled], acc[filled], yerr=[below[filled], above[filled]], fmt="none",
-                    ecolor="black", elinewidth=0.8, capsize=2, label="95 % interval")
-        ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
-        ax.set(xlim=(0, 1), ylim=(0, 1), title=d.method or None)
-        ax.set_ylabel("Accuracy" if c == 0 else "")
-        ax.text(0.97, 0.04, f"ECE = {100 * d.ece:.2f}%", transform=ax.transAxes, ha="right", va="bottom",
-                fontsize=9, bbox=dict(boxstyle="round", facecolor="white", edgecolor=GREY, alpha=0.9))
-        if k == 0:
-            ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
-        ax.tick_params(labelbottom=False)
-        hx.bar(left, d.counts, width=width, align="edge", color=GREY, edgecolor="black", linewidth=0.5)
-        hx.set_xlabel("Confidence")
-        hx.set_ylabel("Count" if c == 0 else "")
+        ax = fig.add_subplot(grid[2 * r, panels * c])
+        hx = fig.add_subplot(grid[2 * r + 1, panels * c], sharex=ax)
+        _binned_panel(ax, hx, d, first=k == 0, left=c == 0)
+        if d.smooth is not None:
+            ax = fig.add_subplot(grid[2 * r, panels * c + 1])
+            hx = fig.add_subplot(grid[2 * r + 1, panels * c + 1], sharex=ax)
+            _smooth_panel(ax, hx, d, first=k == 0)
     return fig
+
+
+def _label_box(ax: Any, text: str) -> None:
+    ax.text(0.97, 0.04, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=9,
+            bbox=dict(boxstyle="round", facecolor="white", edgecolor=GREY, alpha=0.9))
+
+
+def _binned_panel(ax: Any, hx: Any, d: ReliabilityData, first: bool, left: bool) -> None:
+    edges, width = d.edges[:-1], np.diff(d.edges)
+    filled = d.counts > 0
+    acc = np.where(filled, d.accuracy, 0.0)
+    conf = np.where(filled, d.confidence, 0.0)
+    ax.bar(edges, acc, width=width, align="edge", color=BLUE, edgecolor="black", linewidth=0.5, label="Accuracy")
+    ax.bar(edges, conf - acc, bottom=acc, width=width, align="edge", color=RED, alpha=0.3, edgecolor=RED,
+           hatch="//", linewidth=0.5, label="Gap")
+    low, high = d.accuracy_interval
+    mid = (d.edges[:-1] + d.edges[1:]) / 2
+    # The Wilson interval holds the bin's accuracy; clipping at 0 only removes rounding below it.
+    below, above = np.clip(acc - low, 0, None), np.clip(high - acc, 0, None)
+    ax.errorbar(mid[filled], acc[filled], yerr=[below[filled], above[filled]], fmt="none",
+                ecolor="black", elinewidth=0.8, capsize=2, label="95 % interval")
+    ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
+    ax.set(xlim=(0, 1), ylim=(0, 1), title=d.method or None)
+    ax.set_ylabel("Accuracy" if left else "")
+    _label_box(ax, f"ECE = {100 * d.ece:.2f}%")
+    if first:
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    ax.tick_params(labelbottom=False)
+    hx.bar(edges, d.counts, width=width, align="edge", color=GREY, edgecolor="black", linewidth=0.5)
+    hx.set_xlabel("Confidence")
+    hx.set_ylabel("Count" if left else "")
+
+
+#: The smoothed curve and band are drawn where the confidence density is at least this share of its
+#: peak: elsewhere they rest on a handful of predictions and the density floor pulls them to the diagonal.
+_SPARSE = 0.01
+
+
+def _dense(b: SmoothBand) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Curve, low and high with NaN where the confidences are too sparse to show them."""
+    keep = b.density >= _SPARSE * b.density.max()
+    return tuple(np.where(keep, v, np.nan) for v in (b.accuracy, b.low, b.high))
+
+
+def _smooth_panel(ax: Any, hx: Any, d: ReliabilityData, first: bool) -> None:
+    b = d.smooth
+    curve, low, high = _dense(b)
+    ax.fill_between(b.confidence, low, high, color=BLUE, alpha=0.25, linewidth=0, label=f"{100 * b.level:g} % band")
+    ax.plot(b.confidence, curve, color=BLUE, lw=1.5, label="Smoothed accuracy")
+    ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
+    ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{d.method} (smoothed)" if d.method else "Smoothed")
+    _label_box(ax, f"smECE = {100 * b.smooth_ece:.2f}%\nσ = {b.bandwidth:.3f}")
+    if first:
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    ax.tick_params(labelbottom=False)
+    hx.fill_between(b.confidence, b.density, color=GREY, alpha=0.6, linewidth=0)
+    hx.set(xlabel="Confidence", ylabel="Density", ylim=(0, None))
 
 
 #: Plotly reliability grid, as fractions of one row's height (top to bottom): room for a title of
@@ -214,12 +271,14 @@ def _reliability_plotly(items: list[ReliabilityData], per_row: int):
     from plotly.subplots import make_subplots
 
     rows, cols = _grid(len(items), per_row)
+    panels = 2 if any(d.smooth is not None for d in items) else 1
     # Fewer panels per row leave each title more room (at one per row, a phone's width).
-    title_chars = min(_TITLE_CHARS * PLOTLY_PER_ROW // cols, 3 * _TITLE_CHARS)
-    fig = make_subplots(rows=2 * rows, cols=cols, horizontal_spacing=0.07)
+    title_chars = min(_TITLE_CHARS * PLOTLY_PER_ROW // (cols * panels), 3 * _TITLE_CHARS)
+    fig = make_subplots(rows=2 * rows, cols=cols * panels, horizontal_spacing=0.07 / panels)
     for k, d in enumerate(items):
         r, c = divmod(k, cols)
         top, bottom = 2 * r + 1, 2 * r + 2
+        c *= panels  # the binned panel's grid column (0-based); a smoothed one follows it
         centers = (d.edges[:-1] + d.edges[1:]) / 2
         width = np.diff(d.edges)
         filled = d.counts > 0
@@ -249,12 +308,46 @@ def _reliability_plotly(items: list[ReliabilityData], per_row: int):
         fig.update_yaxes(range=[0, 1], title_text="Accuracy" if c == 0 else None, row=top, col=c + 1)
         fig.update_yaxes(title_text="Count" if c == 0 else None, row=bottom, col=c + 1)
         _place_block(fig, r, rows, c + 1, d.method, title_chars)
-    fig.update_layout(barmode="overlay", bargap=0, height=420 * rows + 60, width=max(MIN_PLOT_WIDTH, 250 * cols),
+        if d.smooth is not None:
+            _smooth_plotly(fig, d, r, rows, c + 2, title_chars, k == 0)
+    fig.update_layout(barmode="overlay", bargap=0, height=420 * rows + 60, width=max(MIN_PLOT_WIDTH, 250 * cols * panels),
                       template="plotly_white", title="Reliability diagrams",
                       # Stacked for a phone: each panel takes the width the axis titles leave it.
                       margin=dict(t=110 if rows == 1 else 60, **(dict(l=60, r=20, b=30) if cols == 1 else {})),
                       legend=_TOP_LEGEND)
     return fig
+
+
+def _smooth_plotly(fig: Any, d: ReliabilityData, r: int, rows: int, col: int, title_chars: int, legend: bool) -> None:
+    """The smoothed curve, its band and the confidence density of ``d`` in grid column ``col``."""
+    import plotly.graph_objects as go
+
+    b = d.smooth
+    top, bottom = 2 * r + 1, 2 * r + 2
+    curve, low, high = _dense(b)
+    hover = [f"confidence {t:.3f}<br>smoothed accuracy {a:.4f} [{lo:.4f}, {hi:.4f}]<br>density {p:.3f}"
+             for t, a, lo, hi, p in zip(b.confidence, b.accuracy, b.low, b.high, b.density)]
+    band = f"{100 * b.level:g} % band"
+    keep = ~np.isnan(curve)
+    fig.add_trace(go.Scatter(x=np.concatenate([b.confidence[keep], b.confidence[keep][::-1]]),
+                             y=np.concatenate([high[keep], low[keep][::-1]]),
+                             fill="toself", fillcolor="rgba(31,119,180,0.25)", line=dict(width=0), hoverinfo="skip",
+                             name=band, legendgroup="band", showlegend=legend), row=top, col=col)
+    fig.add_trace(go.Scatter(x=b.confidence, y=curve, mode="lines", line=dict(color=BLUE, width=2),
+                             name="Smoothed accuracy", legendgroup="smooth", showlegend=legend, hovertext=hover,
+                             hovertemplate="%{hovertext}<extra>" + (d.method or "") + "</extra>"), row=top, col=col)
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines", line=dict(dash="dash", color=GREY), showlegend=False,
+                             hoverinfo="skip"), row=top, col=col)
+    fig.add_trace(go.Scatter(x=b.confidence, y=b.density, mode="lines", fill="tozeroy", line=dict(color=GREY, width=1),
+                             name="Density", showlegend=False, hovertext=hover,
+                             hovertemplate="%{hovertext}<extra>density</extra>"), row=bottom, col=col)
+    fig.add_annotation(x=0.97, y=0.05, text=f"smECE = {100 * b.smooth_ece:.2f}% (σ = {b.bandwidth:.3f})", showarrow=False,
+                       xanchor="right", bgcolor="white", bordercolor=GREY, font=dict(size=11), row=top, col=col)
+    fig.update_xaxes(range=[0, 1], row=top, col=col, showticklabels=False)
+    fig.update_xaxes(range=[0, 1], title_text="Confidence", row=bottom, col=col)
+    fig.update_yaxes(range=[0, 1], row=top, col=col)
+    fig.update_yaxes(title_text="Density", row=bottom, col=col)
+    _place_block(fig, r, rows, col, f"{d.method} (smoothed)" if d.method else "Smoothed", title_chars)
 
 
 def _place_block(fig: Any, r: int, rows: int, col: int, title: str | None, title_chars: int) -> None:
@@ -525,7 +618,8 @@ def _delta_plotly(data: DeltaImageData, panels, lim: float):
 class GammaCurveData:
     """Metrics against γ: ``ece[split]``, ``entropy[split]``, ``loss[split]`` arrays aligned with
     ``gammas`` (fractions; loss is the mean focal loss of the fitted δ, T on that split).
-    ``chosen`` is the γ with the lowest calibration ECE, if known."""
+    ``chosen`` is the γ with the lowest calibration ECE, if known. ``band[metric]`` ("ece", "entropy"):
+    (low, high) arrays of the test split's interval per γ, at coverage ``level`` (None: no band)."""
 
     gammas: np.ndarray
     ece: dict[str, np.ndarray]
@@ -535,6 +629,8 @@ class GammaCurveData:
     n_bins: int = 15
     fitter: str | None = None
     title: str = "Neural Clamping against γ"
+    band: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+    level: float | None = None
 
 
 def gamma_curve_data(
@@ -546,8 +642,11 @@ def gamma_curve_data(
     n_bins: int = 15,
     fitter: str | None = None,
     title: str = "Neural Clamping against γ",
+    band: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+    level: float | None = None,
 ) -> GammaCurveData:
-    """Validate and pack γ-sweep numbers (one value per γ for every split)."""
+    """Validate and pack γ-sweep numbers (one value per γ for every split; ``band``: the test split's
+    (low, high) per γ for "ece" and/or "entropy", at coverage ``level``)."""
     g = np.asarray(gammas, dtype=np.float64)
     if g.ndim != 1 or g.size == 0:
         raise ValueError("gammas must be a non-empty list of numbers.")
@@ -560,24 +659,44 @@ def gamma_curve_data(
                 raise ValueError(f"{name} for split {split!r} has {v.size} values for {g.size} γ values.")
             out[str(split)] = v
         packed.append(out)
-    return GammaCurveData(g, *packed, chosen=chosen, n_bins=n_bins, fitter=fitter, title=title)
+    bands = None
+    if band is not None:
+        bands = {}
+        for name, ends in band.items():
+            low, high = (np.asarray(v, dtype=np.float64) for v in ends)
+            if low.shape != g.shape or high.shape != g.shape:
+                raise ValueError(f"The {name} band has {low.size} and {high.size} values for {g.size} γ values.")
+            bands[str(name)] = (low, high)
+    return GammaCurveData(g, *packed, chosen=chosen, n_bins=n_bins, fitter=fitter, title=title, band=bands,
+                          level=level)
 
 
 _SPLIT_STYLE = {0: ("-", "o"), 1: ("--", "s"), 2: (":", "^")}
 
 
+def _gamma_panels(data: GammaCurveData) -> list[tuple[str, dict[str, np.ndarray], tuple[np.ndarray, np.ndarray] | None]]:
+    """(axis label, values per split, the test split's band or None) per panel, in shown units."""
+    band = data.band or {}
+    ece = band.get("ece")
+    return [("ECE (%)", {k: 100 * v for k, v in data.ece.items()}, None if ece is None else (100 * ece[0], 100 * ece[1])),
+            ("Entropy", data.entropy, band.get("entropy")), ("Loss", data.loss, None)]
+
+
 def gamma_figure(data: GammaCurveData, backend: str = "matplotlib"):
     """Three panels against γ — ECE (%), entropy and training loss — one line per split, the chosen
-    γ marked."""
-    panels = [("ECE (%)", {k: 100 * v for k, v in data.ece.items()}), ("Entropy", data.entropy), ("Loss", data.loss)]
+    γ marked, and the test split's interval as a band where the data has one."""
+    panels = _gamma_panels(data)
     if _check_backend(backend) == "plotly":
         return _gamma_plotly(data, panels)
     fig = _new_figure(10.5, 3.2)
     axes = fig.subplots(1, 3)
-    for ax, (ylabel, series) in zip(axes, panels):
+    for ax, (ylabel, series, band) in zip(axes, panels):
         for i, (split, values) in enumerate(series.items()):
             ls, marker = _SPLIT_STYLE.get(i, ("-", "."))
-            ax.plot(data.gammas, values, ls=ls, marker=marker, ms=3, label=split)
+            line, = ax.plot(data.gammas, values, ls=ls, marker=marker, ms=3, label=split)
+            if split == "test" and band is not None:
+                ax.fill_between(data.gammas, band[0], band[1], color=line.get_color(), alpha=0.2, linewidth=0,
+                                label=f"test, {100 * data.level:g} % interval")
         if data.chosen is not None:
             ax.axvline(data.chosen, color=GREY, ls=":", lw=1)
         ax.set(xlabel="γ", ylabel=ylabel)
@@ -595,8 +714,15 @@ def _gamma_plotly(data: GammaCurveData, panels):
 
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[0] for p in panels])
     colours = [BLUE, RED, GREEN]
-    for j, (ylabel, series) in enumerate(panels):
+    fills = ["rgba(31,119,180,0.2)", "rgba(214,39,40,0.2)", "rgba(44,160,44,0.2)"]
+    for j, (ylabel, series, band) in enumerate(panels):
         for i, (split, values) in enumerate(series.items()):
+            if split == "test" and band is not None:
+                name = f"test, {100 * data.level:g} % interval"
+                fig.add_trace(go.Scatter(x=np.concatenate([data.gammas, data.gammas[::-1]]),
+                                         y=np.concatenate([band[1], band[0][::-1]]), fill="toself",
+                                         fillcolor=fills[i % 3], line=dict(width=0), hoverinfo="skip", name=name,
+                                         legendgroup=name, showlegend=j == 0), row=1, col=j + 1)
             fig.add_trace(go.Scatter(x=data.gammas, y=values, mode="lines+markers", name=split, legendgroup=split,
                                      showlegend=j == 0, line=dict(color=colours[i % 3], dash="solid" if i == 0 else "dash"),
                                      hovertemplate=f"{split}<br>γ %{{x:.3g}}<br>{ylabel} %{{y:.4f}}<extra></extra>"),
@@ -614,7 +740,9 @@ def _gamma_plotly(data: GammaCurveData, panels):
 
 @dataclass(frozen=True)
 class InitStudyData:
-    """Per-run metric values (fractions) per initialisation: ``values[init][metric]`` arrays."""
+    """Per-run metric values (fractions) per initialisation: ``values[init][metric]`` arrays;
+    ``ci[init][metric]``: (low, high) of the mean over runs from resampling the test split, at
+    coverage ``level`` (None: not computed)."""
 
     values: dict[str, dict[str, np.ndarray]]
     metrics: tuple[str, ...] = ("entropy", "ece", "aece", "sce")
@@ -622,6 +750,8 @@ class InitStudyData:
     n_bins: int = 15
     fitter: str | None = None
     title: str = "Random vs data-driven initialisation of δ"
+    ci: dict[str, dict[str, tuple[float, float]]] | None = None
+    level: float | None = None
 
 
 def init_study_data(
@@ -630,8 +760,11 @@ def init_study_data(
     n_classes: int = 2,
     n_bins: int = 15,
     fitter: str | None = None,
+    ci: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
+    level: float | None = None,
 ) -> InitStudyData:
-    """Validate and pack per-run metrics, e.g. ``{"random": {"ece": [...]}, "data-driven": {...}}``."""
+    """Validate and pack per-run metrics, e.g. ``{"random": {"ece": [...]}, "data-driven": {...}}``, and
+    optionally each initialisation's interval of the mean, ``ci`` (same keys; (low, high) per metric)."""
     if not values:
         raise ValueError("The initialisation study has no runs.")
     packed = {}
@@ -644,12 +777,16 @@ def init_study_data(
             if arr.size == 0:
                 raise ValueError(f"Initialisation {init!r} has no runs for metric {m!r}.")
             packed[str(init)][m] = arr
-    return InitStudyData(packed, tuple(metrics_shown), n_classes, n_bins, fitter)
+    ends = None
+    if ci is not None:
+        missing = [f"{init}/{m}" for init in packed for m in metrics_shown if m not in ci.get(init, {})]
+        if missing:
+            raise ValueError(f"No interval for {', '.join(missing)}.")
+        ends = {init: {m: (float(ci[init][m][0]), float(ci[init][m][1])) for m in metrics_shown} for init in packed}
+    return InitStudyData(packed, tuple(metrics_shown), n_classes, n_bins, fitter, ci=ends, level=level)
 
 
 def _shown(metric: str, n_classes: int) -> tuple[str, float]:
-    from nctv.metrics import metric_column
-
     col = metric_column(metric, n_classes)
     return col.label(), col.scale
 
@@ -672,8 +809,19 @@ def init_study_figure(data: InitStudyData, backend: str = "matplotlib"):
         for j, s in enumerate(series):
             # Small horizontal jitter so that equal runs stay visible as separate dots.
             ax.scatter(j + 1 + rng.uniform(-0.08, 0.08, len(s)), s, s=12, color="black", zorder=3)
+        if data.ci is not None:
+            # Beside each box: the mean over runs with its interval from resampling the test split.
+            for j, init in enumerate(inits):
+                low, high = (scale * v for v in data.ci[init][m])
+                mean = float(series[j].mean())
+                ax.errorbar(j + 1.35, mean, yerr=[[max(mean - low, 0)], [max(high - mean, 0)]], fmt="D", ms=4,
+                            color=INIT_COLOURS.get(init, GREY), ecolor="black", capsize=3,
+                            label=f"mean, {100 * data.level:g} % interval" if j == 0 else None)
+            ax.set_xlim(0.5, len(inits) + 0.6)
         ax.set_title(label, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+    if data.ci is not None:
+        axes[0].legend(fontsize=7, loc="best", framealpha=0.9)
     fit = f", fitter {data.fitter}" if data.fitter else ""
     fig.suptitle(f"{data.title} ({data.n_bins} bins{fit})")
     return fig
@@ -690,6 +838,17 @@ def _init_plotly(data: InitStudyData, inits: list[str]):
             fig.add_trace(go.Box(y=data.values[init][m] * scale, name=init, boxpoints="all", jitter=0.3,
                                  marker_color=INIT_COLOURS.get(init, GREY), legendgroup=init, showlegend=j == 0,
                                  hovertemplate=f"{init}<br>{label} %{{y:.4f}}<extra></extra>"), row=1, col=j + 1)
+            if data.ci is not None:
+                low, high = (scale * v for v in data.ci[init][m])
+                mean = float(data.values[init][m].mean() * scale)
+                fig.add_trace(go.Scatter(x=[init], y=[mean], mode="markers", marker=dict(symbol="diamond", size=9,
+                                         color=INIT_COLOURS.get(init, GREY), line=dict(color="black", width=1)),
+                                         error_y=dict(type="data", symmetric=False, array=[max(high - mean, 0)],
+                                                      arrayminus=[max(mean - low, 0)], color="black"),
+                                         name=f"mean, {100 * data.level:g} % interval", legendgroup="ci",
+                                         showlegend=j == 0 and init == inits[0],
+                                         hovertemplate=f"{init} mean %{{y:.4f}} [{low:.4f}, {high:.4f}]<extra></extra>"),
+                              row=1, col=j + 1)
     fig.update_layout(title=f"{data.title} ({data.n_bins} bins)", template="plotly_white", height=380,
                       width=280 * len(data.metrics) + 100)
     return fig
@@ -731,6 +890,8 @@ def gamma_curve_data_from_sweep(sweep: Any, title: str = "Neural Clamping agains
     return gamma_curve_data(
         s.gammas, {k: v["ece"] for k, v in splits.items()}, {k: v["entropy"] for k, v in splits.items()},
         {k: v["loss"] for k, v in splits.items()}, chosen=s.chosen_gamma, n_bins=s.n_bins, fitter=s.fitter, title=title,
+        band=None if s.test_low is None else {m: (s.test_low[m], s.test_high[m]) for m in s.test_low},
+        level=None if s.intervals is None else s.intervals["level"],
     )
 
 
@@ -742,4 +903,6 @@ def init_study_data_from_study(study: Any, n_classes: int | None = None,
     k = n_classes if n_classes is not None else getattr(study, "n_classes", 2)
     names = {"random": "random", "data": "data-driven"}
     values = {names.get(init, init): {m: s.values(init, m) for m in metrics_shown} for init in s.runs}
-    return init_study_data(values, metrics_shown, k, s.n_bins, s.fitter)
+    ci = None if s.ci is None else {names.get(init, init): per for init, per in s.ci.items()}
+    return init_study_data(values, metrics_shown, k, s.n_bins, s.fitter, ci,
+                           None if s.intervals is None else s.intervals["level"])

@@ -34,12 +34,74 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from nctv.metrics import METRICS, Column, metric_column
+from nctv.metrics import HIGHER_IS_BETTER, METRIC_NAMES
 from nctv.settings import INTERVAL_STYLES
 from nctv.results import COMPARED_METHOD, GRID_SEARCH_METHOD, REFERENCE_METHOD, RunResult, best_method
 
-#: The columns of the paper's tables, in order.
-TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce")
+#: The columns of the paper's tables, in order, then smooth ECE.
+TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce", "smooth_ece")
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """How a metric is named and shown (the paper's table units)."""
+
+    title: str
+    percent: bool  # shown × 100 with "%"
+    decimals: int
+
+
+METRICS: dict[str, MetricInfo] = {
+    "accuracy": MetricInfo("Accuracy", True, 2),
+    "entropy": MetricInfo("Entropy", False, 4),
+    "ece": MetricInfo("ECE", True, 2),
+    "aece": MetricInfo("AECE", True, 2),
+    "sce": MetricInfo("SCE", False, 4),  # scaled by 10^sce_exponent(K)
+    "mce": MetricInfo("MCE", True, 2),
+    "nll": MetricInfo("NLL", False, 4),
+    "brier": MetricInfo("Brier", False, 4),
+    "smooth_ece": MetricInfo("smECE", True, 2),
+}
+
+
+def sce_exponent(n_classes: int) -> int:
+    """The power of ten SCE is shown in: 2 (×10⁻²) below 1000 classes, else 3 (×10⁻³), as in the paper."""
+    return 3 if n_classes >= 1000 else 2
+
+
+@dataclass(frozen=True)
+class Column:
+    """``key`` is a metric name or "resolution"/"seconds"; shown value = fraction × ``scale``."""
+
+    key: str
+    title: str
+    unit: str = ""
+    scale: float = 1.0
+    decimals: int = 4
+    higher_is_better: bool | None = None
+
+    def label(self) -> str:
+        """Title, unit and direction as a reader sees them, e.g. "SCE (×10⁻²) ↓" (LaTeX: :func:`latex_escape`)."""
+        arrow = "" if self.higher_is_better is None else (" ↑" if self.higher_is_better else " ↓")
+        return f"{self.title} ({self.unit}){arrow}" if self.unit else f"{self.title}{arrow}"
+
+
+_SUPERSCRIPTS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
+
+
+def metric_column(metric: str, n_classes: int) -> Column:
+    """The column of ``metric`` in the paper's units for a model with ``n_classes`` classes."""
+    info = METRICS.get(metric)
+    if info is None:
+        raise ValueError(f"Unknown metric {metric!r}; use one of {', '.join(METRIC_NAMES)}.")
+    if info.percent:
+        unit, scale = "%", 100.0
+    elif metric == "sce":
+        e = sce_exponent(n_classes)
+        unit, scale = "×10⁻" + _SUPERSCRIPTS[e], 10.0**e
+    else:
+        unit, scale = "", 1.0
+    return Column(metric, info.title, unit, scale, info.decimals, HIGHER_IS_BETTER[metric])
 
 
 @dataclass
@@ -176,8 +238,8 @@ def interval_note(result: RunResult) -> str:
     iv = result.settings["intervals"]
     return (f"Intervals: {_percent(iv['level'])} interval of the value on the population the test split was drawn "
             f"from ({iv['resamples']} resamples of the test split, seed {iv['seed']}, {iv['method']}; seeds redrawn "
-            "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are centred on a "
-            "debiased estimate and may lie below the value shown.")
+            "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are built around a "
+            "debiased estimate and may lie below the value shown; smooth ECE keeps the test split's bandwidth.")
 
 
 def _percent(level: float) -> str:
@@ -189,18 +251,25 @@ def metrics_table(rows: Sequence[tuple[str, Mapping[str, float]]], n_classes: in
                   first_column: str = "") -> Table:
     """Named rows of metric values (fractions, as ``nctv.metrics`` returns them) in the paper's units.
 
-    Unranked: the rows are views of one model (say, at several temperatures), not rival methods.
+    Unranked: the rows are views of one model (say, at several temperatures), not rival methods. A metric
+    missing from a row is left out of the table.
     """
-    columns = [metric_column(m, n_classes) for m in metrics]
+    columns = [metric_column(m, n_classes) for m in metrics if all(m in values for _, values in rows)]
     cells = [[Cell(float(values[c.key]) * c.scale) for c in columns] for _, values in rows]
     return Table(title, columns, [name for name, _ in rows], cells, list(notes), first_column=first_column)
 
 
+def _measured(result: RunResult, metrics: Sequence[str], n_bins: int) -> list[str]:
+    """``metrics`` that every method of the run has: a result saved before a metric existed lacks it."""
+    return [m for m in metrics if all(m in x.metrics[n_bins] for x in result.methods.values())]
+
+
 def results_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = TABLE_METRICS) -> Table:
-    """The paper's comparison table (Tables 1–4) for one bin count, with intervals when the run has them."""
+    """The paper's comparison table (Tables 1–4) for one bin count, then smooth ECE, with intervals when
+    the run has them."""
     _check_bins(result, n_bins)
     paired = has_intervals(result)
-    columns = [metric_column(m, result.n_classes) for m in metrics]
+    columns = [metric_column(m, result.n_classes) for m in _measured(result, metrics, n_bins)]
     rows, cells, rules = [], [], []
     prev_model = None
     for name, m in result.methods.items():
@@ -273,7 +342,8 @@ def comparison_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str]
     _check_bins(result, n_bins)
     if not has_intervals(result):
         raise ValueError("This run has no intervals; run it again with intervals to compare methods.")
-    columns = [metric_column(m, result.n_classes) for m in metrics if METRICS[m].higher_is_better is not None]
+    columns = [metric_column(m, result.n_classes) for m in _measured(result, metrics, n_bins)
+               if HIGHER_IS_BETTER[m] is not None]
     baseline = {c.key: next((x.other for x in result.comparisons if x.metric == c.key and x.n_bins == n_bins
                              and x.role == "best baseline"), None) for c in columns}
     rows, cells = [], []
@@ -670,7 +740,8 @@ def summary_line(result: RunResult, n_bins: int = 15) -> str:
 
 
 def gamma_table(result: Any) -> Table:
-    """Figure 2 as numbers: per γ the temperature, λ and, per split, ECE (%), entropy and loss."""
+    """Figure 2 as numbers: per γ the temperature, λ and, per split, ECE (%), entropy and loss; the test
+    split's ECE and entropy with their intervals when the sweep has them."""
     s = result.sweep
     splits = [("calibration", s.cal)] + ([("test", s.test)] if s.test is not None else [])
     columns = [Column("temperature", "T", decimals=4), Column("weight_decay", "λ", decimals=4)]
@@ -681,20 +752,34 @@ def gamma_table(result: Any) -> Table:
     rows, cells = [], []
     for i, g in enumerate(s.gammas):
         row = [Cell(float(s.temperature[i])), Cell(float(s.weight_decay[i]))]
-        for _, values in splits:
-            row += [Cell(100.0 * float(values["ece"][i])), Cell(float(values["entropy"][i])), Cell(float(values["loss"][i]))]
+        for name, values in splits:
+            banded = name == "test" and s.test_low is not None
+            for metric, scale in (("ece", 100.0), ("entropy", 1.0)):
+                row.append(Cell(scale * float(values[metric][i]), low=scale * float(s.test_low[metric][i]) if banded else None,
+                                high=scale * float(s.test_high[metric][i]) if banded else None))
+            row.append(Cell(float(values["loss"][i])))
         rows.append(f"{g:g}" + (" (chosen)" if g == s.chosen_gamma else ""))
         cells.append(row)
     notes = [f"Model {result.model.get('name')}; {s.n_bins} bins; chosen γ = {s.chosen_gamma:g} (lowest calibration "
              f"ECE; row in bold); Neural Clamping fitter: {s.fitter}."]
+    if s.test_low is not None:
+        notes.append(_study_interval_note(s.intervals, "each γ's test ECE and entropy"))
     chosen = [i for i, g in enumerate(s.gammas) if g == s.chosen_gamma]
     return Table("Neural Clamping against γ", columns, rows, cells, notes, [], s.n_bins, "γ", chosen)
 
 
+def _study_interval_note(iv: Mapping[str, Any], what: str) -> str:
+    return (f"Intervals: {_percent(iv['level'])} interval of {what} on the population the test split was drawn "
+            f"from ({iv['resamples']} resamples of the test split, seed {iv['seed']}, {iv['method']}).")
+
+
 def init_study_table(result: Any, metrics: Sequence[str] = TABLE_METRICS) -> Table:
-    """Figure 3 as numbers: mean ± std over runs per initialisation (random, data-driven)."""
+    """Figure 3 as numbers per initialisation (random, data-driven): the mean over runs with its interval
+    when the study has them (else ± std over runs). With intervals, the better initialisation is marked
+    only where the paired interval of random − data excludes 0, else both are marked tied."""
     s = result.study
-    columns = [metric_column(m, result.n_classes) for m in metrics]
+    shown = [m for m in metrics if all(m in r for runs in s.runs.values() for r in runs)]
+    columns = [metric_column(m, result.n_classes) for m in shown]
     names = {"random": "Random δ₀", "data": "Data-driven δ₀ (Theorem 1)"}
     rows, cells = [], []
     for init in s.runs:
@@ -704,11 +789,31 @@ def init_study_table(result: Any, metrics: Sequence[str] = TABLE_METRICS) -> Tab
         row = []
         for col in columns:
             v = np.asarray(s.values(init, col.key), dtype=np.float64) * col.scale
-            row.append(Cell(float(v.mean()), None if once or len(v) < 2 else float(v.std(ddof=1))))
+            cell = Cell(float(v.mean()), None if once or len(v) < 2 else float(v.std(ddof=1)))
+            if s.ci is not None and col.key in s.ci[init]:
+                cell.low, cell.high = (x * col.scale for x in s.ci[init][col.key])
+            row.append(cell)
         cells.append(row)
+    tied = []
     for j, col in enumerate(columns):
-        _mark_ranks([r[j] for r in cells], col)
+        column = [r[j] for r in cells]
+        paired = s.ci_difference is not None and col.key in s.ci_difference and len(column) == 2
+        if paired and col.higher_is_better is not None:
+            _, low, high = s.ci_difference[col.key]
+            if low <= 0 <= high:
+                for c in column:
+                    c.rank = 1
+                tied.append(col.label())
+            else:
+                random_better = (high < 0) != bool(col.higher_is_better)
+                column[list(s.runs).index("random" if random_better else "data")].rank = 1
+        else:
+            _mark_ranks(column, col)
     shared = " (the fast fitter's data-driven fit is deterministic: computed once)" if s.shared_data_fit else ""
+    spread = "mean over" if s.ci is not None else "mean ± std over"
     notes = [f"Model {result.model.get('name')}; scored on '{result.test['name']}' (n={result.test['size']}); "
-             f"{s.n_bins} bins; mean ± std over {len(s.seeds)} runs{shared}; Neural Clamping fitter: {s.fitter}."]
-    return Table("Random vs data-driven initialisation of δ", columns, rows, cells, notes, [], s.n_bins, "Initialisation")
+             f"{s.n_bins} bins; {spread} {len(s.seeds)} runs{shared}; Neural Clamping fitter: {s.fitter}."]
+    if s.ci is not None:
+        notes.append(_study_interval_note(s.intervals, "the mean over runs (runs redrawn too)"))
+    return Table("Random vs data-driven initialisation of δ", columns, rows, cells, notes, [], s.n_bins,
+                 "Initialisation", tied_columns=tied, paired=s.ci_difference is not None)

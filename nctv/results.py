@@ -18,7 +18,7 @@ import torch
 from scipy import stats
 
 from nctv import __version__
-from nctv.metrics import METRIC_NAMES, METRICS, better
+from nctv.metrics import HIGHER_IS_BETTER, METRIC_NAMES, better
 
 RESULTS_SCHEMA_VERSION = 1
 #: The method Welch's t-test compares with the best baseline (the paper's proposal).
@@ -376,7 +376,7 @@ def welch_tests(methods: dict[str, MethodResult], bins: Iterable[int], compared:
     out = []
     for b in bins:
         for metric in METRIC_NAMES:
-            if METRICS[metric].higher_is_better is None:
+            if HIGHER_IS_BETTER[metric] is None:
                 continue
             best = best_method(methods, metric, b, baselines)
             if best is not None:
@@ -395,7 +395,7 @@ def interval_comparisons(methods: dict[str, MethodResult], draws: dict[str, dict
     out = []
     for b in bins:
         for metric in draws[next(iter(draws))][b]:
-            if METRICS[metric].higher_is_better is None:
+            if HIGHER_IS_BETTER[metric] is None:
                 continue
             pairs = []
             for role, among in (("leader", list(methods)), ("best baseline", baselines)):
@@ -449,6 +449,10 @@ class GammaSweepResult(_StudyResult):
             "weight_decay": _jsonable(s.weight_decay), "objective": _jsonable(s.objective),
             "passes": _jsonable(s.passes), "n_passes": s.n_passes,
             "splits": {"calibration": _jsonable(s.cal), **({"test": _jsonable(s.test)} if s.test is not None else {})},
+            **({"intervals": s.intervals, "test_intervals": {m: {"ci_low": _jsonable(s.test_low[m]),
+                                                                "ci_high": _jsonable(s.test_high[m])}
+                                                            for m in s.test_low}}
+               if s.test_low is not None else {}),
         }
 
 
@@ -472,5 +476,10 @@ class InitStudyResult(_StudyResult):
             **self._header("init-study"), "n_classes": self.n_classes, "n_bins": s.n_bins,
             "seeds": list(s.seeds), "shared_data_fit": s.shared_data_fit, "n_passes": s.n_passes,
             "runs": _jsonable(s.runs),
+            **({"intervals": s.intervals,
+                "ci": {init: {m: {"ci_low": low, "ci_high": high} for m, (low, high) in per.items()}
+                       for init, per in s.ci.items()},
+                "difference": {m: {"difference": d, "low": low, "high": high}
+                               for m, (d, low, high) in s.ci_difference.items()}} if s.ci is not None else {}),
         }
 

@@ -205,3 +205,82 @@ def test_save_figure_errors(tmp_path):
         plots.reliability_figure(d, backend="bokeh")
     with pytest.raises(ValueError, match="Nothing to draw"):
         plots.reliability_figure([])
+
+
+def _peaked(n=1500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    return 3 * torch.randn(n, 4, generator=g) + 4 * torch.nn.functional.one_hot(y, 4), y
+
+
+def test_smoothed_diagram_with_its_band_beside_the_binned_one():
+    from nctv.intervals import IntervalSettings, smooth_band
+
+    z, y = _peaked()
+    d = plots.reliability_data(z, y, 15, "A", smooth=IntervalSettings(level=0.9, resamples=200, seed=2))
+    conf, pred = metrics.confidences_and_predictions(z)
+    band = smooth_band(conf, pred == y.numpy(), level=0.9, resamples=200, seed=2)
+    assert np.array_equal(d.smooth.low, band.low) and np.array_equal(d.smooth.high, band.high)
+    assert d.smooth.smooth_ece == pytest.approx(metrics.smooth_ece(z, y), abs=1e-12)
+    assert plots.reliability_data(z, y, 15).smooth is None  # only when asked for
+
+    fig = plots.reliability_figure([d, plots.reliability_data(z / 2, y, 15, "B")])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[:5] == ["A", "", "A (smoothed)", "", "B"] and len(fig.axes) == 6  # B has no smoothed panel
+    smoothed = fig.axes[2]
+    curve = smoothed.lines[0].get_ydata()
+    dense = d.smooth.density >= 0.01 * d.smooth.density.max()
+    assert np.array_equal(curve[dense], d.smooth.accuracy[dense]) and np.isnan(curve[~dense]).all()
+    assert any(f"smECE = {100 * d.smooth.smooth_ece:.2f}%" in t.get_text() for t in smoothed.texts)
+
+    ply = plots.reliability_figure(d, backend="plotly")
+    named = {t.name: t for t in ply.data if t.name}
+    assert set(named) >= {"Accuracy", "90 % band", "Smoothed accuracy", "Density"}
+    y_band = named["90 % band"].y
+    assert np.allclose(y_band[:dense.sum()], d.smooth.high[dense]) and np.allclose(y_band[dense.sum():], d.smooth.low[dense][::-1])
+    titles = [a.text.replace("<br>", " ") for a in ply.layout.annotations if a.name == "panel-title"]
+    assert titles == ["A", "A (smoothed)"]
+
+
+def test_smoothed_diagrams_of_a_run_use_its_interval_settings():
+    from types import SimpleNamespace
+
+    from nctv.intervals import smooth_band
+
+    z, y = _peaked(800, 3)
+    run = SimpleNamespace(methods={"TS": SimpleNamespace(test_logits=z)}, test_labels=y,
+                          settings={"intervals": {"level": 0.8, "resamples": 150, "seed": 7, "method": "m"}})
+    (d,) = plots.reliability_data_from_result(run, 15, smooth=True)
+    conf, pred = metrics.confidences_and_predictions(z)
+    assert np.array_equal(d.smooth.low, smooth_band(conf, pred == y.numpy(), level=0.8, resamples=150, seed=7).low)
+    assert (d.smooth.level, d.smooth.resamples) == (0.8, 150)
+    assert plots.reliability_data_from_result(run, 15)[0].smooth is None
+
+
+def test_study_figures_draw_the_test_split_intervals():
+    sweep = _sweep()
+    sweep.test_low = {"ece": np.array([0.03, 0.01, 0.02]), "entropy": np.array([0.2, 0.3, 0.4])}
+    sweep.test_high = {"ece": np.array([0.05, 0.03, 0.04]), "entropy": np.array([0.3, 0.4, 0.5])}
+    sweep.intervals = {"level": 0.95, "resamples": 100, "seed": 0, "method": "m"}
+    data = plots.gamma_curve_data_from_sweep(sweep)
+    fig = plots.gamma_figure(data, backend="plotly")
+    bands = [t for t in fig.data if t.name == "test, 95 % interval"]
+    assert len(bands) == 2  # ECE and entropy; the loss has none
+    np.testing.assert_allclose(bands[0].y, [5, 3, 4, 2, 1, 3])  # high along γ, then low back, in %
+    mpl = plots.gamma_figure(data)
+    assert len(mpl.axes[0].collections) == 1 and len(mpl.axes[2].collections) == 0
+    with pytest.raises(ValueError, match="band has 2 and 2 values for 3"):
+        plots.gamma_curve_data([0, 0.5, 1], {}, {}, {}, band={"ece": ([0, 1], [1, 2])})
+
+    study = _study()
+    study.ci = {init: {m: [0.5 * r[0][m], 2 * r[0][m]] for m in r[0]} for init, r in study.runs.items()}
+    study.intervals = {"level": 0.9, "resamples": 100, "seed": 0, "method": "m"}
+    idata = plots.init_study_data_from_study(study, n_classes=10)
+    assert idata.ci["data-driven"]["ece"] == (0.0075, 0.03)
+    fig = plots.init_study_figure(idata, backend="plotly")
+    means = [t for t in fig.data if t.name == "mean, 90 % interval"]
+    ece = means[2]  # entropy's two, then ECE's: random first
+    assert ece.y[0] == pytest.approx(2.1) and ece.error_y.array[0] == pytest.approx(4.0 - 2.1)
+    assert ece.error_y.arrayminus[0] == pytest.approx(2.1 - 1.0)
+    with pytest.raises(ValueError, match="No interval for random/sce"):
+        plots.init_study_data({"random": {"ece": [0.1], "sce": [0.2]}}, ("ece", "sce"), ci={"random": {"ece": [0, 1]}})

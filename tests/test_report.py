@@ -16,15 +16,17 @@ from scipy import stats as sps
 
 from nctv import metrics
 from nctv.calibration.studies import GammaSweep, InitStudy
-from nctv.metrics import sce_exponent
+from nctv.intervals import interval
 from nctv.results import MethodResult, MetricStats, RunResult, WelchTest, welch_test, welch_tests
 from nctv.report import (
+    comparison_table,
     gamma_table,
     init_study_table,
     latex_escape,
     metric_column,
     metrics_table,
     results_table,
+    sce_exponent,
     summary_line,
     timing_table,
     to_csv,
@@ -277,17 +279,7 @@ def test_latex_escape_writes_symbols_in_math_mode():
 
 
 def _figure_results(case):
-    result, _, _ = case
-    rows = {"ece": np.array([0.03, 0.01, 0.02]), "entropy": np.array([0.2, 0.3, 0.4]), "loss": np.array([0.5, 0.4, 0.3])}
-    sweep = GammaSweep(gammas=np.array([0.0, 0.5, 1.0]), temperature=np.ones(3), weight_decay=np.ones(3),
-                       objective=np.ones(3), passes=np.ones(3), cal=rows, test=rows, chosen_gamma=0.5, n_passes=3.0,
-                       test_passes=1.5, fitter="fast", n_bins=15)
-    runs = {"random": [{"accuracy": 0.9, "entropy": 0.3 + i / 100, "ece": 0.02 + i / 1000, "aece": 0.021,
-                        "sce": 0.004} for i in range(3)],
-            "data": [{"accuracy": 0.9, "entropy": 0.31, "ece": 0.015, "aece": 0.016, "sce": 0.0035}] * 3}
-    study = InitStudy(runs=runs, seeds=[0, 1, 2], fitter="fast", n_passes=10.0, shared_data_fit=True, n_bins=15)
-    gamma = SimpleNamespace(sweep=sweep, model=result.model)
-    init = SimpleNamespace(study=study, model=result.model, test=result.test, n_classes=result.n_classes)
+    gamma, init = _figure_results_objects(case)
     return gamma_table(gamma), init_study_table(init)
 
 
@@ -493,3 +485,69 @@ def test_intervals_and_comparisons_survive_json(paired_case, tmp_path):
     write_tables(result, tmp_path)
     md = (tmp_path / "table.md").read_text(encoding="utf-8")
     assert "Differences between methods (15 bins)" in md and "interval of the difference" in md
+
+
+def _with_intervals(case, difference):
+    """Figure studies with crafted intervals: random − data = ``difference`` for ECE and entropy, a tie
+    for accuracy."""
+    gamma, init = _figure_results_objects(case)
+    settings = {"level": 0.9, "resamples": 200, "seed": 1, "method": "m"}
+    gamma.sweep.test_low = {"ece": np.array([0.02, 0.005, 0.01]), "entropy": np.array([0.1, 0.2, 0.3])}
+    gamma.sweep.test_high = {"ece": np.array([0.04, 0.02, 0.03]), "entropy": np.array([0.3, 0.4, 0.5])}
+    gamma.sweep.intervals = settings
+    s = init.study
+    s.ci = {init_: {m: [0.5 * v, 2.0 * v] for m, v in s.runs[init_][0].items()} for init_ in s.runs}
+    s.ci_difference = {m: list(difference) for m in s.ci["random"]}
+    s.ci_difference["accuracy"] = [0.0, -0.01, 0.01]
+    s.intervals = settings
+    return gamma_table(gamma), init_study_table(init)
+
+
+def _figure_results_objects(case):
+    """A γ sweep and an initialisation study, as results of the run in ``case`` (no intervals)."""
+    result, _, _ = case
+    rows = {"ece": np.array([0.03, 0.01, 0.02]), "entropy": np.array([0.2, 0.3, 0.4]), "loss": np.array([0.5, 0.4, 0.3])}
+    sweep = GammaSweep(gammas=np.array([0.0, 0.5, 1.0]), temperature=np.ones(3), weight_decay=np.ones(3),
+                       objective=np.ones(3), passes=np.ones(3), cal=rows, test=rows, chosen_gamma=0.5, n_passes=3.0,
+                       test_passes=1.5, fitter="fast", n_bins=15)
+    runs = {"random": [{"accuracy": 0.9, "entropy": 0.3 + i / 100, "ece": 0.02 + i / 1000, "aece": 0.021,
+                        "sce": 0.004} for i in range(3)],
+            "data": [{"accuracy": 0.9, "entropy": 0.31, "ece": 0.015, "aece": 0.016, "sce": 0.0035}] * 3}
+    study = InitStudy(runs=runs, seeds=[0, 1, 2], fitter="fast", n_passes=10.0, shared_data_fit=True, n_bins=15)
+    return (SimpleNamespace(sweep=sweep, model=result.model),
+            SimpleNamespace(study=study, model=result.model, test=result.test, n_classes=result.n_classes))
+
+
+def test_study_tables_show_the_test_split_intervals(case):
+    gamma, init = _with_intervals(case, (0.006, 0.001, 0.011))
+    md = to_markdown(gamma)
+    # The test split's ECE and entropy carry their interval; the calibration split's do not.
+    assert "| 0 | 1.0000 | 1.0000 | 3.00 | 0.2000 | 0.5000 | 3.00 [2.00, 4.00] | 0.2000 [0.1000, 0.3000] | 0.5000 |" in md
+    assert "90 % interval of each γ's test ECE and entropy" in md and "200 resamples" in md
+    md = to_markdown(init)
+    # Random − data ECE excludes 0 (above it): data-driven is better there, alone in bold; accuracy is tied.
+    data_row = next(line for line in md.splitlines() if line.startswith("| Data"))
+    random_row = next(line for line in md.splitlines() if line.startswith("| Random"))
+    assert "**1.50 [0.75, 3.00]**" in data_row and "**2.10" not in random_row
+    assert "**90.00 [45.00, 180.00]**" in data_row and "**90.00 [45.00, 180.00]**" in random_row
+    assert "tied (Accuracy (%) ↑" in md and "mean over 3 runs" in md
+    _, init = _with_intervals(case, (-0.006, -0.011, -0.001))
+    random_row = next(line for line in to_markdown(init).splitlines() if line.startswith("| Random"))
+    assert "**2.10 [1.00, 4.00]**" in random_row
+
+
+def test_smooth_ece_is_the_last_column_with_its_interval_and_old_runs_leave_it_out(paired_case):
+    result, draws, logits, labels = paired_case
+    table = results_table(result, 15)
+    assert [c.key for c in table.columns][-1] == "smooth_ece" and table.columns[-1].label() == "smECE (%) ↓"
+    row = table.rows.index("Temperature Scaling")
+    cell = table.cells[row][-1]
+    assert cell.mean == pytest.approx(100 * metrics.smooth_ece(logits["Temperature Scaling"][0], labels), abs=1e-9)
+    ci = interval(draws["Temperature Scaling"][15]["smooth_ece"], "smooth_ece")
+    assert (cell.low, cell.high) == pytest.approx((100 * ci.low, 100 * ci.high))
+    # A run saved before smooth ECE existed: the table leaves the column out instead of failing.
+    old = dataclasses.replace(result, methods={
+        n: dataclasses.replace(m, metrics={b: {k: v for k, v in per.items() if k != "smooth_ece"}
+                                           for b, per in m.metrics.items()}) for n, m in result.methods.items()})
+    assert "smooth_ece" not in [c.key for c in results_table(old, 15).columns]
+    assert "smooth_ece" not in [c.key for c in comparison_table(old, 15).columns]

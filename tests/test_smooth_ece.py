@@ -164,6 +164,75 @@ def test_curves_of_a_batch_share_the_mesh_and_equal_single_rows():
     assert np.allclose(acc[66], acc1[0], atol=1e-12) and np.allclose(dens[66], dens1[0], atol=1e-12)
 
 
+def test_resample_counts_give_exactly_the_materialised_resamples():
+    """Rows given as counts of one sample equal the same resamples written out sample by sample."""
+    rng = np.random.default_rng(9)
+    conf, correct = random_predictions(rng, 1200, ones=50)
+    counts = rng.multinomial(conf.size, np.full(conf.size, 1 / conf.size), size=70)  # more than one block
+    rows = [np.repeat(np.arange(conf.size), c) for c in counts]
+    values, sigmas = M.smooth_ece_batch(conf, correct, counts=counts)
+    direct, direct_sigmas = M.smooth_ece_batch(np.stack([conf[r] for r in rows]), np.stack([correct[r] for r in rows]))
+    assert values == pytest.approx(direct, abs=1e-12) and np.array_equal(sigmas, direct_sigmas)
+    assert values[3] == pytest.approx(relplot.smECE(conf[rows[3]], correct[rows[3]]), abs=1e-6)
+    mesh, acc, dens = M.smooth_reliability_curves(conf, correct, 0.04, counts=counts[60:])
+    _, acc1, dens1 = M.smooth_reliability_curves(conf[rows[65]], correct[rows[65]], 0.04)
+    assert np.allclose(acc[5], acc1[0], atol=1e-9) and np.allclose(dens[5], dens1[0], atol=1e-12)
+    with pytest.raises(ValueError, match="one sample"):
+        M.smooth_ece_batch(np.stack([conf, conf]), np.stack([correct, correct]), counts=counts)
+    with pytest.raises(ValueError, match="counts must be"):
+        M.smooth_ece_batch(conf, correct, counts=counts[:, :10])
+
+
+def test_band_is_the_bootstrap_of_the_curve_on_the_seeded_resamples():
+    """smooth_band against the direct way: the seeded resamples written out, their curves at σ*, and
+    the union of the basic and percentile bootstrap intervals at every mesh point."""
+    from nctv import intervals as iv
+
+    rng = np.random.default_rng(10)
+    conf, correct = random_predictions(rng, 900)
+    band = iv.smooth_band(conf, correct, level=0.9, resamples=200, seed=4)
+    reference = M.smooth_reliability(np.stack([conf, 1 - conf], 1), np.where(correct == 1, 0, 1),
+                                     from_probabilities=True)
+    assert band.bandwidth == reference.bandwidth and band.smooth_ece == pytest.approx(reference.smooth_ece, abs=1e-12)
+    assert np.array_equal(band.confidence, reference.confidence)
+    assert np.allclose(band.accuracy, reference.accuracy, atol=1e-12)
+    index = torch.randint(conf.size, (200, conf.size), generator=torch.Generator().manual_seed(4)).numpy()
+    _, curves, _ = M.smooth_reliability_curves(conf[index], correct[index], band.bandwidth)
+    q05, q95 = np.quantile(curves, [0.05, 0.95], axis=0)
+    assert band.low == pytest.approx(np.clip(np.minimum(2 * band.accuracy - q95, q05), 0, 1), abs=1e-9)
+    assert band.high == pytest.approx(np.clip(np.maximum(2 * band.accuracy - q05, q95), 0, 1), abs=1e-9)
+    assert (band.level, band.resamples) == (0.9, 200)
+
+
+def test_band_holds_a_calibrated_curve_with_the_kernel_regression_width():
+    """Calibrated predictions: the smoothed population curve is the diagonal, so where confidences are
+    dense the 95 % band holds it in most seeded draws. Its width is that of a kernel regression with a
+    Gaussian kernel of width σ: 2 · 1.96 · √(t(1 − t) / (2√π · n σ f(t))), f the density of confidences."""
+    from scipy.stats import beta
+
+    from nctv import intervals as iv
+
+    rng = np.random.default_rng(11)
+    held, ratios = [], []
+    for n in (1000, 16000):
+        for rep in range(10 if n == 1000 else 2):
+            conf = rng.beta(6, 1.5, size=n)
+            correct = rng.uniform(size=n) < conf
+            band = iv.smooth_band(conf, correct, resamples=300, seed=rep)
+            at = np.argmin(np.abs(band.confidence - 0.85))
+            t = band.confidence[at]
+            if n == 1000:
+                held.append(band.low[at] <= t <= band.high[at])
+            theory = 2 * 1.96 * np.sqrt(t * (1 - t) / (2 * np.sqrt(np.pi) * n * band.bandwidth * beta.pdf(t, 6, 1.5)))
+            ratios.append((band.high[at] - band.low[at]) / theory)
+    assert sum(held) >= 8
+    assert np.mean(ratios) == pytest.approx(1.0, abs=0.15) and min(ratios) > 0.6 and max(ratios) < 1.4, ratios
+    with pytest.raises(ValueError, match="1-D"):
+        iv.smooth_band(np.ones((2, 3)), np.ones((2, 3)))
+    with pytest.raises(ValueError, match="at least 100 resamples"):
+        iv.smooth_band(conf, correct, resamples=5)
+
+
 @pytest.mark.parametrize("args, message", [
     (([0.5, 1.2], [1, 0]), "confidence must lie in"),
     (([0.5, 0.6], [1, 2]), "correct must hold only 0/1"),

@@ -17,6 +17,8 @@ import torch
 from nctv.calibration.clamping import SWEEP_GAMMAS, NeuralClamping
 from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
+from nctv.intervals import (RESAMPLED, IntervalSettings, difference, interval, method_draws, resample_counts,
+                            seed_counts)
 
 __all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study", "init_study_passes"]
 
@@ -34,6 +36,29 @@ def _curves(rows: list[dict[str, float]]) -> dict[str, np.ndarray]:
     return {k: np.array([r[k] for r in rows]) for k in _CURVES}
 
 
+def _test_draws(per_point: list[list[torch.Tensor]], labels: torch.Tensor, n_bins: int, metrics: Sequence[str],
+                settings: IntervalSettings) -> list[dict[str, Any]]:
+    """Per point (a γ, an initialisation: the test logits of each of its runs), ``metrics`` on every
+    resample of the test split (``nctv.intervals``). One count matrix serves every point, so points
+    compare paired; a point with several runs redraws them in each resample (the mean's interval)."""
+    counts = resample_counts(len(labels), settings.resamples, settings.seed)
+    runs = torch.Generator().manual_seed(settings.seed + 1)
+    out = []
+    for logits in per_point:
+        redrawn = seed_counts(len(logits), settings.resamples, runs) if len(logits) > 1 else None
+        out.append(method_draws(logits, labels, counts, n_bins, metrics, redrawn))
+    return out
+
+
+def _ends(draws: dict[str, Any], level: float) -> dict[str, list[float]]:
+    """metric → [low, high] of its interval."""
+    out = {}
+    for m, d in draws.items():
+        ci = interval(d, m, level)
+        out[m] = [ci.low, ci.high]
+    return out
+
+
 @dataclass
 class GammaSweep:
     """ECE, entropy and loss of Neural Clamping as functions of γ (the paper's Figure 2).
@@ -42,7 +67,8 @@ class GammaSweep:
     FL_γ of the calibrated logits, without the λ term; ECE with ``n_bins`` bins, as fractions).
     ``test`` is None without a test split. ``chosen_gamma``: lowest calibration ECE.
     ``n_passes``: passes over the calibration split for the whole sweep; ``test_passes``: forward
-    passes over the test split (0.5 each).
+    passes over the test split (0.5 each). ``test_low``/``test_high``: per γ, the interval of the test
+    split's "ece" and "entropy" from resampling it (``intervals``: how; None: not computed).
     """
 
     gammas: np.ndarray
@@ -57,13 +83,18 @@ class GammaSweep:
     test_passes: float
     fitter: str
     n_bins: int = 15
+    test_low: dict[str, np.ndarray] | None = None
+    test_high: dict[str, np.ndarray] | None = None
+    intervals: dict[str, Any] | None = None
 
 
 def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None, test_inputs: Any = None,
                 test_labels: Any = None, gammas: Sequence[float] = SWEEP_GAMMAS, n_bins: int = 15,
-                passes_per_gamma: float = 3, **settings: Any) -> GammaSweep:
+                passes_per_gamma: float = 3, intervals: IntervalSettings | None = IntervalSettings(),
+                **settings: Any) -> GammaSweep:
     """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``settings`` go to
-    ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …).
+    ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …). With a test split and
+    ``intervals``, each γ's test ECE and entropy get an interval from resampling the test split.
 
     With the fast fitter the sweep is one continuation: the first γ gets a full fit, each later γ
     starts from the previous solution (T re-solved exactly on its cached logits, L-BFGS memory
@@ -85,10 +116,13 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
     _, candidates = nc.choose(fits, prepared)
     temps = np.array([c["temperature"] for c in candidates])
     cal_rows = [_split_metrics(f.result.logits / t, prepared.labels, f.gamma, n_bins) for f, t in zip(fits, temps)]
-    test_rows = None
+    test_rows, bands = None, None
     if test_inputs is not None:
         test_z, test_y = nc.perturbed_logits(test_inputs, test_labels, [f.result.delta for f in fits], prepared)
         test_rows = [_split_metrics(z / t, test_y, f.gamma, n_bins) for z, f, t in zip(test_z, fits, temps)]
+        if intervals is not None:
+            draws = _test_draws([[z / t] for z, t in zip(test_z, temps)], test_y, n_bins, ("ece", "entropy"), intervals)
+            bands = _curves_of([_ends(d, intervals.level) for d in draws])
     cal_ece = np.array([r["ece"] for r in cal_rows])
     return GammaSweep(
         gammas=np.array([f.gamma for f in fits]),
@@ -103,7 +137,15 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         test_passes=0.0 if test_rows is None else 0.5 * len(fits),
         fitter=nc.fitter,
         n_bins=n_bins,
+        test_low=None if bands is None else bands[0],
+        test_high=None if bands is None else bands[1],
+        intervals=None if bands is None else intervals.to_dict(),
     )
+
+
+def _curves_of(per_point: list[dict[str, list[float]]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per-point intervals as (lows, highs), each a metric → array over the points."""
+    return tuple({m: np.array([p[m][end] for p in per_point]) for m in per_point[0]} for end in (0, 1))
 
 
 def gamma_sweep_passes(model: torch.nn.Module | None, n_gammas: int, passes_per_gamma: float = 3,
@@ -120,7 +162,10 @@ class InitStudy:
     ``runs[init]`` (init in "random", "data") is a list, one per run, of test-split metric dicts
     (keys of ``nctv.metrics.METRIC_NAMES``: entropy, ece, aece, sce, …; fractions). Runs differ by
     seed (``seeds``). With the fast fitter the data-driven fit is deterministic, so it is computed
-    once and its metrics repeated for every run (``shared_data_fit`` True).
+    once and its metrics repeated for every run (``shared_data_fit`` True). ``ci[init][metric]``: the
+    interval [low, high] of the mean over runs from resampling the test split, the runs redrawn in each
+    resample; ``ci_difference[metric]``: [difference, low, high] of random − data, paired on the same
+    resamples (``intervals``: how; both None when not computed).
     """
 
     runs: dict[str, list[dict[str, float]]]
@@ -129,6 +174,9 @@ class InitStudy:
     n_passes: float
     shared_data_fit: bool
     n_bins: int = 15
+    ci: dict[str, dict[str, list[float]]] | None = None
+    ci_difference: dict[str, list[float]] | None = None
+    intervals: dict[str, Any] | None = None
 
     def values(self, init: str, metric: str) -> np.ndarray:
         """One metric over the runs of one initialisation, for box plots."""
@@ -180,15 +228,16 @@ class _FitPlan:
 
 
 def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, seed: int = 0, n_bins: int = 15,
-               **settings: Any) -> InitStudy:
-    """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split.
+               intervals: IntervalSettings | None = IntervalSettings(), **settings: Any) -> InitStudy:
+    """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split
+    (with ``intervals``: each initialisation's interval of every metric, from resampling the test split).
 
     ``cal``, ``test``: (inputs, labels) pairs or loaders of (x, y). ``settings`` go to
     ``NeuralClamping`` (``input_range`` is required for the data-driven runs; ``init`` is set here).
     Run r uses seed ``seed + r``. Work shared: one pass gives δ̃ and the unperturbed logits for
     all runs; the test split is read once for all fitted δ's.
     """
-    from nctv.metrics import evaluate
+    from nctv.metrics import METRIC_NAMES, evaluate
 
     for key in ("init", "seed"):
         if key in settings:
@@ -223,4 +272,16 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
     test_z, test_y = nc.perturbed_logits(*_pair(test, "test"), list(unique.values()), prepared)
     zs = dict(zip(unique, test_z))
     runs = {init: [evaluate(zs[id(d)] / t, test_y, n_bins=n_bins) for d, t in chosen[init]] for init in chosen}
-    return InitStudy(runs=runs, seeds=seeds, fitter=nc.fitter, n_passes=n_passes, shared_data_fit=shared, n_bins=n_bins)
+    ci = compared = None
+    if intervals is not None:
+        # A fit repeated for every run (the shared data-driven one) is one run of the mean.
+        per_init = [[zs[id(d)] / t for d, t in dict((id(d), (d, t)) for d, t in chosen[init]).values()] for init in chosen]
+        metrics = [m for m in METRIC_NAMES if m in RESAMPLED]
+        draws = dict(zip(chosen, _test_draws(per_init, test_y, n_bins, metrics, intervals)))
+        ci = {init: _ends(d, intervals.level) for init, d in draws.items()}
+        compared = {}
+        for m in metrics:
+            d = difference(draws["random"][m], draws["data"][m], intervals.level)
+            compared[m] = [d.estimate, d.low, d.high]
+    return InitStudy(runs=runs, seeds=seeds, fitter=nc.fitter, n_passes=n_passes, shared_data_fit=shared, n_bins=n_bins,
+                     ci=ci, ci_difference=compared, intervals=None if ci is None else intervals.to_dict())

@@ -50,10 +50,8 @@ def _scores(z: torch.Tensor, y: torch.Tensor, n_bins: int) -> dict[str, float]:
 
 def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], cal: Calibration) -> str:
     """Short explanations of ECE, AECE, SCE, temperature scaling and Neural Clamping with numbers."""
-    from nctv.metrics import metric_column
-
     per_bin = n / n_bins
-    sce = metric_column("sce", k)
+    sce = report.metric_column("sce", k)
     text = [
         "### What the numbers mean",
         "**Confidence** is the probability of the predicted (top) class. A model is *calibrated* when, among "

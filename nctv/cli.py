@@ -224,7 +224,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     if bins:
         g.add_argument("--bins", type=_positive_int, nargs="+", default=list(DEFAULT_BINS), metavar="M",
                        help=f"bin counts of ECE/AECE/SCE (default {' '.join(map(str, DEFAULT_BINS))})")
-    g.add_argument("--fitter", choices=list(FITTERS), default="fast",
+    g.add_argument("--fitter", choices=list(FITTERS), default=None,
                    help="Neural Clamping fitter: fast (default: T chosen by the calibration ECE of the unperturbed model, "
                         "then δ fitted by L-BFGS at that T; about 10 passes), paper (the paper's SGD recipe with momentum 0.9) or "
                         "toolkit (the authors' released demo recipe); both recipes run 100 epochs exactly as published")

@@ -260,15 +260,15 @@ class EfficientNeuralClamping(_InputCalibrator):
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Start:
-    """What every fit on one calibration split shares: unperturbed logits and, for init="data", δ̃."""
+    """What every fit on one calibration split shares: unperturbed logits and, for init="data", δ̃,
+    the passes they took, and log T of the anchored rule (chosen on z0; None under other rules)."""
 
     z0: torch.Tensor | None
     delta_tilde: torch.Tensor | None
-    passes: float = 0.0
-    #: log T of the anchored rule, chosen on z0 once and shared by every fit on the split.
-    anchor: float | None = None
+    passes: float
+    anchor: float | None
 
 
 @dataclass
@@ -372,8 +372,6 @@ class NeuralClamping(_InputCalibrator):
     def __init__(self, model: torch.nn.Module, options: NCOptions | None = None, *, input_range: Any = None,
                  seed: int = 0, device: Any = None, progress: bool = False,
                  callback: Callable[[dict], Any] | None = None, **settings: Any):
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise ValueError(f"seed must be a whole number; got {seed!r}.")
         base = NCOptions() if options is None else options
         self.model = model
         self.options = base.changed(**settings) if settings else base
@@ -439,6 +437,8 @@ class NeuralClamping(_InputCalibrator):
 
     def _validate(self) -> list[float]:
         """The γ values to fit, once the fit's needs of the data are met (the options were checked when made)."""
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise ValueError(f"seed must be a whole number; got {self.seed!r}.")
         if (self.init == "data" or self.clamp) and self.input_range is None:
             what = "init='data'" if self.init == "data" else "clamp=True"
             raise ValueError(f"{what} needs input_range=(alpha, beta): the preprocessed images of pixel values 0 and 1.")
@@ -449,14 +449,6 @@ class NeuralClamping(_InputCalibrator):
         if isinstance(weight_decay, str):
             return _rule_weight_decay(weight_decay, start.z0, labels, gamma, log_t)
         return float(weight_decay)
-
-    def _anchor(self, start: _Start, labels: torch.Tensor) -> float | None:
-        """log T of the anchored rule (chosen on the unperturbed logits), None under other rules."""
-        if self._setting("temperature") != "anchored":
-            return None
-        if start.anchor is None:
-            start.anchor = math.log(select_temperature(start.z0, labels)[0])
-        return start.anchor
 
     # ---- fitting -------------------------------------------------------------------------
 
@@ -540,18 +532,18 @@ class NeuralClamping(_InputCalibrator):
         """The shared first pass: δ̃ and the unperturbed logits (init="data", 1 pass) or the
         unperturbed logits alone when λ is "auto" or the fast fitter warm-starts T (0.5 pass)."""
         before = problem.split.passes
+        z0 = delta_tilde = anchor = None
         if self.init == "data":
             alpha, beta = input_bounds(self.input_range, problem.split.input_shape, problem.split.device)
             g, lo, hi, z0 = entropy_gradient(problem)
-            start = _Start(z0, theorem1_delta(g, lo, hi, alpha, beta))
+            delta_tilde = theorem1_delta(g, lo, hi, alpha, beta)
         elif isinstance(self._setting("weight_decay"), str) or self.fitter == "fast":
-            start = _Start(problem.logits(None), None)
-        else:
-            start = _Start(None, None)
-        if start.z0 is not None:
-            check_label_range(problem.split.labels, start.z0.shape[1])
-        start.passes = problem.split.passes - before
-        return start
+            z0 = problem.logits(None)
+        if z0 is not None:
+            check_label_range(problem.split.labels, z0.shape[1])
+        if self._setting("temperature") == "anchored":  # the fast fitter's rule: T from the unperturbed logits
+            anchor = math.log(select_temperature(z0, problem.split.labels)[0])
+        return _Start(z0, delta_tilde, problem.split.passes - before, anchor)
 
     def _initial_delta(self, start: _Start, shape: tuple[int, ...], generator: torch.Generator, device) -> torch.Tensor:
         if self.init == "data":
@@ -575,7 +567,7 @@ class NeuralClamping(_InputCalibrator):
         expected = self.expected_passes(len(gammas), later_passes)
         bar = self._bar(expected)
         memory: LBFGSMemory | None = None
-        anchor = None if self._recipe() is not None else self._anchor(start, problem.split.labels)
+        anchor = None if self._recipe() is not None else start.anchor
         try:
             for i, gamma in enumerate(gammas):
                 if fits and fits[-1].result.stopped:

@@ -26,11 +26,11 @@ import numpy as np
 
 from bench import panel
 from bench.cases import BASELINES, ODIR_METHODS
+from nctv.settings import SWEEP_GAMMAS
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("fmnist-resnet", "fmnist-vit", "fmnist-mixer")
 DEFAULT_MODEL = "fmnist-resnet-overconfident"
-SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
 SECTIONS = ("panel", "fidelity", "sweep", "grid", "baselines", "distributed", "gpu", "intervals")
 #: The intervals section: every metric's interval for ten sets of 10,000×10 logits at 1,000 resamples.
 INTERVALS_CASE = {"n": 10_000, "k": 10, "methods": 10, "resamples": 1000, "seed": 0}

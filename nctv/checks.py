@@ -1,4 +1,6 @@
-"""Argument checks shared by every layer of NCTV (the bottom of the import graph: numpy and torch only).
+"""Argument checks shared by every layer of NCTV (the bottom of the import graph: numpy and torch only;
+torch is imported by the tensor checks when they run, so that the command line checks its settings
+before torch loads).
 
 Each check returns the cleaned value or raises ``ValueError`` with a message that says what was wrong
 and what to do, in the user's words.
@@ -7,10 +9,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NotFittedError(RuntimeError):
@@ -24,6 +28,8 @@ T_MIN, T_MAX = 1e-3, 1e3
 
 def as_tensor(x: Any, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """Turn a numpy array, list or tensor into a tensor without copying when it can."""
+    import torch
+
     if isinstance(x, torch.Tensor):
         t = x
     else:
@@ -44,7 +50,7 @@ def check_logits(logits: Any, name: str = "logits") -> torch.Tensor:
         raise ValueError(f"{name} has {t.shape[1]} class(es); calibration needs at least 2 classes.")
     if not t.is_floating_point():
         t = t.double()
-    if not bool(torch.isfinite(t).all()):
+    if not bool(t.isfinite().all()):
         raise ValueError(f"{name} contains NaN or infinite values; check the model's outputs.")
     return t
 

@@ -23,13 +23,21 @@ from typing import Any, Sequence
 
 from nctv import __version__
 from nctv.settings import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_BINS,
     DEFAULT_CALIBRATION_SIZE,
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
+    DEFAULT_SEEDS,
     FITTERS,
+    INITS,
     INTERVAL_STYLES,
     PRECISIONS,
+    STUDY_BINS,
+    SWEEP_GAMMAS,
     TEMPERATURE_RULES,
+    TIMING_RESOLUTIONS,
+    NCOptions,
     hub_datasets_available,
 )
 
@@ -176,28 +184,20 @@ def _float_or(*words: str):
     return parse
 
 
-def _nc_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The Neural Clamping settings given on the command line (the fitter's own for the others)."""
-    out = {k: getattr(args, k) for k in ("weight_decay", "init", "lr") if getattr(args, k, None) is not None}
-    if getattr(args, "temperature_rule", None) is not None:
-        out["temperature"] = args.temperature_rule
-    return out
-
-
-def _check_nc_settings(args: argparse.Namespace) -> None:
-    """Refuse a bad Neural Clamping setting before the model loads, by the estimator's own checks:
-    the fit would refuse it only when its row starts, after every baseline."""
-    if not hasattr(args, "temperature_rule"):  # a command that fits no Neural Clamping
-        return
-    from nctv.calibration.clamping import NeuralClamping
-
-    gamma = getattr(args, "gamma", None)
-    NeuralClamping(None, fitter=args.fitter, epochs=args.epochs, **({} if gamma is None else {"gamma": gamma}),
-                   **_nc_settings(args)).check_settings()
+def _nc_options(args: argparse.Namespace) -> NCOptions | None:
+    """Neural Clamping's options from the command line (the fitter's own where none is given),
+    checked as they are made: a bad one is refused before the model loads, not when its row starts
+    after every baseline. None for a command that fits no Neural Clamping."""
+    if not hasattr(args, "temperature_rule"):
+        return None
+    given = {"gamma": getattr(args, "gamma", None), "weight_decay": args.weight_decay,
+             "init": getattr(args, "init", None), "fitter": args.fitter, "epochs": args.epochs, "lr": args.lr,
+             "temperature": args.temperature_rule}
+    return NCOptions(**{k: v for k, v in given.items() if v is not None})
 
 
 def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bins: bool = True,
-                gamma: bool = True) -> None:
+                gamma: bool = True, init: bool = True) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, metavar="NAME",
                    help="zoo name, hf-hub:<org>/<name> or local-dir:<folder> (default: the embedded model; "
@@ -219,12 +219,12 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                         "measured pass shows it faster and agreeing with fp32), fp32 (forces full precision), bf16, fp16")
     g = p.add_argument_group("run")
     if seeds:
-        g.add_argument("--seeds", type=_positive_int, default=5, metavar="N",
-                       help="runs of every stochastic method, seeds 0..N-1 (default 5)")
+        g.add_argument("--seeds", type=_positive_int, default=DEFAULT_SEEDS, metavar="N",
+                       help=f"runs of every stochastic method, seeds 0..N-1 (default {DEFAULT_SEEDS})")
     if bins:
-        g.add_argument("--bins", type=_positive_int, nargs="+", default=[10, 15, 20], metavar="M",
-                       help="bin counts of ECE/AECE/SCE (default 10 15 20)")
-    g.add_argument("--fitter", choices=list(FITTERS), default="fast",
+        g.add_argument("--bins", type=_positive_int, nargs="+", default=list(DEFAULT_BINS), metavar="M",
+                       help=f"bin counts of ECE/AECE/SCE (default {' '.join(map(str, DEFAULT_BINS))})")
+    g.add_argument("--fitter", choices=list(FITTERS), default=None,
                    help="Neural Clamping fitter: fast (default: T chosen by the calibration ECE of the unperturbed model, "
                         "then δ fitted by L-BFGS at that T; about 10 passes), paper (the paper's SGD recipe with momentum 0.9) or "
                         "toolkit (the authors' released demo recipe); both recipes run 100 epochs exactly as published")
@@ -241,12 +241,13 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                    help="how Neural Clamping sets T: anchored (fast fitter's default: chosen by calibration ECE "
                         "before δ is fitted, then held), fitted (learned with δ; the recipes' default) or selected "
                         "(learned with δ, then re-chosen by calibration ECE) (default: the fitter's own)")
-    g.add_argument("--init", choices=["random", "data"], default=None,
-                   help="δ initialisation: random (Gaussian) or data (Theorem 1) (default random)")
+    if init:
+        g.add_argument("--init", choices=list(INITS), default=None,
+                       help="δ initialisation: random (Gaussian) or data (Theorem 1) (default random)")
     g.add_argument("--lr", type=_float, default=None, metavar="LR",
                    help="learning rate of the paper and toolkit recipes (default: the recipe's, 0.001 / 0.01)")
-    g.add_argument("--batch-size", type=_positive_int, default=512, metavar="N",
-                   help="images per call of the model on the CPU; on a GPU the free memory sets it (default 512)")
+    g.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                   help=f"images per call of the model on the CPU; on a GPU the free memory sets it (default {DEFAULT_BATCH_SIZE})")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("out") / command, metavar="DIR",
                    help=f"output folder (default out/{command})")
@@ -304,23 +305,25 @@ def build_parser() -> argparse.ArgumentParser:
                  "TS by grid search and NC (Eff.) at grid resolutions 0.01 and 0.001, and NC (FL): accuracy, "
                  "entropy, ECE and seconds to fit.")
     _add_common(p, "timing", seeds=False)
-    p.add_argument("--resolutions", type=_grid_step, nargs="+", default=[0.01, 0.001], metavar="STEP",
-                   help="temperature grid steps (default 0.01 0.001)")
+    p.add_argument("--resolutions", type=_grid_step, nargs="+", default=list(TIMING_RESOLUTIONS), metavar="STEP",
+                   help=f"temperature grid steps (default {' '.join(map(str, TIMING_RESOLUTIONS))})")
 
     p = _command(sub, "sweep-gamma", "ECE, entropy and loss against gamma (Figure 2)",
                  "Fit Neural Clamping for every gamma and plot ECE, entropy and training loss on the calibration "
                  "and test splits.")
     _add_common(p, "sweep-gamma", seeds=False, bins=False, gamma=False)
-    p.add_argument("--gammas", type=_gamma, nargs="+", default=None, metavar="G",
+    p.add_argument("--gammas", type=_gamma, nargs="+", default=list(SWEEP_GAMMAS), metavar="G",
                    help="gamma values (default 0, 0.05, ..., 1 as in the paper)")
-    p.add_argument("--n-bins", type=_positive_int, default=15, metavar="M", help="ECE bins (default 15)")
+    p.add_argument("--n-bins", type=_positive_int, default=STUDY_BINS, metavar="M",
+                   help=f"ECE bins (default {STUDY_BINS})")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the random delta initialisation (default 0)")
 
     p = _command(sub, "init-study", "random vs data-driven delta initialisation (Figure 3)",
                  "Fit Neural Clamping from random and from data-driven (Theorem 1) δ₀, --seeds runs each, and draw "
                  "box plots of entropy, ECE, AECE and SCE on the test split.")
-    _add_common(p, "init-study", bins=False)
-    p.add_argument("--n-bins", type=_positive_int, default=15, metavar="M", help="bins of the metrics (default 15)")
+    _add_common(p, "init-study", bins=False, init=False)
+    p.add_argument("--n-bins", type=_positive_int, default=STUDY_BINS, metavar="M",
+                   help=f"bins of the metrics (default {STUDY_BINS})")
 
     p = _command(sub, "train", "train a classifier for calibration experiments",
                  "Train a timm classifier from scratch (plain recipe, no calibration tricks) and save it as "
@@ -421,7 +424,7 @@ def _main_bins(bins: Sequence[int]) -> int:
     return 15 if 15 in bins else bins[0]
 
 
-def _run_figures(result, loaded, test) -> dict[str, tuple[Any, Any]]:
+def _run_figures(result, test) -> dict[str, tuple[Any, Any]]:
     from nctv import plots
     from nctv.results import COMPARED_METHOD
 
@@ -432,9 +435,9 @@ def _run_figures(result, loaded, test) -> dict[str, tuple[Any, Any]]:
     nc = next((m for m in with_delta if m.name == COMPARED_METHOD), with_delta[0] if with_delta else None)
     if nc is not None:
         x, _ = next(iter(test.loader(batch_size=1)))
-        cfg = loaded.data_config
         temperature = nc.params.get("temperature", float("nan"))
-        d = plots.delta_image_data(nc.delta, cfg["mean"], cfg["std"], example=x[0],
+        # The normalisation the run recorded, as the app reads it: both draw δ the same way.
+        d = plots.delta_image_data(nc.delta, result.settings["mean"], result.settings["std"], example=x[0],
                                    title=f"{nc.name} δ (fitter {result.fitter}, T = {temperature:.3f})")
         figs["delta"] = _both(plots.delta_figure, d)
     return figs
@@ -457,21 +460,32 @@ def _finish(result, out: Path, figures=None, model=None, style: str = "brackets"
 # --------------------------------------------------------------------------- commands
 
 
-def cmd_run(args: argparse.Namespace) -> str:
+def _run_options(args: argparse.Namespace, nc: NCOptions, **more: Any):
+    """The run's options from the command line, with Neural Clamping's ``nc`` inside."""
+    from nctv.experiment import RunOptions
+
+    return RunOptions(nc=nc, device=_device(args.device), batch_size=args.batch_size, progress=not args.quiet,
+                      precision=args.precision, **more)
+
+
+def _table_options(args: argparse.Namespace, nc: NCOptions, **more: Any):
+    """A table run's options: the study options, its bins, the logit cache, and its seeds where it has them."""
+    return _run_options(args, nc, bins=args.bins, cache_dir=_cache(args),
+                        **({"seeds": args.seeds} if hasattr(args, "seeds") else {}), **more)
+
+
+def cmd_run(args: argparse.Namespace, nc: NCOptions) -> str:
     from nctv import experiment
 
     # Names are checked before the model and data load, so a typo fails at once.
     from nctv.intervals import IntervalSettings
 
     methods = experiment.check_methods(resolve_methods(args.methods) or experiment.DEFAULT_METHODS)
-    intervals = IntervalSettings(args.interval_level, args.resamples, args.interval_seed)
+    options = _table_options(args, nc, intervals=IntervalSettings(args.interval_level, args.resamples,
+                                                                  args.interval_seed))
     loaded, cal, test = _load(args)
-    result = experiment.run_experiment(
-        loaded, cal, test, methods=methods, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
-        epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision, intervals=intervals)
-    line = _finish(result, args.out, lambda: _run_figures(result, loaded, test), model=loaded,
-                   style=args.interval_style)
+    result = experiment.run_experiment(loaded, cal, test, methods, options)
+    line = _finish(result, args.out, lambda: _run_figures(result, test), model=loaded, style=args.interval_style)
     return _shown_run(result, args.interval_style) + line if line else line
 
 
@@ -484,37 +498,30 @@ def _shown_run(result, style: str) -> str:
     return report.to_markdown(report.results_table(result, b), style) + ("\n" + sentence + "\n" if sentence else "") + "\n"
 
 
-def cmd_ablation(args: argparse.Namespace) -> str:
+def cmd_ablation(args: argparse.Namespace, nc: NCOptions) -> str:
     from nctv import experiment
 
+    options = _table_options(args, nc)
     loaded, cal, test = _load(args)
-    result = experiment.run_ablation(
-        loaded, cal, test, seeds=args.seeds, bins=args.bins, fitter=args.fitter, gamma=args.gamma, epochs=args.epochs,
-        device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args), progress=not args.quiet,
-        nc_settings=_nc_settings(args), precision=args.precision)
-    return _finish(result, args.out, lambda: _run_figures(result, loaded, test), model=loaded)
+    result = experiment.run_ablation(loaded, cal, test, options)
+    return _finish(result, args.out, lambda: _run_figures(result, test), model=loaded)
 
 
-def cmd_timing(args: argparse.Namespace) -> str:
+def cmd_timing(args: argparse.Namespace, nc: NCOptions) -> str:
     from nctv import experiment
 
+    options = _table_options(args, nc)
     loaded, cal, test = _load(args)
-    result = experiment.run_timing(
-        loaded, cal, test, resolutions=args.resolutions, bins=args.bins, fitter=args.fitter, gamma=args.gamma,
-        epochs=args.epochs, device=_device(args.device), batch_size=args.batch_size, cache_dir=_cache(args),
-        progress=not args.quiet, nc_settings=_nc_settings(args), precision=args.precision)
+    result = experiment.run_timing(loaded, cal, test, args.resolutions, options)
     return _finish(result, args.out)
 
 
-def cmd_sweep_gamma(args: argparse.Namespace) -> str:
+def cmd_sweep_gamma(args: argparse.Namespace, nc: NCOptions) -> str:
     from nctv import experiment, plots, report
 
+    options = _run_options(args, nc)
     loaded, cal, test = _load(args)
-    settings = {**_nc_settings(args), **({} if args.epochs is None else {"epochs": args.epochs})}
-    result = experiment.run_gamma_sweep(
-        loaded, cal, test, gammas=args.gammas, n_bins=args.n_bins, fitter=args.fitter, seed=args.seed,
-        device=_device(args.device), batch_size=args.batch_size, progress=not args.quiet, precision=args.precision,
-        **settings)
+    result = experiment.run_gamma_sweep(loaded, cal, test, args.gammas, args.n_bins, args.seed, options=options)
     out = args.out
     if not _write_study(result, out, lambda: report.gamma_table(result),
                         lambda: {"gamma": _both(plots.gamma_figure, plots.gamma_curve_data_from_sweep(result))}):
@@ -527,18 +534,12 @@ def cmd_sweep_gamma(args: argparse.Namespace) -> str:
             f"{s.fitter}) -> {out}")
 
 
-def cmd_init_study(args: argparse.Namespace) -> str:
+def cmd_init_study(args: argparse.Namespace, nc: NCOptions) -> str:
     from nctv import experiment, plots, report
 
+    options = _run_options(args, nc)
     loaded, cal, test = _load(args)
-    settings: dict[str, Any] = {k: v for k, v in _nc_settings(args).items() if k != "init"}
-    if args.epochs is not None:
-        settings["epochs"] = args.epochs
-    if args.gamma is not None:
-        settings["gamma"] = args.gamma
-    result = experiment.run_init_study(
-        loaded, cal, test, runs=args.seeds, n_bins=args.n_bins, fitter=args.fitter, device=_device(args.device),
-        batch_size=args.batch_size, progress=not args.quiet, precision=args.precision, **settings)
+    result = experiment.run_init_study(loaded, cal, test, args.seeds, args.n_bins, options=options)
     out = args.out
     if not _write_study(result, out, lambda: report.init_study_table(result),
                         lambda: {"init_study": _both(plots.init_study_figure, plots.init_study_data_from_study(result))}):
@@ -756,11 +757,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        _check_nc_settings(args)
+        nc = _nc_options(args)
         writes = _join_processes(args)
         if getattr(args, "quiet", False):
             os.environ["TQDM_DISABLE"] = "1"
-        line = COMMANDS[args.command](args)
+        line = COMMANDS[args.command](args) if nc is None else COMMANDS[args.command](args, nc)
     except KeyboardInterrupt:
         print("nctv: interrupted", file=sys.stderr)
         return 130

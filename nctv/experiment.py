@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -57,8 +56,10 @@ from nctv.settings import (
     DEFAULT_BINS,
     DEFAULT_METHODS,
     DEFAULT_SEEDS,
-    FITTERS,
+    STUDY_BINS,
+    SWEEP_GAMMAS,
     TIMING_RESOLUTIONS,
+    NCOptions,
 )
 
 #: Ablation rows evaluated from the jointly fitted NC (FL) parameters of the same seed.
@@ -79,13 +80,15 @@ class MethodPlan:
     """One table row: ``label`` shown, registry ``name`` fitted with ``overrides``.
 
     ``variant`` ("input"/"output") marks an ablation row evaluated from the NC (FL) fit of the same
-    seed instead of a fit of its own.
+    seed instead of a fit of its own. ``recorded_as`` renames settings in the row's params (the
+    timing table records a grid step as its "resolution").
     """
 
     label: str
     name: str
     overrides: tuple[tuple[str, Any], ...] = ()
     variant: str | None = None
+    recorded_as: tuple[tuple[str, str], ...] = ()
 
 
 def _registry():
@@ -142,24 +145,61 @@ def _check_seeds(seeds: int | Sequence[int]) -> list[int]:
     return out
 
 
-#: Settings a run may pass to every Neural Clamping row; the run itself sets fitter, seed and epochs.
-NC_RUN_SETTINGS = ("weight_decay", "init", "temperature", "lr", "momentum", "init_std", "max_passes", "tol",
-                   "gamma_candidates")
+@dataclass(frozen=True)
+class RunOptions:
+    """A run's settings, checked once when made (before any model pass), then handed whole to the engine.
 
+    ``seeds``: a count (seeds 0..n−1) or explicit seeds; deterministic methods run once. ``bins``:
+    the bin counts every table reports. ``nc``: the Neural Clamping options of every Neural
+    Clamping row (``NCOptions``; NC (CE) keeps γ = 0; TS (FL) takes a numeric γ). ``input_range`` =
+    (α, β), the preprocessed images of pixel values 0 and 1 (NC (Eff.) and init="data" need it; a
+    zoo model brings its own). ``cache_dir=False`` turns the logit cache off. ``progress``: tqdm
+    bars. ``callback(fraction, message)`` is called as the run advances (it may raise to cancel
+    it); ``on_fit_step(label, info)`` at every step of a Neural Clamping fit. ``precision``: "auto",
+    "fp32", "bf16" or "fp16" (``nctv.precision``). ``intervals``: how every figure's interval and
+    the paired comparisons are computed (``nctv.intervals``); None: none. ``dataset``: the name the
+    caller drew the splits by, recorded in the result's settings (None: the model's own).
 
-def _check_nc_settings(settings: dict[str, Any] | None) -> dict[str, Any]:
-    out = dict(settings or {})
-    unknown = [k for k in out if k not in NC_RUN_SETTINGS]
-    if unknown:
-        raise ValueError(f"Unknown Neural Clamping setting(s) {', '.join(map(repr, unknown))}; "
-                         f"use {', '.join(NC_RUN_SETTINGS)}.")
-    return out
+    ``RunOptions.make(**keywords)`` takes these names and ``NCOptions``' names (gamma, fitter,
+    epochs, weight_decay, …) beside them, for callers that pass keywords.
+    """
 
+    seeds: tuple[int, ...] | int = DEFAULT_SEEDS
+    bins: tuple[int, ...] = DEFAULT_BINS
+    nc: NCOptions = NCOptions()
+    device: Any = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    cache_dir: Any = None
+    input_range: Any = None
+    progress: bool = True
+    callback: ProgressCallback | None = None
+    on_fit_step: FitStepCallback | None = None
+    precision: str = "auto"
+    intervals: IntervalSettings | None = IntervalSettings()
+    dataset: str | None = None
 
-def _check_fitter(fitter: str) -> str:
-    if fitter not in FITTERS:
-        raise ValueError(f"Unknown Neural Clamping fitter {fitter!r}; use one of {', '.join(FITTERS)}.")
-    return fitter
+    def __post_init__(self) -> None:
+        # Seeds and bins are kept as the lists they stand for, so that every reader sees one form.
+        object.__setattr__(self, "seeds", tuple(_check_seeds(self.seeds)))
+        object.__setattr__(self, "bins", tuple(_check_bins_list(self.bins)))
+        if not isinstance(self.nc, NCOptions):
+            raise ValueError(f"nc must be Neural Clamping's options (nctv.settings.NCOptions); got {type(self.nc).__name__}.")
+        check_whole(self.batch_size, "batch_size")
+        prec.check_precision(self.precision)
+
+    @classmethod
+    def make(cls, options: "RunOptions | None" = None, **keywords: Any) -> "RunOptions":
+        """``options`` (default: every default) with ``keywords`` changed: a run's settings by their
+        names, Neural Clamping's by ``NCOptions``' names."""
+        base = cls() if options is None else options
+        nc = {k: keywords.pop(k) for k in list(keywords) if k in NCOptions.names()}
+        unknown = [k for k in keywords if k not in {f.name for f in fields(cls)}]
+        if unknown:
+            raise TypeError(f"Unknown run setting(s) {', '.join(map(repr, unknown))}; use those of RunOptions "
+                            f"or of NCOptions ({', '.join(NCOptions.names())}).")
+        if nc:
+            keywords["nc"] = keywords.get("nc", base.nc).changed(**nc)
+        return replace(base, **keywords) if keywords else base
 
 
 # --------------------------------------------------------------------------- engine
@@ -251,17 +291,11 @@ class _Context:
     cal_y: torch.Tensor
     test_z: torch.Tensor
     test_y: torch.Tensor
-    fitter: str
+    options: RunOptions
     device: torch.device
-    batch_size: int
-    epochs: int | None
-    gamma: float | str | None
     input_range: Any
     progress: _Progress
-    nc_settings: dict = field(default_factory=dict)
-    on_fit_step: FitStepCallback | None = None
     nc_fits: dict = field(default_factory=dict)
-    intervals: IntervalSettings | None = None
     # The resamples every method is scored on (one count matrix: paired comparisons), the generator
     # that redraws each stochastic method's seeds, and every method's draws per bin count and metric.
     counts: torch.Tensor | None = None
@@ -277,55 +311,53 @@ def _seed_everything(seed: int) -> None:
 def _make(ctx: _Context, plan: MethodPlan, seed: int):
     spec = _registry()[plan.name]
     kw: dict[str, Any] = dict(plan.overrides)
-    if ctx.gamma is not None and (plan.name == COMPARED_METHOD or
-                                  (plan.name == "Temperature Scaling (FL)" and not isinstance(ctx.gamma, str))):
-        kw.setdefault("gamma", ctx.gamma)  # "auto" is Neural Clamping's own choice of γ
+    nc = ctx.options.nc
+    # The run's own progress reports every method; a method's own bar stays off.
+    if "progress" in _param_names(spec):
+        kw.setdefault("progress", False)
+    if plan.name == "Temperature Scaling (FL)" and not isinstance(nc.gamma, str):
+        kw.setdefault("gamma", nc.gamma)  # "auto" is Neural Clamping's own choice of γ
     if not spec.needs_model:
-        from nctv import calibration
-
-        if "callback" in getattr(calibration, spec.cls)._param_names():  # the affine fits report their folds
+        if "callback" in _param_names(spec):  # the affine fits report their folds
             kw.setdefault("callback", _fit_callback(ctx, plan.label))
-        return _quiet(spec.factory(**kw))
+        return spec.factory(**kw)
     kw.setdefault("device", ctx.device)
     if ctx.input_range is not None:
         kw.setdefault("input_range", ctx.input_range)
     if not spec.stochastic:
-        kw.setdefault("batch_size", ctx.batch_size)
-        return _quiet(spec.factory(ctx.model, **kw))
-    # Trained input calibrators (Neural Clamping): seeded, fitter and settings chosen by the run.
-    for key, value in ctx.nc_settings.items():
-        kw.setdefault(key, value)
-    kw.setdefault("fitter", ctx.fitter)
-    kw.setdefault("seed", seed)
-    if kw["fitter"] == "fast":
-        kw.setdefault("batch_size", ctx.batch_size)  # only the chunk size; a recipe keeps its own batch
-    if ctx.epochs is not None:
-        kw.setdefault("epochs", ctx.epochs)
-    holder: dict[str, Any] = {}
-    kw.setdefault("callback", _nc_callback(ctx, plan.label, seed, holder))
-    holder["method"] = _quiet(spec.factory(ctx.model, **kw))
-    return holder["method"]
+        kw.setdefault("batch_size", ctx.options.batch_size)
+        return spec.factory(ctx.model, **kw)
+    # Trained input calibrators (Neural Clamping): the run's options, seeded; NC (CE) keeps its γ = 0.
+    own = {} if plan.name == COMPARED_METHOD else dict(spec.defaults)
+    if nc.fitter == "fast" and nc.batch_size is None:
+        own["batch_size"] = ctx.options.batch_size  # only the chunk size; a recipe keeps its own batch
+    options = nc.changed(**own, **{k: kw.pop(k) for k in list(kw) if k in NCOptions.names()})
+    # Built from the class, not the registry's factory: the options replace its defaults whole.
+    return _class(spec)(ctx.model, options, seed=seed, callback=_nc_callback(ctx, plan.label, seed), **kw)
 
 
-def _quiet(method: Any) -> Any:
-    """Silence a method's own progress bar (the run reports progress); settings are plain attributes."""
-    if hasattr(method, "progress"):
-        method.progress = False
-    return method
+def _class(spec: Any) -> Any:
+    from nctv.calibration.registry import calibration_class
+
+    return calibration_class(spec.cls)
 
 
-def _nc_callback(ctx: _Context, label: str, seed: int, holder: dict):
-    """Progress inside a fit (passes so far over the method's ``expected_passes``) and the live step."""
+def _param_names(spec: Any) -> tuple[str, ...]:
+    return _class(spec)._param_names()
+
+
+def _nc_callback(ctx: _Context, label: str, seed: int):
+    """Progress inside a fit (passes so far over the fit's ``expected_passes``) and the live step."""
     def report(info: dict) -> None:
         loss, temp = info.get("loss"), info.get("temperature")
         tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
         tail += f", T {temp:.4f}" if isinstance(temp, (int, float)) else ""
         passes = float(info["passes"])
         msg = f"{label} (seed {seed}): pass {passes:.1f}{tail}"
-        # Only Neural Clamping (the stochastic methods) gets this callback; it is built before it fits.
-        ctx.progress.within(passes / holder["method"].expected_passes(), msg)
-        if ctx.on_fit_step is not None:
-            ctx.on_fit_step(label, dict(info))
+        # The last step of a "selected" fit comes after the fit's steps and carries no plan: it is done.
+        ctx.progress.within(passes / float(info.get("expected_passes", passes)), msg)
+        if ctx.options.on_fit_step is not None:
+            ctx.options.on_fit_step(label, {k: v for k, v in info.items() if k != "expected_passes"})
 
     return report
 
@@ -374,7 +406,7 @@ def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tens
     if plan.variant is not None:
         nc, seconds = _nc_fit(ctx, plan, seed)
         if plan.variant == "input":
-            z = nc.predict_logits(ctx.test.loader(batch_size=ctx.batch_size), use_delta=True, use_temperature=False)
+            z = nc.predict_logits(ctx.test.loader(batch_size=ctx.options.batch_size), use_delta=True, use_temperature=False)
         else:
             # f(x)/T*: the cached unperturbed logits are exactly f(x).
             z = ctx.test_z / float(nc.temperature_)
@@ -388,7 +420,7 @@ def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tens
     spec = _registry()[plan.name]
     if spec.needs_model:
         nc, seconds = _nc_fit(ctx, plan, seed)
-        z = nc.predict_logits(ctx.test.loader(batch_size=ctx.batch_size))
+        z = nc.predict_logits(ctx.test.loader(batch_size=ctx.options.batch_size))
         delta = getattr(nc, "delta_", None)
         return z, seconds, _learned_params(nc), (None if delta is None else delta.detach().float().cpu()), nc
     _seed_everything(seed)
@@ -407,7 +439,7 @@ def _nc_fit(ctx: _Context, plan: MethodPlan, seed: int):
         _seed_everything(seed)
         m = _make(ctx, plan, seed)
         t0 = time.perf_counter()
-        m.fit(ctx.cal.loader(batch_size=ctx.batch_size))
+        m.fit(ctx.cal.loader(batch_size=ctx.options.batch_size))
         ctx.nc_fits[key] = (m, time.perf_counter() - t0)
     return ctx.nc_fits[key]
 
@@ -425,13 +457,16 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
             for k, v in evaluate(z, ctx.test_y, n_bins=b).items():
                 per_bin[b][k].append(v)
         if first is None:
-            first = (z, dict(params, **dict(plan.overrides)), delta, fitted)
-        if ctx.intervals is not None:
+            recorded = dict(params, **dict(plan.overrides))
+            for name, shown_as in plan.recorded_as:
+                recorded[shown_as] = recorded.pop(name)
+            first = (z, recorded, delta, fitted)
+        if ctx.options.intervals is not None:
             per_seed.append(z)
         ctx.progress.step(f"{plan.label} (seed {s}) done")
     spec = _registry()[plan.name]
     stats = {b: {k: MetricStats.from_runs(v) for k, v in per.items()} for b, per in per_bin.items()}
-    if ctx.intervals is not None:
+    if ctx.options.intervals is not None:
         _add_intervals(ctx, plan.label, per_seed, stats)
     return MethodResult(
         plan.label, bool(spec.stochastic), bool(spec.needs_model), list(seeds), stats,
@@ -442,7 +477,7 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
 def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stats: dict) -> None:
     """Score one method's logits (every seed) on the run's resamples: its intervals go into ``stats``,
     its draws into ``ctx.draws`` for the comparisons. The logits of later seeds are then dropped."""
-    settings = ctx.intervals
+    settings = ctx.options.intervals
     if ctx.counts is None:
         ctx.counts = resample_counts(len(ctx.test_y), settings.resamples, settings.seed)
         ctx.seed_generator = torch.Generator().manual_seed(settings.seed + 1)
@@ -456,59 +491,47 @@ def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stat
             per[k].ci_low, per[k].ci_high = ci.low, ci.high
 
 
-def _run_plans(
-    kind: str,
-    model: Any,
-    calibration: Any,
-    test: Any,
-    plans: Sequence[MethodPlan],
-    seeds: int | Sequence[int],
-    bins: Iterable[int],
-    fitter: str,
-    gamma: float | str | None,
-    epochs: int | None,
-    device: Any,
-    batch_size: int,
-    cache_dir: str | Path | None,
-    progress: bool,
-    callback: ProgressCallback | None,
-    settings: dict[str, Any],
-    input_range: Any = None,
-    nc_settings: dict[str, Any] | None = None,
-    on_fit_step: FitStepCallback | None = None,
-    precision_setting: str = "auto",
-    intervals: IntervalSettings | None = None,
-) -> RunResult:
+def _input_scale(model: Any, split: Any) -> dict[str, list[float]]:
+    """The normalisation (mean, std) of the model's inputs, which the δ image undoes: the split's
+    preprocessing, else the zoo model's; empty for a split of ready-made tensors."""
+    for config in (getattr(split, "data_config", None), getattr(model, "data_config", None)):
+        if config and "mean" in config and "std" in config:
+            return {"mean": [float(v) for v in config["mean"]], "std": [float(v) for v in config["std"]]}
+    return {}
+
+
+def _run_plans(kind: str, model: Any, calibration: Any, test: Any, plans: Sequence[MethodPlan], options: RunOptions,
+               recorded: dict[str, Any]) -> RunResult:
+    """The engine: ``plans`` fitted on ``calibration`` and scored on ``test`` with ``options``;
+    ``recorded``: what the caller adds to the result's settings (the methods, the resolutions)."""
     t_start = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
-    fitter = _check_fitter(fitter)
-    bins = _check_bins_list(bins)
-    seed_list = _check_seeds(seeds)
+    bins, seed_list = list(options.bins), list(options.seeds)
     n_test = len(test.labels)
     if max(bins) > n_test:
         raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
-    module, model_info, dev = _prepare_model_run(model, device)
+    module, model_info, dev = _prepare_model_run(model, options.device)
     stochastic = {p.label: bool(_registry()[p.name].stochastic) for p in plans}
     total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
-    bar = _Progress(total, kind, progress, callback)
-    with _run_precision(precision_setting, module, calibration, dev) as chosen:
+    bar = _Progress(total, kind, options.progress, options.callback)
+    with _run_precision(options.precision, module, calibration, dev) as chosen:
         try:
             bar.message("logits of the calibration split")
-            cal = split_logits(module, calibration, cache_dir, batch_size, dev, model_info["fingerprint"])
+            cal = split_logits(module, calibration, options.cache_dir, options.batch_size, dev, model_info["fingerprint"])
             bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
-            tst = split_logits(module, test, cache_dir, batch_size, dev, model_info["fingerprint"])
+            tst = split_logits(module, test, options.cache_dir, options.batch_size, dev, model_info["fingerprint"])
             bar.step("test logits " + ("from cache" if tst.hit else "computed"))
             n_classes = int(cal.logits.shape[1])
             if tst.logits.shape[1] != n_classes:
                 raise ValueError("The calibration and test splits give different numbers of classes.")
-            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, fitter, dev,
-                           batch_size, epochs, gamma, _input_range(model, input_range), bar,
-                           _check_nc_settings(nc_settings), on_fit_step, intervals=intervals)
+            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, options, dev,
+                           _input_range(model, options.input_range), bar)
             results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
                        for p in plans}
         finally:
             bar.close()
     info = getattr(model, "class_names", None)
+    nc, intervals = options.nc, options.intervals
     return RunResult(
         kind=kind,
         model=model_info,
@@ -518,103 +541,59 @@ def _run_plans(
         class_names=list(info) if info is not None else None,
         bins=bins,
         seeds=seed_list,
-        fitter=fitter,
+        fitter=nc.fitter,
         methods=results,
         welch=welch_tests(results, bins),
         comparisons=[] if intervals is None else interval_comparisons(results, ctx.draws, bins, intervals.level),
         cache_hits={"calibration": cal.hit, "test": tst.hit},
-        settings={"gamma": gamma, "epochs": epochs, "batch_size": batch_size, "device": str(dev),
-                  "precision": chosen.to_dict(), **({"nc": dict(nc_settings)} if nc_settings else {}),
-                  **({"intervals": intervals.to_dict()} if intervals is not None else {}), **settings},
+        settings={"gamma": nc.gamma, "epochs": nc.epochs, "batch_size": options.batch_size, "device": str(dev),
+                  "precision": chosen.to_dict(), "nc": nc.to_dict(),
+                  **({"intervals": intervals.to_dict()} if intervals is not None else {}),
+                  **({"dataset": options.dataset} if options.dataset is not None else {}),
+                  **_input_scale(model, calibration), **recorded},
         seconds=time.perf_counter() - t_start,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         test_labels=tst.labels,
     )
 
 
-def run_experiment(
-    model: Any,
-    calibration: Any,
-    test: Any,
-    methods: Sequence[str] = DEFAULT_METHODS,
-    seeds: int | Sequence[int] = DEFAULT_SEEDS,
-    bins: Iterable[int] = DEFAULT_BINS,
-    fitter: str = "fast",
-    gamma: float | str | None = None,
-    epochs: int | None = None,
-    device: Any = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    cache_dir: str | Path | None = None,
-    input_range: Any = None,
-    progress: bool = True,
-    callback: ProgressCallback | None = None,
-    nc_settings: dict[str, Any] | None = None,
-    on_fit_step: FitStepCallback | None = None,
-    precision: str = "auto",
-    intervals: IntervalSettings | None = IntervalSettings(),
-) -> RunResult:
+def run_experiment(model: Any, calibration: Any, test: Any, methods: Sequence[str] = DEFAULT_METHODS,
+                   options: RunOptions | None = None, **keywords: Any) -> RunResult:
     """The comparison of Tables 1–3: fit ``methods`` on ``calibration``, score on ``test``.
 
     ``model``: a zoo ``LoadedModel`` or any frozen ``nn.Module`` mapping preprocessed inputs to
     logits. ``calibration``/``test``: splits (``.labels``, ``.fingerprint``, ``.loader(batch_size)``
     yielding ``(x, y)`` in a fixed order), e.g. from :func:`nctv.data.get_splits`, or
-    ``(inputs, labels)`` pairs of preprocessed tensors. ``seeds``: a count
-    (seeds 0..n−1) or explicit seeds; deterministic methods run once. ``gamma`` and ``epochs``
-    override the registry defaults of the Neural Clamping rows (and TS (FL)); ``fitter`` picks the
-    NC fitter. ``input_range`` = (α, β), the preprocessed images of pixel values 0 and 1, is needed
-    by NC (Eff.); a zoo model brings its own. ``cache_dir=False`` turns the logit cache off.
-    ``callback(fraction, message)`` is called as the run advances (it may raise to cancel the run);
-    ``on_fit_step(label, info)`` at every step of a Neural Clamping fit (step, loss, temperature,
-    passes; a last step "selected" carries the T the fit keeps). ``nc_settings``: further
-    ``NeuralClamping`` settings for every Neural Clamping row (weight_decay, init, lr, …).
-    ``precision``: "auto" (mixed precision on a GPU where it measures faster and agrees with fp32),
-    "fp32", "bf16" or "fp16" (``nctv.precision``; the choice is in ``settings["precision"]``).
-    ``intervals``: how the interval of every figure and the paired comparisons are computed from
-    resampling the test split (``nctv.intervals``; recorded in ``settings["intervals"]``); None: none.
+    ``(inputs, labels)`` pairs of preprocessed tensors. ``options``: the run's settings
+    (:class:`RunOptions`: seeds, bins, Neural Clamping's options, device, cache, callbacks,
+    precision, intervals); ``keywords`` build the same object (``RunOptions.make``: ``seeds=2,
+    gamma=0.5, fitter="paper"``). The result's settings record them, and the input normalisation
+    (mean, std) that the δ image undoes.
     """
     names = check_methods(methods)
-    return _run_plans("run", model, calibration, test, _plans(names), seeds, bins, fitter, gamma, epochs, device,
-                      batch_size, cache_dir, progress, callback, {"methods": names}, input_range, nc_settings,
-                      on_fit_step, precision, intervals)
+    return _run_plans("run", model, calibration, test, _plans(names), RunOptions.make(options, **keywords),
+                      {"methods": names})
 
 
-def run_ablation(model: Any, calibration: Any, test: Any, **options: Any) -> RunResult:
+def run_ablation(model: Any, calibration: Any, test: Any, options: RunOptions | None = None,
+                 **keywords: Any) -> RunResult:
     """Table 4: NC (FL) against its parts. "NC input only" is f(x + δ*) and "NC output only"
     f(x)/T*, both from the δ*, T* that NC (FL) learned jointly for the same seed (no separate fit);
-    "Temperature Scaling (FL)" fits T alone with NC's focal loss γ. ``options``: those of
-    :func:`run_experiment` except ``methods``."""
-    if "methods" in options:
-        raise TypeError("run_ablation runs the rows of Table 4 (ABLATION_METHODS); it takes no methods=.")
-    result = run_experiment(model, calibration, test, methods=ABLATION_METHODS, **options)
-    result.kind = "ablation"
-    return result
+    "Temperature Scaling (FL)" fits T alone with NC's focal loss γ. ``options``, ``keywords``: as
+    in :func:`run_experiment`."""
+    names = check_methods(ABLATION_METHODS)
+    return _run_plans("ablation", model, calibration, test, _plans(names), RunOptions.make(options, **keywords),
+                      {"methods": names})
 
 
-def run_timing(
-    model: Any,
-    calibration: Any,
-    test: Any,
-    resolutions: Sequence[float] = TIMING_RESOLUTIONS,
-    bins: Iterable[int] = (15,),
-    fitter: str = "fast",
-    gamma: float | str | None = None,
-    epochs: int | None = None,
-    device: Any = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    cache_dir: str | Path | None = None,
-    input_range: Any = None,
-    progress: bool = True,
-    callback: ProgressCallback | None = None,
-    precision: str = "auto",
-    nc_settings: dict[str, Any] | None = None,
-    intervals: IntervalSettings | None = IntervalSettings(),
-) -> RunResult:
+def run_timing(model: Any, calibration: Any, test: Any, resolutions: Sequence[float] = TIMING_RESOLUTIONS,
+               options: RunOptions | None = None, **keywords: Any) -> RunResult:
     """Table 7: TS by grid search and NC (Eff.) at each grid ``resolution``, and NC (FL), one run each.
 
     Rows are labelled "TS-Grid (0.01)", "NC (Eff.) (0.01)", …; ``params["resolution"]`` holds the
     step. ``fit_seconds`` is the time to fit given the cached unperturbed logits (NC (Eff.)'s
-    gradient pass and perturbed forward pass are included). ``nc_settings``: further
-    ``NeuralClamping`` settings of the NC (FL) row, as in :func:`run_experiment`.
+    gradient pass and perturbed forward pass are included). ``options``, ``keywords``: as in
+    :func:`run_experiment` (one seed: the first of ``options.seeds``; bins default to 15).
     """
     steps = []
     for r in resolutions:
@@ -625,17 +604,15 @@ def run_timing(
         if not 0 < step < 5:
             raise ValueError(f"Grid resolution {r!r} must lie between 0 and 5 (the grid spans T in (0, 5]).")
         steps.append(step)
+    base = RunOptions(bins=(STUDY_BINS,)) if options is None else options
+    options = RunOptions.make(base, **keywords)
+    options = replace(options, seeds=options.seeds[:1])
+    grid = (("grid_step", "resolution"),)
     plans = [MethodPlan("Uncalibrated", "Uncalibrated")]
-    plans += [MethodPlan(f"TS-Grid ({r:g})", "TS by Grid Search", (("grid_step", r),)) for r in steps]
-    plans += [MethodPlan(f"NC (Eff.) ({r:g})", "NC (Eff.)", (("grid_step", r),)) for r in steps]
+    plans += [MethodPlan(f"TS-Grid ({r:g})", "TS by Grid Search", (("grid_step", r),), recorded_as=grid) for r in steps]
+    plans += [MethodPlan(f"NC (Eff.) ({r:g})", "NC (Eff.)", (("grid_step", r),), recorded_as=grid) for r in steps]
     plans.append(MethodPlan(COMPARED_METHOD, COMPARED_METHOD))
-    result = _run_plans("timing", model, calibration, test, plans, 1, bins, fitter, gamma, epochs, device, batch_size,
-                        cache_dir, progress, callback, {"resolutions": steps}, input_range, nc_settings,
-                        precision_setting=precision, intervals=intervals)
-    for m in result.methods.values():
-        if "grid_step" in m.params:
-            m.params["resolution"] = m.params.pop("grid_step")
-    return result
+    return _run_plans("timing", model, calibration, test, plans, options, {"resolutions": steps})
 
 
 # --------------------------------------------------------------------------- γ sweep and init study
@@ -674,100 +651,84 @@ def _passes_bar(
         bar.close()
 
 
-def run_gamma_sweep(
-    model: Any,
-    calibration: Any,
-    test: Any | None = None,
-    gammas: Sequence[float] | None = None,
-    n_bins: int = 15,
-    fitter: str = "fast",
-    seed: int = 0,
-    device: Any = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    progress: bool = True,
-    callback: ProgressCallback | None = None,
-    precision: str = "auto",
-    **settings: Any,
-) -> GammaSweepResult:
+def _study_settings(options: RunOptions, nc: NCOptions, sets: str, dev: torch.device, chosen: prec.Choice,
+                    **own: Any) -> dict[str, Any]:
+    """What a study's result records of its settings: its own, the run's, and the Neural Clamping
+    options its fits were built with, but the one the study ``sets`` itself (γ, or the initialisation)."""
+    return {**own, "batch_size": options.batch_size, "device": str(dev), "precision": chosen.to_dict(),
+            "nc": {k: v for k, v in nc.to_dict().items() if k != sets},
+            **({"dataset": options.dataset} if options.dataset is not None else {})}
+
+
+def run_gamma_sweep(model: Any, calibration: Any, test: Any | None = None, gammas: Sequence[float] = SWEEP_GAMMAS,
+                    n_bins: int = STUDY_BINS, seed: int = 0, passes_per_gamma: float = 4,
+                    options: RunOptions | None = None, **keywords: Any) -> GammaSweepResult:
     """Figure 2: Neural Clamping fitted for every γ (default 0, 0.05, …, 1), with ECE, entropy and
-    training loss on the calibration and test splits (``studies.gamma_sweep``). ``settings`` go to
-    ``NeuralClamping`` (init, weight_decay, epochs, …); a zoo model's ``input_range`` is passed
-    when ``init="data"`` asks for it. ``precision``: as in :func:`run_experiment`."""
-    from nctv.calibration import clamping, studies
+    training loss on the calibration and test splits (``studies.gamma_sweep``), from ``seed``.
+    ``options``, ``keywords``: as in :func:`run_experiment` (Neural Clamping's options but γ, the
+    device, batch size, progress, callback, precision; a zoo model's ``input_range`` is passed when
+    init="data" or clamp asks for it)."""
+    from nctv.calibration import studies
 
     t0 = time.perf_counter()
+    options = RunOptions.make(options, **keywords)
     calibration = as_split(calibration, "calibration")
     test = None if test is None else as_split(test, "test")
-    fitter = _check_fitter(fitter)
-    module, info, dev = _prepare_model_run(model, device)
-    gammas = list(clamping.SWEEP_GAMMAS if gammas is None else gammas)
-    if settings.get("init") == "data" or settings.get("clamp"):
-        settings.setdefault("input_range", _input_range(model, None))
-    passes_per_gamma = float(settings.pop("passes_per_gamma", 4))
-    total = studies.gamma_sweep_passes(module, len(gammas), passes_per_gamma, fitter=fitter, **settings)
-    with _passes_bar(total, "gamma sweep", "γ sweep", progress, callback) as report, \
-            _run_precision(precision, module, calibration, dev) as chosen:
+    module, info, dev = _prepare_model_run(model, options.device)
+    gammas, passes_per_gamma = list(gammas), float(passes_per_gamma)
+    nc = studies.sweep_options(options.nc)
+    wiring: dict[str, Any] = {"seed": seed, "device": dev, "progress": False}
+    if nc.init == "data" or nc.clamp:
+        wiring["input_range"] = _input_range(model, options.input_range)
+    total = studies.gamma_sweep_passes(module, len(gammas), passes_per_gamma, nc)
+    with _passes_bar(total, "gamma sweep", "γ sweep", options.progress, options.callback) as report, \
+            _run_precision(options.precision, module, calibration, dev) as chosen:
         sweep = studies.gamma_sweep(
-            module, calibration.loader(batch_size=batch_size), None,
-            None if test is None else test.loader(batch_size=batch_size), None,
-            gammas=gammas, n_bins=n_bins, passes_per_gamma=passes_per_gamma, fitter=fitter, seed=seed, device=dev,
-            batch_size=batch_size, progress=False, callback=report, **settings,
-        )
-    if callback is not None:
-        callback(1.0, f"γ sweep done; chosen γ = {sweep.chosen_gamma:g}")
+            module, calibration.loader(batch_size=options.batch_size), None,
+            None if test is None else test.loader(batch_size=options.batch_size), None,
+            gammas=gammas, n_bins=n_bins, passes_per_gamma=passes_per_gamma, options=nc.changed(
+                batch_size=options.batch_size if nc.batch_size is None else nc.batch_size),
+            callback=report, **wiring)
+    if options.callback is not None:
+        options.callback(1.0, f"γ sweep done; chosen γ = {sweep.chosen_gamma:g}")
     return GammaSweepResult(
         sweep, info, _split_info(calibration), _split_info(test) if test is not None else {},
-        {"seed": seed, "batch_size": batch_size, "device": str(dev), "passes_per_gamma": passes_per_gamma,
-         "precision": chosen.to_dict(), **{k: v for k, v in settings.items() if k != "input_range"}},
+        _study_settings(options, nc, "gamma", dev, chosen, seed=seed, passes_per_gamma=passes_per_gamma),
         time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
 
-def run_init_study(
-    model: Any,
-    calibration: Any,
-    test: Any,
-    runs: int = DEFAULT_SEEDS,
-    n_bins: int = 15,
-    fitter: str = "fast",
-    seed: int = 0,
-    input_range: Any = None,
-    device: Any = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    progress: bool = True,
-    callback: ProgressCallback | None = None,
-    precision: str = "auto",
-    **settings: Any,
-) -> InitStudyResult:
+def run_init_study(model: Any, calibration: Any, test: Any, runs: int = DEFAULT_SEEDS, n_bins: int = STUDY_BINS,
+                   seed: int = 0, options: RunOptions | None = None, **keywords: Any) -> InitStudyResult:
     """Figure 3: Neural Clamping from random and from data-driven δ₀ (Theorem 1), ``runs`` runs each
-    (seeds ``seed``…), scored on the test split (``studies.init_study``). Needs ``input_range``;
-    a zoo model brings its own. ``precision``: as in :func:`run_experiment`."""
+    (seeds ``seed``…), scored on the test split (``studies.init_study``). Needs the input range
+    (``options.input_range``; a zoo model brings its own). ``options``, ``keywords``: as in
+    :func:`run_experiment` (Neural Clamping's options but init)."""
     from nctv.calibration import studies
 
     t0 = time.perf_counter()
+    options = RunOptions.make(options, **keywords)
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
-    fitter = _check_fitter(fitter)
     check_whole(runs, "runs")
-    module, info, dev = _prepare_model_run(model, device)
-    rng = _input_range(model, input_range)
+    module, info, dev = _prepare_model_run(model, options.device)
+    rng = _input_range(model, options.input_range)
     if rng is None:
         raise ValueError("The initialisation study needs input_range=(alpha, beta), the preprocessed images of "
                          "pixel values 0 and 1 (a model from nctv.zoo brings its own).")
-    total = studies.init_study_passes(module, runs, fitter=fitter, **settings)
-    with _passes_bar(total, "init study", "initialisation study", progress, callback) as report, \
-            _run_precision(precision, module, calibration, dev) as chosen:
+    nc = options.nc.changed(batch_size=options.batch_size) if options.nc.batch_size is None else options.nc
+    total = studies.init_study_passes(module, runs, nc)
+    with _passes_bar(total, "init study", "initialisation study", options.progress, options.callback) as report, \
+            _run_precision(options.precision, module, calibration, dev) as chosen:
         study = studies.init_study(
-            module, calibration.loader(batch_size=batch_size), test.loader(batch_size=batch_size), n_runs=runs,
-            seed=seed, n_bins=n_bins, fitter=fitter, input_range=rng, device=dev, batch_size=batch_size,
-            progress=False, callback=report, **settings,
-        )
-    if callback is not None:
-        callback(1.0, "initialisation study done")
-    n_classes = _n_classes(model, module, test, batch_size)
+            module, calibration.loader(batch_size=options.batch_size), test.loader(batch_size=options.batch_size),
+            n_runs=runs, seed=seed, n_bins=n_bins, options=nc, input_range=rng, device=dev, progress=False,
+            callback=report)
+    if options.callback is not None:
+        options.callback(1.0, "initialisation study done")
+    n_classes = _n_classes(model, module, test, options.batch_size)
     return InitStudyResult(
         study, info, _split_info(calibration), _split_info(test),
-        {"runs": runs, "seed": seed, "batch_size": batch_size, "device": str(dev), "precision": chosen.to_dict(),
-         **settings},
+        _study_settings(options, options.nc, "init", dev, chosen, runs=runs, seed=seed),
         time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"), n_classes=n_classes,
     )
 

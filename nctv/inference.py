@@ -12,8 +12,7 @@ import torch
 
 from nctv.memory import ChunkSizer
 from nctv.precision import run_model
-
-DEFAULT_BATCH_SIZE = 512
+from nctv.settings import DEFAULT_BATCH_SIZE
 
 
 def resolve_device(device: Any = None) -> torch.device:

@@ -232,8 +232,12 @@ class RunResult(_JSON):
 
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunResult":
-        """Rebuild a result from ``to_dict()`` output (logits and δ are not part of the JSON)."""
+    def from_dict(cls, data: dict[str, Any], test_logits: dict[str, torch.Tensor] | None = None,
+                  deltas: dict[str, torch.Tensor] | None = None) -> "RunResult":
+        """Rebuild a result from ``to_dict()`` output. Logits and δ are not part of the JSON:
+        ``test_logits`` (per method, and the test split's ``labels``) and ``deltas`` (per method)
+        give them, as :meth:`save` wrote them beside it."""
+        test_logits, deltas = dict(test_logits or {}), dict(deltas or {})
         if data.get("schema_version") != RESULTS_SCHEMA_VERSION:
             raise ValueError(
                 f"results schema version {data.get('schema_version')!r} is not {RESULTS_SCHEMA_VERSION}; "
@@ -248,7 +252,7 @@ class RunResult(_JSON):
             }
             methods[name] = MethodResult(
                 name, m["stochastic"], m["uses_model"], list(m["seeds"]), metrics, list(m["fit_seconds"]),
-                dict(m["params"]),
+                dict(m["params"]), test_logits.get(name), deltas.get(name),
             )
         welch = [WelchTest(**w) for w in data["welch"]]
         return cls(
@@ -257,11 +261,23 @@ class RunResult(_JSON):
             seeds=list(data["seeds"]), fitter=data["fitter"], methods=methods, welch=welch,
             cache_hits=dict(data["cache_hits"]), settings=dict(data["settings"]), seconds=data["seconds"],
             created=data["created"], comparisons=[Comparison(**c) for c in data.get("comparisons", [])],
+            test_labels=test_logits.get("labels"),
         )
 
     @classmethod
     def from_json(cls, text: str) -> "RunResult":
         return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "RunResult":
+        """A result as :meth:`save` wrote it: ``results.json`` with the test logits, labels and δ's
+        of the files beside it, where they are."""
+        from safetensors.torch import load_file
+
+        folder = Path(directory)
+        tensors = [load_file(str(f)) if f.is_file() else None
+                   for f in (folder / "test_logits.safetensors", folder / "delta.safetensors")]
+        return cls.from_dict(json.loads((folder / "results.json").read_text(encoding="utf-8")), *tensors)
 
     def save(self, directory: str | Path, model: Any = None) -> list[Path]:
         """Write ``results.json`` and, when present, ``test_logits.safetensors`` (calibrated test

@@ -6,6 +6,8 @@ explains the choices and docs/glossary.md the names.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, fields
+from typing import Any
 
 #: Neural Clamping fitters: "fast" (the default: T chosen by calibration ECE, then δ by L-BFGS), and the
 #: two published SGD recipes run exactly, "paper" (the paper's text with the authors' momentum) and
@@ -14,6 +16,17 @@ FITTERS = ("fast", "paper", "toolkit")
 #: How Neural Clamping sets T (nctv.calibration.clamping: "anchored" is the fast fitter's default and
 #: its only, "fitted" the recipes' default).
 TEMPERATURE_RULES = ("anchored", "fitted", "selected")
+#: How Neural Clamping starts δ: "random" (Gaussian) or "data" (Theorem 1's δ̃).
+INITS = ("random", "data")
+#: Named weight-decay rules: λ is this fraction of the unperturbed model's mean focal loss (at T = 1,
+#: or at the anchored T under temperature="anchored"). "auto" is the paper's rule and the default's;
+#: "strong" holds δ near 0 (docs/method.md: with T learned jointly, a δ fitted at the paper's λ lowers
+#: the calibration ECE more than the test's, and the T chosen after it is biased).
+WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
+#: γ values tried by ``gamma="auto"``.
+GAMMA_CANDIDATES = (0.0, 0.5, 1.0, 2.0, 3.0)
+#: The γ grid of the paper's Figure 2: 0 to 1 in steps of 0.05.
+SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
 #: Precisions of the model's passes (nctv.precision): "auto" measures on a GPU; "fp32" forces full precision.
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -46,13 +59,124 @@ DEFAULT_CALIBRATION_SIZE = 5000
 #: Bin counts every table reports, and the runs (seeds) of every stochastic method.
 DEFAULT_BINS = (10, 15, 20)
 DEFAULT_SEEDS = 5
+#: Images per call of the model on the CPU (on a GPU the free memory sets it; nctv.memory).
+DEFAULT_BATCH_SIZE = 512
 #: Grid resolutions of the timing table (Table 7).
 TIMING_RESOLUTIONS = (0.01, 0.001)
+#: Bin count of the table of the timing run, and of the γ sweep and the initialisation study.
+STUDY_BINS = 15
+#: The web app's Calibrate tab: the methods ticked when the page opens (quick on a CPU; MS-ODIR and
+#: Dir-ODIR cross-validate 49 regularisation settings, minutes on a CPU, Matrix Scaling takes tens of
+#: seconds: offered, not ticked), and the one bin count the app shows.
+APP_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
+APP_BINS = 15
 #: Intervals of a run's figures (nctv.intervals): coverage, resamples of the test split, and how a
 #: table shows them ("value [low, high]" or "value ± half-width").
 DEFAULT_LEVEL = 0.95
 DEFAULT_RESAMPLES = 1000
 INTERVAL_STYLES = ("brackets", "pm")
+
+
+@dataclass(frozen=True)
+class NCOptions:
+    """Neural Clamping's settings, checked once when made (a bad one raises ``ValueError`` in the
+    user's words, before any model pass), then handed whole to ``NeuralClamping``.
+
+    The command line, the app, the bench and the scripts build this object; ``NeuralClamping(model,
+    options)`` and ``NeuralClamping(model, gamma=..., ...)`` build the same one.
+
+    gamma: focal-loss γ in [0, 10] (0 = cross entropy), or "auto" (the lowest calibration ECE of
+        ``gamma_candidates``, default ``GAMMA_CANDIDATES``).
+    weight_decay: λ ≥ 0 or a rule of ``WEIGHT_DECAY_RULES``; None = the fitter's own.
+    init: "random" or "data" (Theorem 1's δ̃; the fit then needs the model's input range).
+    fitter: one of ``FITTERS``. epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings,
+        None = the recipe's own (for the fast fitter ``batch_size`` is the chunk size of each pass).
+    temperature: one of ``TEMPERATURE_RULES``; None = "anchored" for the fast fitter, "fitted" for
+        the recipes. learn_delta: False keeps δ at 0 (the "δ frozen at 0" ablation).
+    clamp: clamp x + δ to the input range. max_passes, tol: the fast fitter's budget and stopping rule.
+    nctv.calibration.clamping describes each rule.
+    """
+
+    gamma: float | str = 1.0
+    weight_decay: float | str | None = None
+    init: str = "random"
+    fitter: str = "fast"
+    epochs: int | None = None
+    lr: float | None = None
+    momentum: float | None = None
+    batch_size: int | None = None
+    init_std: float | None = None
+    learn_delta: bool = True
+    temperature: str | None = None
+    clamp: bool = False
+    gamma_candidates: tuple[float, ...] | None = None
+    max_passes: float = 20
+    tol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_nonnegative,
+                                 check_positive, check_whole)
+
+        self.gammas()
+        if self.fitter not in FITTERS:
+            raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
+        if isinstance(self.weight_decay, str):
+            if self.weight_decay not in WEIGHT_DECAY_RULES:
+                raise ValueError(f"weight_decay must be a number >= 0 or one of {tuple(WEIGHT_DECAY_RULES)}; "
+                                 f"got {self.weight_decay!r}.")
+        elif self.weight_decay is not None:
+            check_at_most(self.weight_decay, "weight_decay", WEIGHT_DECAY_MAX, "larger holds δ at 0")
+        if self.temperature is not None and self.temperature not in TEMPERATURE_RULES:
+            raise ValueError(f"temperature must be one of {TEMPERATURE_RULES}; got {self.temperature!r}.")
+        if self.temperature == "anchored" and self.fitter != "fast":
+            raise ValueError(f"temperature='anchored' is a rule of the fast fitter; the {self.fitter!r} recipe "
+                             "learns T with δ: use temperature='fitted' or 'selected'.")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}; got {self.init!r}.")
+        # SGD settings are checked whenever they are given, even to a fitter that does not use them.
+        if self.epochs is not None and check_whole(self.epochs, "epochs") > EPOCHS_MAX:
+            raise ValueError(f"epochs must be at most {EPOCHS_MAX:,} (the recipes use 100); got {self.epochs!r}.")
+        if self.lr is not None:
+            check_positive(self.lr, "lr")
+            check_at_most(self.lr, "lr", LR_MAX, "the recipes use 0.001 and 0.01")
+        if self.momentum is not None and check_nonnegative(self.momentum, "momentum") >= 1:
+            raise ValueError(f"momentum must be in [0, 1); got {self.momentum!r}.")
+        if self.batch_size is not None:
+            check_whole(self.batch_size, "batch_size")
+        if self.init_std is not None:
+            check_nonnegative(self.init_std, "init_std")
+        check_positive(self.max_passes, "max_passes")
+        check_nonnegative(self.tol, "tol")
+
+    def gammas(self) -> list[float]:
+        """The γ values a fit tries: ``gamma``, or the sorted candidates of "auto"."""
+        from nctv.checks import check_gamma
+
+        if isinstance(self.gamma, str):
+            if self.gamma != "auto":
+                raise ValueError(f"gamma must be a number >= 0 or 'auto'; got {self.gamma!r}.")
+            cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
+            cands = sorted({check_gamma(c, "each of gamma_candidates") for c in cands})
+            if not cands:
+                raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
+            return cands
+        return [check_gamma(self.gamma)]
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The settings' names, in order."""
+        return tuple(f.name for f in fields(cls))
+
+    def changed(self, **settings: Any) -> "NCOptions":
+        """A new, checked object with ``settings`` changed (this one stays as it is)."""
+        unknown = [k for k in settings if k not in self.names()]
+        if unknown:
+            raise ValueError(f"Unknown Neural Clamping setting(s) {', '.join(map(repr, unknown))}; "
+                             f"use {', '.join(self.names())}.")
+        return type(self)(**{**{k: getattr(self, k) for k in self.names()}, **settings})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k in self.names() for v in (getattr(self, k),)}
 
 
 def hub_datasets_available() -> bool:

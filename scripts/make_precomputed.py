@@ -22,18 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nctv.data import assets_dir, get_splits  # noqa: E402
-from nctv.experiment import run_experiment  # noqa: E402
+from nctv.experiment import RunOptions, run_experiment  # noqa: E402
 from nctv.inference import resolve_device  # noqa: E402
 from nctv.results import method_slug  # noqa: E402
-from nctv.settings import DEFAULT_CALIBRATION_SIZE  # noqa: E402
+from nctv.settings import APP_BINS, APP_METHODS, DEFAULT_CALIBRATION_SIZE, NCOptions  # noqa: E402
 from nctv.zoo import DEFAULT_MODEL, load_model  # noqa: E402
 
-#: The Calibrate tab's default methods and bins (``nctv.ui.calibrate.DEFAULT_METHODS``, ``nctv.ui.state.DEFAULT_BINS``),
-#: written here because this script reaches the engine without the app.
-APP_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
-APP_BINS = 15
 #: The page's Neural Clamping settings left at their defaults: γ = 1, the fast fitter, random δ₀.
-APP_GAMMA, APP_FITTER, APP_INIT = 1.0, "fast", "random"
+APP_NC = NCOptions(gamma=1.0, fitter="fast", init="random")
 
 
 def write_examples(test, folder: Path) -> list[Path]:
@@ -64,12 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     def report(fraction: float, message: str) -> None:
         print(f"[{100 * fraction:5.1f}%] {message}", flush=True)
 
-    result = run_experiment(loaded, cal, test, APP_METHODS, seeds=[args.seed], bins=[args.bins], fitter=APP_FITTER,
-                            gamma=APP_GAMMA, progress=False, callback=report, nc_settings={"init": APP_INIT})
-    # The settings the app records beside a run of its own, which its δ image and Learn tab read.
-    result.settings.update(init=APP_INIT, weight_decay=None, lr=None, dataset=None,
-                           mean=[float(v) for v in loaded.data_config["mean"]],
-                           std=[float(v) for v in loaded.data_config["std"]])
+    options = RunOptions(seeds=[args.seed], bins=[args.bins], nc=APP_NC, progress=False, callback=report)
+    result = run_experiment(loaded, cal, test, APP_METHODS, options)
     if args.out.exists():
         shutil.rmtree(args.out)
     written = result.save(args.out, model=loaded)

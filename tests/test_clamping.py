@@ -500,6 +500,7 @@ def test_callback_can_stop_the_fit(problem):
     nc = NeuralClamping(model, callback=stop_after_three, **quiet()).fit(x, y)
     assert nc.stopped_early_ and len(nc.history_) == 3
     assert {"step", "loss", "temperature", "passes"} <= set(seen[0])
+    assert all(i["expected_passes"] == nc.expected_passes() for i in seen)  # the plan comes with every step
     assert nc.objective_ == pytest.approx(min(h["loss"] for h in nc.history_))
     assert nc.n_passes_ == pytest.approx(3.5)
 
@@ -552,3 +553,51 @@ def test_fast_fitter_warns_on_a_split_too_small_for_delta():
         warnings.simplefilter("error")
         NeuralClamping(model, progress=False, max_passes=2).fit(x, y)
         NeuralClamping(model, progress=False, fitter="paper", epochs=1).fit(*make_data(model, 24))  # the paper recipe barely moves δ
+
+
+def test_options_object_and_keywords_build_the_same_estimator(problem):
+    """``NeuralClamping(model, options)`` and keyword settings build one checked ``NCOptions``;
+    scikit-learn's contract holds: ``get_params`` rebuilds it, ``clone`` copies it, ``set_params``
+    gives a new checked object and leaves the given one as it was."""
+    import dataclasses
+
+    from nctv.settings import NCOptions
+
+    model, x, y, *_ = problem
+    options = NCOptions(gamma=0.5, weight_decay=0.01, fitter="paper", epochs=2, lr=0.005)
+    a = NeuralClamping(model, options, seed=3, **quiet())
+    b = NeuralClamping(model, gamma=0.5, weight_decay=0.01, fitter="paper", epochs=2, lr=0.005, seed=3, **quiet())
+    assert a.options == b.options == options and a.get_params() == b.get_params()
+    assert (a.gamma, a.fitter, a.epochs) == (0.5, "paper", 2)  # each option reads as a setting
+    assert NeuralClamping(**a.get_params()).options == options
+    c = a.clone()
+    assert c is not a and c.options == options and c.seed == 3
+    fa, fc = a.fit(x, y), c.fit(x, y)
+    assert torch.equal(fa.delta_, fc.delta_) and (fa.gamma_, fa.weight_decay_, fa.fitter_) == (0.5, 0.01, "paper")
+    a.set_params(gamma=2.0, seed=4)
+    assert (a.options.gamma, a.seed, options.gamma) == (2.0, 4, 0.5)
+    with pytest.raises(ValueError, match="gamma must be at most 10"):
+        a.set_params(gamma=11)
+    with pytest.raises(ValueError, match="has no setting 'speed'"):
+        a.set_params(speed=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.gamma = 1.0
+
+
+def test_each_fit_gets_a_problem_built_with_its_loss(problem):
+    """The shared problem of a prepared split is never changed: each γ of a path is fitted on a
+    problem built with its own γ and λ, and the split alone counts the passes of all of them."""
+    import dataclasses
+
+    model, x, y, *_ = problem
+    nc = NeuralClamping(model, weight_decay=0.01, temperature="fitted", **quiet())
+    prepared = nc.prepare(x, y)
+    shared = dict(vars(prepared.problem))
+    fits = nc.fit_prepared(prepared, [0.0, 2.0], later_passes=2)
+    assert vars(prepared.problem) == shared and prepared.problem.gamma == 0.0
+    assert [f.gamma for f in fits] == [0.0, 2.0] and [f.weight_decay for f in fits] == [0.01, 0.01]
+    assert prepared.passes == pytest.approx(0.5 + sum(f.result.passes for f in fits))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.problem.gamma = 1.0
+    with pytest.raises(AttributeError):
+        prepared.problem.split.passes = 0.0

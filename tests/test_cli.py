@@ -145,7 +145,8 @@ def test_train_writes_a_loadable_model(tmp_path):
 
 
 def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
-    """λ, the δ initialisation, the learning rate, γ = auto and the calibration seed reach the fit."""
+    """λ, the δ initialisation, the learning rate, γ = auto, the fitter and the calibration seed reach the
+    fitted Neural Clamping: the calibrator the run saved holds them, and refits to the same T."""
     from nctv import data
     from nctv.calibration.clamping import NeuralClamping
 
@@ -156,14 +157,18 @@ def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
          cwd=tmp_path)
     res = json.loads((out / "results.json").read_text())
     nc = res["methods"]["Neural Clamping (FL)"]["params"]
-    assert res["settings"]["nc"] == {"weight_decay": 0.05, "init": "data", "lr": 0.02} and res["fitter"] == "toolkit"
+    given = {"gamma": "auto", "weight_decay": 0.05, "init": "data", "fitter": "toolkit", "epochs": 1, "lr": 0.02}
+    assert {k: res["settings"]["nc"][k] for k in given} == given and res["fitter"] == "toolkit"
+    # The calibrator saved from the fitted object records the settings it was fitted with.
+    fitted = json.loads((out / "calibrators" / "neural-clamping-fl" / "config.json").read_text())
+    assert {k: fitted["params"][k] for k in given} == given
     cal, _ = data.get_splits(default_model, calibration_size=200, calibration_seed=3, test_size=200)
     assert res["calibration"]["fingerprint"] == cal.fingerprint
     # The library fitted with these settings chooses the same γ and learns the same T: every setting arrived.
     lib = NeuralClamping(default_model.model, gamma="auto", fitter="toolkit", epochs=1, weight_decay=0.05, init="data",
                          lr=0.02, seed=0, input_range=default_model.input_range, progress=False)
     lib.fit(cal.loader(batch_size=512))
-    assert nc["weight_decay"] == 0.05 and nc["gamma"] == lib.gamma_
+    assert nc["weight_decay"] == 0.05 and nc["gamma"] == lib.gamma_ == fitted["fitted"]["gamma_"]
     assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
     bad = nctv("run", "--weight-decay", "lots", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "expected a number ≥ 0 or auto / strong" in bad.stderr
@@ -193,7 +198,9 @@ def test_timing_takes_every_option(tmp_path):
     s = res["settings"]
     assert (s["gamma"], s["epochs"], s["batch_size"], s["device"], s["precision"]["precision"]) == (
         0.5, 1, 64, "cpu", "fp32")
-    assert s["nc"] == {"weight_decay": 0.05, "init": "data", "lr": 0.02, "temperature": "selected"}
+    given = {"gamma": 0.5, "fitter": "toolkit", "epochs": 1, "weight_decay": 0.05, "init": "data", "lr": 0.02,
+             "temperature": "selected"}
+    assert {k: s["nc"][k] for k in given} == given
     # The library fitted with these settings learns the same T: every Neural Clamping setting arrived.
     lib = NeuralClamping(model.model, gamma=0.5, fitter="toolkit", epochs=1, weight_decay=0.05, init="data",
                          lr=0.02, temperature="selected", seed=0, input_range=model.input_range,
@@ -215,7 +222,7 @@ def test_run_takes_the_temperature_rule(tmp_path, default_model):
          "nc-fl", "--temperature-rule", "selected", "--out", str(out), "--quiet", cwd=tmp_path)
     res = json.loads((out / "results.json").read_text())
     nc = res["methods"]["Neural Clamping (FL)"]["params"]
-    assert res["settings"]["nc"] == {"temperature": "selected"}
+    assert res["settings"]["nc"]["temperature"] == "selected"
     cal, _ = data.get_splits(default_model, calibration_size=300, test_size=200)
     lib = NeuralClamping(default_model.model, temperature="selected", seed=0, progress=False).fit(cal.loader(batch_size=512))
     anchored = NeuralClamping(default_model.model, seed=0, progress=False).fit(cal.loader(batch_size=512))
@@ -234,6 +241,19 @@ def test_a_bad_neural_clamping_setting_is_refused_before_the_model_runs(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "nctv run: error: gamma must be at most 10 (the paper uses 0 to 5); got 50.0."
     assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()  # no logits, no model pass
+
+
+def test_a_bad_setting_is_refused_within_two_seconds_before_torch_loads(tmp_path):
+    """The settings are checked right after parsing, before torch is imported: the refusal takes
+    the time of Python's start, not of a model's."""
+    code = ("import sys, time; t = time.perf_counter(); from nctv.cli import main; "
+            "rc = main(['run', '--gamma', '50']); print(rc, 'torch' in sys.modules, time.perf_counter() - t)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NCTV_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    rc, torch_loaded, seconds = proc.stdout.split()
+    assert (rc, torch_loaded) == ("2", "False") and float(seconds) < 2.0
+    assert "gamma must be at most 10" in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [

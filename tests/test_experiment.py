@@ -281,3 +281,60 @@ def test_tensor_pairs_work_as_splits(splits, tmp_path):
     assert data.TensorSplit(x, y).fingerprint != data.TensorSplit(changed, y).fingerprint
     with pytest.raises(ValueError, match="pair"):
         experiment.run_experiment(model, "cal.npz", test, **kw)
+
+
+def test_run_options_reach_every_fitted_neural_clamping(splits):
+    """Non-default γ, λ, fitter, epochs and initialisation travel whole to each fitted object: NC (FL)
+    and the frozen-δ row get the run's options, NC (CE) the same with γ = 0, TS (FL) the run's γ."""
+    from nctv.settings import NCOptions
+
+    cal, test = splits
+    nc = NCOptions(gamma=0.5, weight_decay=0.02, fitter="paper", epochs=1, init="data")
+    options = experiment.RunOptions(seeds=1, bins=(15,), nc=nc, input_range=RANGE, cache_dir=False, progress=False)
+    methods = ["Uncalibrated", "Temperature Scaling (FL)", "Neural Clamping (CE)", "Neural Clamping (FL)",
+               "NC δ frozen at 0"]
+    r = experiment.run_experiment(CountingMatchedFilter(), cal, test, methods, options)
+    fl = r.methods["Neural Clamping (FL)"].calibrator
+    assert fl.options == nc and (fl.gamma_, fl.weight_decay_, fl.fitter_) == (0.5, 0.02, "paper")
+    assert r.methods["Neural Clamping (CE)"].calibrator.options == nc.changed(gamma=0.0)
+    assert r.methods["NC δ frozen at 0"].calibrator.options == nc.changed(learn_delta=False)
+    assert r.methods["Temperature Scaling (FL)"].calibrator.gamma == 0.5
+    assert r.settings["nc"] == nc.to_dict() and r.fitter == "paper"
+    # The engine records the normalisation the δ image undoes, the same for every caller.
+    assert (r.settings["mean"], r.settings["std"]) == ([0.5], [0.25])
+    # Keywords build the same options, so the same run.
+    again = experiment.run_experiment(CountingMatchedFilter(), cal, test, methods, seeds=1, bins=(15,), gamma=0.5,
+                                      weight_decay=0.02, fitter="paper", epochs=1, init="data", input_range=RANGE,
+                                      cache_dir=False, progress=False)
+    assert experiment.RunOptions.make(seeds=1, bins=(15,), gamma=0.5, weight_decay=0.02, fitter="paper", epochs=1,
+                                      init="data", input_range=RANGE, cache_dir=False, progress=False) == options
+    for name in methods:
+        assert again.methods[name].params == r.methods[name].params
+
+
+def test_a_bad_setting_is_refused_before_any_model_pass(splits):
+    cal, test = splits
+    model = CountingMatchedFilter()
+    with pytest.raises(ValueError, match=r"gamma must be at most 10 \(the paper uses 0 to 5\); got 50"):
+        experiment.run_experiment(model, cal, test, ["Uncalibrated", "Neural Clamping (FL)"], gamma=50, progress=False)
+    with pytest.raises(ValueError, match="Bin counts must be positive whole numbers"):
+        experiment.run_ablation(model, cal, test, bins=(0,), progress=False)
+    with pytest.raises(ValueError, match="init must be one of"):
+        experiment.run_init_study(model, cal, test, runs=1, init="theorem", progress=False)
+    with pytest.raises(TypeError, match="Unknown run setting"):
+        experiment.run_gamma_sweep(model, cal, test, gammas=[0.0], nc_settings={"init": "data"})
+    assert model.calls == 0
+
+
+def test_a_saved_run_loads_whole(splits, tmp_path):
+    """``RunResult.load`` reads back what ``save`` wrote, logits, labels and δ included."""
+    cal, test = splits
+    r = experiment.run_experiment(CountingMatchedFilter(), cal, test, ["Uncalibrated", "Neural Clamping (FL)"],
+                                  seeds=1, bins=(15,), cache_dir=False, progress=False)
+    r.save(tmp_path)
+    back = results.RunResult.load(tmp_path)
+    assert torch.equal(back.test_labels, test.labels) and back.settings == json.loads(r.to_json())["settings"]
+    for name, m in r.methods.items():
+        assert torch.equal(back.methods[name].test_logits, m.test_logits)
+    assert torch.equal(back.methods["Neural Clamping (FL)"].delta, r.methods["Neural Clamping (FL)"].delta)
+    assert back.methods["Uncalibrated"].delta is None

@@ -78,3 +78,30 @@ def test_no_import_circle_in_nctv():
     graph = _graph()
     assert "nctv.calibration.clamping" in graph and graph["nctv.calibration.clamping"], "the graph is empty"
     assert _circles(graph) == []
+
+
+def _imports_the_app(source: str) -> bool:
+    """Whether ``source`` imports ``nctv.ui`` or one of its modules, at any level of the code."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+    return any(n == "nctv.ui" or n.startswith("nctv.ui.") for n in names)
+
+
+def test_the_app_import_finder_sees_every_form():
+    assert _imports_the_app("def f():\n    from nctv.ui.state import get_model\n")
+    assert _imports_the_app("from nctv import ui") and _imports_the_app("import nctv.ui.calibrate as c")
+    assert not _imports_the_app("from nctv import experiment\nimport nctv.uix")
+
+
+def test_only_app_py_imports_the_web_app():
+    """The library, the command line, the bench and the scripts reach the engine without Gradio:
+    outside nctv/ui/, only app.py imports nctv.ui."""
+    ui = REPO / "nctv" / "ui"
+    sources = [REPO / "app.py", *(p for folder in ("nctv", "scripts", "bench") for p in (REPO / folder).rglob("*.py"))]
+    importers = sorted(str(p.relative_to(REPO)) for p in sources
+                       if ui not in p.parents and _imports_the_app(p.read_text(encoding="utf-8")))
+    assert importers == ["app.py"]

@@ -293,7 +293,7 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
 
 
 def test_wide_screen_labels_stay_apart(page):
-    set_range(page, "#learn-bins", learn.DEFAULT_BINS)
+    set_range(page, "#learn-bins", learn.APP_BINS)
     set_range(page, "#learn-t", 1.0)
     texts = page.evaluate("""() => [...document.querySelectorAll('#learn-plot svg text')].map(e => {
         const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; })""")

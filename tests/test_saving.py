@@ -3,6 +3,7 @@ the Hub's layout (folders, the Hub cache offline), CalibratedModel and `nctv app
 default model with a small calibration split."""
 import hashlib
 import http.server
+import inspect
 import json
 import pickle
 import re
@@ -79,11 +80,19 @@ def _outputs(cal, splits):
 # ---- the estimator contract -------------------------------------------------------------------
 
 
+#: A value of every Neural Clamping option, none of them its default.
+NEURAL_CLAMPING_OPTIONS = dict(gamma=0.5, weight_decay=0.02, init="data", fitter="paper", epochs=3, lr=0.005,
+                               momentum=0.5, batch_size=64, init_std=0.2, learn_delta=False, temperature="selected",
+                               clamp=True, gamma_candidates=(0.5, 2.0), max_passes=7, tol=0.01)
+
+
 @pytest.mark.parametrize("name", list(METHODS))
 def test_constructor_stores_every_argument_under_its_name(name, loaded):
     cls = type(_make(name, loaded))
     names = cls._param_names()
-    sentinels = {n: object() for n in names}
+    # Neural Clamping's options are one object, checked when it is made: they take real (non-default) values.
+    options = NEURAL_CLAMPING_OPTIONS if "options" in inspect.signature(cls).parameters else {}
+    sentinels = {n: options.get(n, object()) for n in names}
     cal = cls(**sentinels)
     assert all(getattr(cal, n) is sentinels[n] for n in names)
     assert isinstance(cal, BaseCalibrator)

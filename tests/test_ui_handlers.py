@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+import zipfile
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from nctv.data import load_pools as data_load_pools
 from nctv.cache import model_fingerprint
 from nctv.inference import model_logits
 from nctv.memory import DeviceOutOfMemoryError
+from nctv.settings import NCOptions
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
@@ -72,7 +74,7 @@ def logits(default_model, splits):
 @pytest.fixture(scope="module")
 def run():
     items = []
-    result, calibration = cal_tab.run_calibration(SMALL, METHODS_RUN, 15, cal_tab.NCSettings(), items.append)
+    result, calibration = cal_tab.run_calibration(SMALL, METHODS_RUN, 15, NCOptions(), items.append)
     return result, calibration, items
 
 
@@ -125,7 +127,7 @@ def test_live_plot_counts_the_passes_the_library_reports():
     same callback the Calibrate tab gives the library."""
     items = []
     cal_tab.run_calibration(state.SplitSpec(DEFAULT_MODEL, None, 100, 0, 100), ["Neural Clamping (FL)"], 5,
-                            cal_tab.NCSettings(), items.append)
+                            NCOptions(), items.append)
     live = cal_tab.LiveTrace()
     steps = [i for i in items if i[0] == "nc"]
     for _, method, info in steps:
@@ -160,7 +162,7 @@ def test_app_run_is_the_library_run(run, default_model):
     result, _, _ = run
     cal, test = data_splits(default_model, calibration_size=300, calibration_seed=0, test_size=1000)
     lib = run_experiment(default_model, cal, test, METHODS_RUN, seeds=[0], bins=[15], gamma=1.0, progress=False,
-                         nc_settings={"init": "random"})
+                         init="random")
     for name in METHODS_RUN:
         a, b = result.methods[name], lib.methods[name]
         assert a.params.get("temperature", 1.0) == pytest.approx(b.params.get("temperature", 1.0), rel=1e-6)
@@ -172,7 +174,7 @@ def test_app_offers_the_ablation_rows():
     """Table 4's rows are methods of the Calibrate tab; "NC output only" is f(x)/T* of the same fit."""
     assert {"NC input only", "NC output only", "NC δ frozen at 0"} <= set(cal_tab.method_choices())
     result, _ = cal_tab.run_calibration(SMALL, ["Uncalibrated", "Neural Clamping (FL)", "NC output only"], 15,
-                                        cal_tab.NCSettings())
+                                        NCOptions())
     t = result.methods["Neural Clamping (FL)"].params["temperature"]
     z = result.methods["Uncalibrated"].test_logits / t
     assert torch.allclose(result.methods["NC output only"].test_logits, z, atol=1e-6)
@@ -239,7 +241,7 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
 
 
 def test_stop_ends_the_worker_at_its_next_report():
-    slow = cal_tab.NCSettings(fitter="paper", epochs=1000)
+    slow = NCOptions(fitter="paper", epochs=1000)
     worker = Worker(lambda report: cal_tab.run_calibration(SMALL, ["Neural Clamping (FL)"], 15, slow, report))
     stream = worker.stream()
     for items in stream:
@@ -309,8 +311,8 @@ def test_the_learning_rate_box_reaches_the_recipe(default_model):
     and differs from the recipe's own lr."""
     from nctv.calibration import NeuralClamping
 
-    nc = cal_tab.parse_nc_settings("1", "default", "random", "paper", 2, " 0.05 ")
-    assert nc.lr == 0.05 and cal_tab.parse_nc_settings("1", "default", "random", "paper", 2, "default").lr is None
+    nc = cal_tab.parse_nc_options("paper", "default", 2, " 0.05 ", gamma="1", init="random")
+    assert nc.lr == 0.05 and cal_tab.parse_nc_options("paper", "default", 2, "default", gamma="1").lr is None
     result, _ = cal_tab.run_calibration(SMALL, ["Neural Clamping (FL)"], 15, nc)
     cal, _ = data_splits(default_model, calibration_size=SMALL.calibration_size, calibration_seed=0,
                          test_size=SMALL.test_size)
@@ -966,13 +968,51 @@ def test_init_study_progress_reaches_its_end_before_done():
     """The fast fitter stops its fits before their budget: the planned total follows the fits'
     real lengths, so the last report before "done" is near the end and the count names the passes run."""
     reports = []
-    result = init_tab.run_study(SMALL, 3, 15, {"fitter": "fast"}, reports.append)
+    result = init_tab.run_study(SMALL, 3, 15, NCOptions(), reports.append)
     steps = [(f, m) for _, f, m in reports if "passes" in m]
     fractions = [f for f, _ in steps]
     final = re.search(r"about (\d+) of (\d+) passes", steps[-1][1])
     assert int(final[2]) == round(result.study.n_passes)  # the last plan is the passes the study ran
     assert fractions[-1] >= 0.95
     assert max(b - a for a, b in zip(fractions, fractions[1:])) < 0.2  # no jump to the end
+
+
+#: Every Neural Clamping field of the tabs at a value that is not its default: γ, λ, the paper
+#: recipe with one epoch, its learning rate, and the data-driven initialisation.
+NON_DEFAULT = {"gamma": 0.5, "weight_decay": 0.02, "fitter": "paper", "epochs": 1, "lr": 0.005, "init": "data"}
+
+
+def test_calibrate_handler_hands_every_setting_to_the_fitted_object(tmp_path):
+    """The Calibrate tab's fields reach the Neural Clamping that was fitted: the calibrator the run
+    offers for download (saved from the fitted object itself) holds each one."""
+    v = NON_DEFAULT
+    outs = list(cal_tab.calibrate(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 200, 0, 15,
+                                  ["Neural Clamping (FL)"], str(v["gamma"]), str(v["weight_decay"]), v["init"],
+                                  v["fitter"], v["epochs"], str(v["lr"])))
+    files, calibration = outs[-1][-2], outs[-1][-1]
+    archive = next(f for f in files if f.endswith("calibrators.zip"))
+    with zipfile.ZipFile(archive) as z:
+        config = json.loads(z.read("neural-clamping-fl/config.json"))
+    assert {k: config["params"][k] for k in v} == v
+    assert config["fitted"]["gamma_"] == 0.5 and config["fitted"]["weight_decay_"] == 0.02
+    assert {k: calibration.settings["nc"][k] for k in v} == v
+
+
+def test_gamma_and_initialisation_tabs_hand_every_setting_to_the_fit():
+    """The γ sweep and initialisation tabs build the same options from their fields: each run records
+    the options its fits were built with, and the sweep fits the grid's γ values with them."""
+    v = NON_DEFAULT
+    outs = list(gamma_tab.gamma_sweep(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 200, 200, 0, 15, 0, 0.5, 0.5,
+                                      str(v["weight_decay"]), v["init"], v["fitter"], v["epochs"], str(v["lr"])))
+    sweep = json.loads(Path(outs[-1][-1][0]).read_text())
+    given = {k: x for k, x in v.items() if k != "gamma"}  # the sweep sets γ itself
+    assert {k: sweep["settings"]["nc"][k] for k in given} == given
+    assert sweep["gammas"] == [0.0, 0.5] and sweep["fitter"] == "paper" and sweep["weight_decay"] == [0.02, 0.02]
+    outs = list(init_tab.init_study(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 200, 200, 0, 15, 1,
+                                    str(v["gamma"]), str(v["weight_decay"]), v["fitter"], v["epochs"], str(v["lr"])))
+    study = json.loads(Path(outs[-1][-1][0]).read_text())
+    given = {k: x for k, x in v.items() if k != "init"}  # the study sets the initialisation itself
+    assert {k: study["settings"]["nc"][k] for k in given} == given and study["fitter"] == "paper"
 
 
 # --------------------------------------------------------------------------- the shipped result

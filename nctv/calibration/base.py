@@ -64,14 +64,17 @@ class BaseCalibrator:
 
     def set_params(self, **params: Any) -> "BaseCalibrator":
         """Change settings by name (takes effect at the next ``fit``); returns ``self``."""
+        self._check_param_names(params)
+        for name, value in params.items():
+            setattr(self, name, value)
+        return self
+
+    def _check_param_names(self, params: dict[str, Any]) -> None:
         valid = self._param_names()
         unknown = [name for name in params if name not in valid]
         if unknown:
             raise ValueError(f"{type(self).__name__} has no setting {', '.join(map(repr, unknown))}; "
                              f"its settings are: {', '.join(valid) or 'none'}.")
-        for name, value in params.items():
-            setattr(self, name, value)
-        return self
 
     def clone(self) -> "BaseCalibrator":
         """A new, unfitted calibrator with the same settings. Settings are copied, except models

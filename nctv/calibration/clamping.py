@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -58,8 +58,7 @@ from tqdm.auto import tqdm
 
 from nctv.calibration.base import BaseCalibrator
 from nctv.calibration.deploy import input_bounds
-from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_gamma, check_nonnegative,
-                         check_positive, check_whole)
+from nctv.checks import check_gamma, check_whole
 from nctv.calibration.clamping_fit import (
     FitResult,
     InputStream,
@@ -78,24 +77,15 @@ from nctv.calibration.clamping_fit import (
     theorem1_delta,
 )
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
-from nctv.settings import FITTERS, TEMPERATURE_RULES
+from nctv.settings import FITTERS, GAMMA_CANDIDATES, SWEEP_GAMMAS, WEIGHT_DECAY_RULES, NCOptions
 
 __all__ = [
-    "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
+    "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NCOptions", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
     "data_driven_delta", "GammaFit", "PreparedSplit",
 ]
 
-#: γ values tried by ``gamma="auto"``.
-GAMMA_CANDIDATES = (0.0, 0.5, 1.0, 2.0, 3.0)
-#: The γ grid of the paper's Figure 2: 0 to 1 in steps of 0.05.
-SWEEP_GAMMAS = tuple(round(0.05 * i, 2) for i in range(21))
 #: Standard deviation of the random initial δ (the paper's variance 0.01).
 INIT_STD = 0.1
-#: Named weight-decay rules: λ is this fraction of the unperturbed model's mean focal loss (at T = 1,
-#: or at the anchored T under temperature="anchored"). "auto" is the paper's rule and the default's;
-#: "strong" holds δ near 0 (docs/method.md: with T learned jointly, a δ fitted at the paper's λ lowers
-#: the calibration ECE more than the test's, and the T chosen after it is biased).
-WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
 #: Temperature rules: "fitted" keeps the objective's T; "selected" re-chooses T on the calibration
 #: logits f(x + δ) by the mean ECE over SELECTION_BINS, on the grid SELECTION_STEP … SELECTION_T_MAX;
 #: "anchored" (the default, fast fitter only) chooses T that way on the unperturbed logits f(x) before
@@ -126,7 +116,6 @@ RECIPES = {
                       weight_decay=0.01, penalty="norm", prob_floor=1e-7),
 }
 assert FITTERS == ("fast", *RECIPES), "nctv.settings.FITTERS must list the fast fitter and every recipe"
-_INITS = ("random", "data")
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,15 +260,15 @@ class EfficientNeuralClamping(_InputCalibrator):
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Start:
-    """What every fit on one calibration split shares: unperturbed logits and, for init="data", δ̃."""
+    """What every fit on one calibration split shares: unperturbed logits and, for init="data", δ̃,
+    the passes they took, and log T of the anchored rule (chosen on z0; None under other rules)."""
 
     z0: torch.Tensor | None
     delta_tilde: torch.Tensor | None
-    passes: float = 0.0
-    #: log T of the anchored rule, chosen on z0 once and shared by every fit on the split.
-    anchor: float | None = None
+    passes: float
+    anchor: float | None
 
 
 @dataclass
@@ -333,6 +322,8 @@ class NeuralClamping(_InputCalibrator):
     Parameters
     ----------
     model: a frozen classifier taking a batch tensor (N, ...) and returning logits (N, K), K >= 2.
+    options: the fit's settings, an :class:`~nctv.settings.NCOptions` (checked when it was made);
+        keyword ``settings`` (its field names) build the same object, or change the given one:
     gamma: focal-loss γ >= 0 (0 = cross entropy, "NC (CE)"), or "auto" (see the module docstring).
     weight_decay: λ >= 0, or a rule: "auto" = 0.1 × the unperturbed model's mean FL_γ on the split (the
         paper's; at the anchored T under temperature="anchored"), "strong" = 1.0 × it; None = the
@@ -351,14 +342,21 @@ class NeuralClamping(_InputCalibrator):
         for the fast fitter, "fitted" for the recipes.
     learn_delta: False keeps δ at 0 and fits T alone with the same fitter (the "δ frozen at 0" ablation:
         which part of the gain is the temperature's path rather than δ's).
-    clamp: clamp x + δ to ``input_range``. input_range: (α, β), numbers or tensors of one input's shape.
+    clamp: clamp x + δ to ``input_range``.
+    gamma_candidates: candidates for gamma="auto" (default ``GAMMA_CANDIDATES``).
+    max_passes, tol: the fast fitter's budget in passes and its relative-change stopping rule.
+
+    Besides the options, what ties a fit to its data and its caller:
+    input_range: (α, β), numbers or tensors of one input's shape.
     seed: makes a run repeat exactly on the same device (a local generator; global RNG untouched).
     device: None = the model's device. The model is never moved.
-    gamma_candidates: candidates for gamma="auto" (default ``GAMMA_CANDIDATES``).
     progress: show a tqdm bar (default off). callback: called with a dict (step, loss, temperature,
-        passes; the paper fitter adds epoch) after every evaluation (fast) or SGD step (paper); "loss" is
-        the objective (fast) or the batch loss (paper). Raising ``StopFitting`` in it ends the fit early.
-    max_passes, tol: the fast fitter's budget in passes and its relative-change stopping rule.
+        passes, expected_passes; the paper fitter adds epoch) after every evaluation (fast) or SGD step
+        (paper); "loss" is the objective (fast) or the batch loss (paper); "expected_passes" is the
+        fit's plan (``expected_passes()``). Raising ``StopFitting`` in it ends the fit early.
+
+    ``get_params`` lists the options by their own names (as ``set_params`` and ``clone`` take them),
+    so a saved calibrator records each setting.
 
     Learned state: ``delta_`` (CPU float32, one input's shape), ``temperature_`` (the T used),
     ``fitted_temperature_`` (the objective's T), ``gamma_``, ``weight_decay_``, ``objective_`` (F at
@@ -368,54 +366,54 @@ class NeuralClamping(_InputCalibrator):
     """
 
     stochastic = True
+    #: The settings that are not Neural Clamping's options: the data's range and the caller's wiring.
+    _RUN_PARAMS = ("input_range", "seed", "device", "progress", "callback")
 
-    def __init__(self, model: torch.nn.Module, gamma: float | str = 1.0, weight_decay: float | str | None = None,
-                 init: str = "random", fitter: str = "fast", epochs: int | None = None, lr: float | None = None,
-                 momentum: float | None = None, batch_size: int | None = None, init_std: float | None = None,
-                 learn_delta: bool = True, temperature: str | None = None, clamp: bool = False, input_range: Any = None, seed: int = 0,
-                 device: Any = None, gamma_candidates: Sequence[float] | None = None, progress: bool = False,
-                 callback: Callable[[dict], Any] | None = None, max_passes: float = 20, tol: float = 1e-3):
+    def __init__(self, model: torch.nn.Module, options: NCOptions | None = None, *, input_range: Any = None,
+                 seed: int = 0, device: Any = None, progress: bool = False,
+                 callback: Callable[[dict], Any] | None = None, **settings: Any):
+        base = NCOptions() if options is None else options
         self.model = model
-        self.gamma = gamma
-        self.weight_decay = weight_decay
-        self.init = init
-        self.fitter = fitter
-        self.epochs = epochs
-        self.lr = lr
-        self.momentum = momentum
-        self.batch_size = batch_size
-        self.init_std = init_std
-        self.learn_delta = learn_delta
-        self.temperature = temperature
-        self.clamp = clamp
+        self.options = base.changed(**settings) if settings else base
         self.input_range = input_range
         self.seed = seed
         self.device = device
-        self.gamma_candidates = gamma_candidates
         self.progress = progress
         self.callback = callback
-        self.max_passes = max_passes
-        self.tol = tol
+
+    def __getattr__(self, name: str) -> Any:
+        # Each option reads as an attribute (nc.gamma, nc.fitter), as scikit-learn's settings do.
+        options = self.__dict__.get("options")
+        if options is not None and name in NCOptions.names():
+            return getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def _param_names(cls) -> tuple[str, ...]:
+        return ("model", *NCOptions.names(), *cls._RUN_PARAMS)
+
+    def set_params(self, **params: Any) -> "NeuralClamping":
+        """Change settings by name: options give a new checked ``options`` object; returns ``self``."""
+        self._check_param_names(params)
+        options = {k: v for k, v in params.items() if k in NCOptions.names()}
+        if options:
+            self.options = self.options.changed(**options)
+        for name, value in params.items():
+            if name not in options:
+                setattr(self, name, value)
+        return self
 
     # ---- settings ------------------------------------------------------------------------
 
     def _gammas(self) -> list[float]:
-        if isinstance(self.gamma, str):
-            if self.gamma != "auto":
-                raise ValueError(f"gamma must be a number >= 0 or 'auto'; got {self.gamma!r}.")
-            cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
-            cands = sorted({check_gamma(c, "each of gamma_candidates") for c in cands})
-            if not cands:
-                raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
-            return cands
-        return [check_gamma(self.gamma)]
+        return self.options.gammas()
 
     def _recipe(self) -> Recipe | None:
         return RECIPES.get(self.fitter)
 
     def _setting(self, name: str) -> Any:
-        """A setting as the fit uses it: the constructor's value, or the fitter's own where it is None."""
-        value = getattr(self, name)
+        """An option as the fit uses it: the given value, or the fitter's own where it is None."""
+        value = getattr(self.options, name)
         if value is not None:
             return value
         recipe = self._recipe()
@@ -437,66 +435,20 @@ class NeuralClamping(_InputCalibrator):
         return SGDSettings(int(self._setting("epochs")), float(self._setting("lr")), float(self._setting("momentum")),
                            int(self._setting("batch_size")), bool(self.learn_delta))
 
-    def check_settings(self) -> list[float]:
-        """Refuse a bad setting (γ, λ, fitter, temperature rule, init, SGD settings, …) without
-        touching the model or data, so a run can check before its first model pass; returns the γ
-        values to fit. ``fit`` checks again, with the needs of the data (``input_range``)."""
-        gammas = self._gammas()
-        if self.fitter not in FITTERS:
-            raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
-        weight_decay = self._setting("weight_decay")
-        if isinstance(weight_decay, str):
-            if weight_decay not in WEIGHT_DECAY_RULES:
-                raise ValueError(f"weight_decay must be a number >= 0 or one of {tuple(WEIGHT_DECAY_RULES)}; "
-                                 f"got {weight_decay!r}.")
-        else:
-            check_at_most(weight_decay, "weight_decay", WEIGHT_DECAY_MAX, "larger holds δ at 0")
-        if self._setting("temperature") not in TEMPERATURE_RULES:
-            raise ValueError(f"temperature must be one of {TEMPERATURE_RULES}; got {self.temperature!r}.")
-        if self._setting("temperature") == "anchored" and self._recipe() is not None:
-            raise ValueError(f"temperature='anchored' is a rule of the fast fitter; the {self.fitter!r} recipe "
-                             "learns T with δ: use temperature='fitted' or 'selected'.")
-        if self.init not in _INITS:
-            raise ValueError(f"init must be one of {_INITS}; got {self.init!r}.")
-        # SGD settings are checked whenever they are given, even to a fitter that does not use them.
-        if self._setting("epochs") is not None:
-            if check_whole(self._setting("epochs"), "epochs") > EPOCHS_MAX:
-                raise ValueError(f"epochs must be at most {EPOCHS_MAX:,} (the recipes use 100); got {self.epochs!r}.")
-        if self._setting("lr") is not None:
-            check_positive(self._setting("lr"), "lr")
-            check_at_most(self._setting("lr"), "lr", LR_MAX, "the recipes use 0.001 and 0.01")
-        if self._setting("momentum") is not None:
-            momentum = check_nonnegative(self._setting("momentum"), "momentum")
-            if momentum >= 1:
-                raise ValueError(f"momentum must be in [0, 1); got {momentum!r}.")
-        check_whole(self._setting("batch_size"), "batch_size")
-        check_nonnegative(self._setting("init_std"), "init_std")
-        check_positive(self.max_passes, "max_passes")
-        check_nonnegative(self.tol, "tol")
+    def _validate(self) -> list[float]:
+        """The γ values to fit, once the fit's needs of the data are met (the options were checked when made)."""
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be a whole number; got {self.seed!r}.")
-        return gammas
-
-    def _validate(self) -> list[float]:
-        gammas = self.check_settings()
         if (self.init == "data" or self.clamp) and self.input_range is None:
             what = "init='data'" if self.init == "data" else "clamp=True"
             raise ValueError(f"{what} needs input_range=(alpha, beta): the preprocessed images of pixel values 0 and 1.")
-        return gammas
+        return self._gammas()
 
     def _lambda(self, start: _Start, labels: torch.Tensor, gamma: float, log_t: float = 0.0) -> float:
         weight_decay = self._setting("weight_decay")
         if isinstance(weight_decay, str):
             return _rule_weight_decay(weight_decay, start.z0, labels, gamma, log_t)
         return float(weight_decay)
-
-    def _anchor(self, start: _Start, labels: torch.Tensor) -> float | None:
-        """log T of the anchored rule (chosen on the unperturbed logits), None under other rules."""
-        if self._setting("temperature") != "anchored":
-            return None
-        if start.anchor is None:
-            start.anchor = math.log(select_temperature(start.z0, labels)[0])
-        return start.anchor
 
     # ---- fitting -------------------------------------------------------------------------
 
@@ -566,10 +518,10 @@ class NeuralClamping(_InputCalibrator):
 
     def _problem(self, inputs: Any, labels: Any, dev: torch.device) -> Problem:
         split = InputStream(inputs, labels, dev, int(self._setting("batch_size")))
-        problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev))
         recipe = self._recipe()
-        if recipe is not None:
-            problem.penalty, problem.prob_floor = recipe.penalty, recipe.prob_floor
+        # The shared first pass reads no loss setting: each fit gets its own γ and λ (_fit_gammas).
+        loss = {} if recipe is None else {"penalty": recipe.penalty, "prob_floor": recipe.prob_floor}
+        problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev), **loss)
         problem.check_labels()
         size = math.prod(split.input_shape)
         if self.fitter == "fast" and split.n < SMALL_SPLIT_FACTOR * size:
@@ -580,18 +532,18 @@ class NeuralClamping(_InputCalibrator):
         """The shared first pass: δ̃ and the unperturbed logits (init="data", 1 pass) or the
         unperturbed logits alone when λ is "auto" or the fast fitter warm-starts T (0.5 pass)."""
         before = problem.split.passes
+        z0 = delta_tilde = anchor = None
         if self.init == "data":
             alpha, beta = input_bounds(self.input_range, problem.split.input_shape, problem.split.device)
             g, lo, hi, z0 = entropy_gradient(problem)
-            start = _Start(z0, theorem1_delta(g, lo, hi, alpha, beta))
+            delta_tilde = theorem1_delta(g, lo, hi, alpha, beta)
         elif isinstance(self._setting("weight_decay"), str) or self.fitter == "fast":
-            start = _Start(problem.logits(None), None)
-        else:
-            start = _Start(None, None)
-        if start.z0 is not None:
-            check_label_range(problem.split.labels, start.z0.shape[1])
-        start.passes = problem.split.passes - before
-        return start
+            z0 = problem.logits(None)
+        if z0 is not None:
+            check_label_range(problem.split.labels, z0.shape[1])
+        if self._setting("temperature") == "anchored":  # the fast fitter's rule: T from the unperturbed logits
+            anchor = math.log(select_temperature(z0, problem.split.labels)[0])
+        return _Start(z0, delta_tilde, problem.split.passes - before, anchor)
 
     def _initial_delta(self, start: _Start, shape: tuple[int, ...], generator: torch.Generator, device) -> torch.Tensor:
         if self.init == "data":
@@ -612,23 +564,23 @@ class NeuralClamping(_InputCalibrator):
         the given order (``later_passes`` caps every γ after the first; default ``max_passes``)."""
         shape, dev = problem.split.input_shape, problem.split.device
         fits: list[GammaFit] = []
-        bar = self._bar(self.expected_passes(len(gammas)))
+        expected = self.expected_passes(len(gammas), later_passes)
+        bar = self._bar(expected)
         memory: LBFGSMemory | None = None
-        anchor = None if self._recipe() is not None else self._anchor(start, problem.split.labels)
+        anchor = None if self._recipe() is not None else start.anchor
         try:
             for i, gamma in enumerate(gammas):
                 if fits and fits[-1].result.stopped:
                     break
-                report = Reporter(self.callback, bar)
+                report = Reporter(self.callback, bar, expected)
                 generator = torch.Generator().manual_seed(int(seed))
-                problem.gamma = gamma
                 if self._recipe() is not None:
                     delta0 = self._initial_delta(start, shape, generator, dev)
-                    problem.weight_decay = self._lambda(start, problem.split.labels, gamma)
-                    result = fit_sgd(problem, delta0, generator, self._sgd(), report)
+                    fit = replace(problem, gamma=gamma, weight_decay=self._lambda(start, problem.split.labels, gamma))
+                    result = fit_sgd(fit, delta0, generator, self._sgd(), report)
                 else:
-                    problem.weight_decay = self._lambda(start, problem.split.labels, gamma,
-                                                        0.0 if anchor is None else anchor)
+                    fit = replace(problem, gamma=gamma, weight_decay=self._lambda(
+                        start, problem.split.labels, gamma, 0.0 if anchor is None else anchor))
                     if i == 0:
                         delta0, z_known = self._initial_delta(start, shape, generator, dev), start.z0
                         budget = float(self.max_passes) - start.passes
@@ -640,12 +592,12 @@ class NeuralClamping(_InputCalibrator):
                     else:
                         log_t0 = anchor
                     if self.learn_delta:
-                        result, memory = fit_fast(problem, delta0, log_t0, max(budget, 1.0), float(self.tol), report,
+                        result, memory = fit_fast(fit, delta0, log_t0, max(budget, 1.0), float(self.tol), report,
                                                   memory, fixed_t=anchor is not None)
                     else:  # T alone: the exact 1-D optimum on the unperturbed logits, no further pass
-                        result = FitResult(delta0, log_t0, problem.objective_from_logits(z_known, delta0, log_t0),
+                        result = FitResult(delta0, log_t0, fit.objective_from_logits(z_known, delta0, log_t0),
                                            z_known, report.history, 0.0)
-                fits.append(GammaFit(gamma, problem.weight_decay, result))
+                fits.append(GammaFit(gamma, fit.weight_decay, result))
         finally:
             if bar is not None:
                 bar.close()
@@ -696,5 +648,5 @@ def _multi_logits(problem: Problem, deltas: Sequence[torch.Tensor | None]) -> li
     """f(x + δ_r) for several δ's, reading every chunk of the split once (0.5 pass per δ)."""
     with torch.no_grad():
         pieces = list(problem.split.map(lambda x, _: [problem.forward(x, d) for d in deltas]))
-    problem.split.passes += 0.5 * len(deltas)
+    problem.split.count(0.5 * len(deltas))
     return [problem.split.gather(torch.cat(per_delta)) for per_delta in zip(*pieces)]

@@ -70,7 +70,7 @@ class InputStream:
     def __init__(self, inputs: Any, labels: Any, device: torch.device, batch_size: int, need_labels: bool = True):
         self.device = device
         self.batch_size = batch_size
-        self.passes = 0.0
+        self._passes = 0.0
         self._loader = None
         # One sizer for forward passes, one for passes that also go backward (more memory per image).
         self._sizers = {False: ChunkSizer(device, batch_size), True: ChunkSizer(device, batch_size)}
@@ -98,6 +98,15 @@ class InputStream:
         if need_labels and self.labels is None and self._loader is None:
             raise ValueError("labels are needed: pass labels=... with a tensor of inputs, or a loader of (inputs, labels).")
         self.need_labels = need_labels
+
+    @property
+    def passes(self) -> float:
+        """Passes over the split so far (forward + backward = 1, forward only = 0.5); only ``count`` adds."""
+        return self._passes
+
+    def count(self, passes: float) -> None:
+        """Add ``passes`` to the split's pass count, the one count every fit on the split reports."""
+        self._passes += passes
 
     def _gather_or_stream(self, inputs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         dataset = getattr(inputs, "dataset", None)
@@ -272,7 +281,7 @@ def checked_logits(z: Any) -> torch.Tensor:
     return z.float()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Problem:
     """One calibration problem: model, split, loss settings and the optional input clamp.
 
@@ -300,7 +309,7 @@ class Problem:
         """Logits f(x + δ) over the split in natural order, on the device (0.5 pass)."""
         with torch.no_grad():
             out = list(self.split.map(lambda x, _: self.forward(x, delta)))
-        self.split.passes += 0.5
+        self.split.count(0.5)
         return self.split.gather(torch.cat(out))
 
     def loss(self, z: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -337,7 +346,7 @@ class Problem:
             g_s += gs
             total += loss
             out.append(z)
-        self.split.passes += 1.0
+        self.split.count(1.0)
         total, g_d, g_s = distributed.all_reduce_sum(total, g_d, g_s)
         d64 = d.detach().to(accumulation_dtype(d.device)).requires_grad_(True)
         reg = self.penalty_term(d64)
@@ -424,7 +433,7 @@ def entropy_gradient(problem: Problem):
         else:
             g, lo, hi = g + gd, torch.minimum(lo, lo_x), torch.maximum(hi, hi_x)
         out.append(z)
-    split.passes += 1.0
+    split.count(1.0)
     (g,) = distributed.all_reduce_sum(g)
     lo, hi = distributed.all_reduce_extreme(lo, largest=False), distributed.all_reduce_extreme(hi, largest=True)
     return g, lo, hi, split.gather(torch.cat(out))
@@ -458,9 +467,10 @@ class FitResult:
 class Reporter:
     """Feeds the history, the user's callback and the progress bar; StopFitting passes through."""
 
-    def __init__(self, callback: Callable[[dict], Any] | None = None, bar=None):
+    def __init__(self, callback: Callable[[dict], Any] | None = None, bar=None, expected_passes: float | None = None):
         self.callback = callback
         self.bar = bar
+        self.expected_passes = expected_passes
         self.history: list[dict] = []
 
     def notify(self, info: dict) -> None:
@@ -469,7 +479,8 @@ class Reporter:
             self.bar.set_postfix(loss=f"{info['loss']:.5g}", T=f"{info['temperature']:.4f}", refresh=False)
             self.bar.refresh()
         if self.callback is not None:
-            self.callback(dict(info))
+            # The fit's plan travels with each step, so a caller's progress needs nothing but the step.
+            self.callback(dict(info) if self.expected_passes is None else {**info, "expected_passes": self.expected_passes})
 
 
 @dataclass(frozen=True)
@@ -501,7 +512,7 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
     temp = torch.ones((), device=delta.device)
     buf_d = buf_t = None
     per_sample = 1.0 if sgd.learn_delta else 0.5  # no backward through the model when δ is frozen
-    step = seen = 0
+    step = 0
     stopped = False
     try:
         for epoch in range(1, sgd.epochs + 1):
@@ -520,8 +531,7 @@ def fit_sgd(problem: Problem, delta0: torch.Tensor, generator: torch.Generator, 
                     delta = d.detach() - sgd.lr * buf_d
                     temp = t.detach() - sgd.lr * buf_t
                 step += 1
-                seen += m
-                split.passes = start + per_sample * seen / n
+                split.count(per_sample * m / n)
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     raise ValueError(f"The loss became {value} at SGD step {step}; try a smaller learning rate.")

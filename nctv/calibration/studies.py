@@ -14,13 +14,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from nctv.calibration.clamping import SWEEP_GAMMAS, NeuralClamping
+from nctv.calibration.clamping import NeuralClamping
 from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
 from nctv.intervals import (RESAMPLED, IntervalSettings, difference, interval, method_draws, resample_counts,
                             seed_counts)
+from nctv.settings import SWEEP_GAMMAS, NCOptions
 
-__all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study", "init_study_passes"]
+__all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "sweep_options", "InitStudy", "init_study",
+           "init_study_passes"]
 
 _CURVES = ("ece", "entropy", "loss")
 
@@ -88,13 +90,35 @@ class GammaSweep:
     intervals: dict[str, Any] | None = None
 
 
+def _options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOptions, dict[str, Any]]:
+    """The study's Neural Clamping options (``options`` with the options among ``settings``), and
+    the rest of ``settings`` (seed, device, input_range, callback, …)."""
+    own = {k: v for k, v in settings.items() if k in NCOptions.names()}
+    options = NCOptions() if options is None else options
+    return (options.changed(**own) if own else options), {k: v for k, v in settings.items() if k not in own}
+
+
+def sweep_options(options: NCOptions) -> NCOptions:
+    """The options a γ sweep fits with: the paper's figure keeps the objective's own T
+    (temperature="fitted") unless a rule is asked for."""
+    return options.changed(temperature="fitted") if options.temperature is None else options
+
+
+def _sweep_options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOptions, dict[str, Any]]:
+    if "gamma" in settings:
+        raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
+    options, rest = _options(options, settings)
+    return sweep_options(options), rest
+
+
 def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None, test_inputs: Any = None,
                 test_labels: Any = None, gammas: Sequence[float] = SWEEP_GAMMAS, n_bins: int = 15,
-                passes_per_gamma: float = 3, intervals: IntervalSettings | None = IntervalSettings(),
-                **settings: Any) -> GammaSweep:
-    """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``settings`` go to
-    ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …). With a test split and
-    ``intervals``, each γ's test ECE and entropy get an interval from resampling the test split.
+                passes_per_gamma: float = 3, options: NCOptions | None = None,
+                intervals: IntervalSettings | None = IntervalSettings(), **settings: Any) -> GammaSweep:
+    """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``options`` and
+    ``settings`` go to ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …; its γ is
+    not used). With a test split and ``intervals``, each γ's test ECE and entropy get an interval
+    from resampling the test split.
 
     With the fast fitter the sweep is one continuation: the first γ gets a full fit, each later γ
     starts from the previous solution (T re-solved exactly on its cached logits, L-BFGS memory
@@ -102,14 +126,12 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
     run of it (``epochs`` + 1 passes each), as in the paper. The figure is the paper's: T is the
     objective's own (``temperature="fitted"``) unless ``settings`` ask for "selected".
     """
-    settings.setdefault("temperature", "fitted")
-    if "gamma" in settings:
-        raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
+    options, rest = _sweep_options(options, settings)
     gammas = [check_gamma(g, "each of gammas") for g in gammas]
     if not gammas:
         raise ValueError("gammas is empty; give at least one γ >= 0.")
     check_positive(passes_per_gamma, "passes_per_gamma")
-    nc = NeuralClamping(model, gamma=1.0, **settings)
+    nc = NeuralClamping(model, options, **rest)
     prepared = nc.prepare(cal_inputs, cal_labels)
     fits = nc.fit_prepared(prepared, gammas, later_passes=passes_per_gamma)
     n_passes = prepared.passes
@@ -149,9 +171,10 @@ def _curves_of(per_point: list[dict[str, list[float]]]) -> tuple[dict[str, np.nd
 
 
 def gamma_sweep_passes(model: torch.nn.Module | None, n_gammas: int, passes_per_gamma: float = 3,
-                       **settings: Any) -> float:
+                       options: NCOptions | None = None, **settings: Any) -> float:
     """Passes over the calibration split that :func:`gamma_sweep` plans (the fast fitter may stop sooner)."""
-    nc = NeuralClamping(model, gamma=1.0, **settings)
+    options, rest = _sweep_options(options, settings)
+    nc = NeuralClamping(model, options, **rest)
     return 0.5 + nc.expected_passes(n_gammas, later_passes=passes_per_gamma)
 
 
@@ -192,12 +215,19 @@ def _pair(split_arg: Any, name: str) -> tuple[Any, Any]:
     return split_arg, None
 
 
-def init_study_passes(model: torch.nn.Module | None, n_runs: int, **settings: Any) -> float:
+def init_study_passes(model: torch.nn.Module | None, n_runs: int, options: NCOptions | None = None,
+                      **settings: Any) -> float:
     """Passes over the calibration split that :func:`init_study` plans: the shared pass for δ̃, then
     ``n_runs`` random fits and one data-driven fit (the fast fitter) or ``n_runs`` of them (a recipe)."""
-    nc = NeuralClamping(model, init="data", **settings)
-    fits = n_runs + (1 if nc.fitter == "fast" else n_runs)
-    return 1.0 + fits * nc.expected_passes(1)
+    options, rest = _options(options, settings)
+    nc = NeuralClamping(model, options.changed(init="data"), **rest)
+    return 1.0 + _init_fits(n_runs, nc.fitter) * nc.expected_passes(1)
+
+
+def _init_fits(n_runs: int, fitter: str) -> int:
+    """Fits of an initialisation study: ``n_runs`` random ones, and one data-driven fit (the fast
+    fitter from δ̃ draws nothing random) or ``n_runs`` of them (a recipe)."""
+    return n_runs + (1 if fitter == "fast" else n_runs)
 
 
 class _FitPlan:
@@ -228,11 +258,12 @@ class _FitPlan:
 
 
 def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, seed: int = 0, n_bins: int = 15,
-               intervals: IntervalSettings | None = IntervalSettings(), **settings: Any) -> InitStudy:
+               options: NCOptions | None = None, intervals: IntervalSettings | None = IntervalSettings(),
+               **settings: Any) -> InitStudy:
     """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split
     (with ``intervals``: each initialisation's interval of every metric, from resampling the test split).
 
-    ``cal``, ``test``: (inputs, labels) pairs or loaders of (x, y). ``settings`` go to
+    ``cal``, ``test``: (inputs, labels) pairs or loaders of (x, y). ``options`` and ``settings`` go to
     ``NeuralClamping`` (``input_range`` is required for the data-driven runs; ``init`` is set here).
     Run r uses seed ``seed + r``. Work shared: one pass gives δ̃ and the unperturbed logits for
     all runs; the test split is read once for all fitted δ's.
@@ -243,26 +274,26 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         if key in settings:
             raise ValueError(f"init_study sets {key} itself; leave it out.")
     n_runs = check_whole(n_runs, "n_runs")
+    options, rest = _options(options, settings)
     plan = None
-    if settings.get("callback") is not None:
-        probe = NeuralClamping(model, init="data", **{k: v for k, v in settings.items() if k != "callback"})
-        fits = n_runs + (1 if probe.fitter == "fast" else n_runs)
-        plan = _FitPlan(fits, probe.expected_passes(1), settings["callback"])
-        settings = {**settings, "callback": plan.report}
-    nc = NeuralClamping(model, init="data", seed=seed, **settings)
-    prepared = nc.prepare(*_pair(cal, "cal"))  # init="data": this pass also gives δ̃
+    if rest.get("callback") is not None:
+        budget = NeuralClamping(model, options).expected_passes(1)
+        plan = _FitPlan(_init_fits(n_runs, options.fitter), budget, rest["callback"])
+        rest = {**rest, "callback": plan.report}
+    ncs = {init: NeuralClamping(model, options.changed(init=init), seed=seed, **rest) for init in ("random", "data")}
+    nc = ncs["data"]
+    prepared = nc.prepare(*_pair(cal, "cal"))  # init="data": this pass also gives δ̃, and every fit shares it
     seeds = [int(seed) + r for r in range(n_runs)]
     shared = nc.fitter == "fast"  # the fast fitter from δ̃ draws nothing random
     chosen: dict[str, list[tuple[torch.Tensor, float]]] = {"random": [], "data": []}
     for init in ("random", "data"):
-        nc.set_params(init=init)
         for r, s in enumerate(seeds):
             if init == "data" and shared and r > 0:
                 chosen[init].append(chosen[init][0])
                 continue
             if plan is not None:
                 plan.begin(prepared.passes)
-            fits = nc.fit_prepared(prepared, seed=s)
+            fits = ncs[init].fit_prepared(prepared, seed=s)
             if plan is not None:
                 plan.end(prepared.passes)
             best, candidates = nc.choose(fits, prepared)

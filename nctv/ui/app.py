@@ -23,6 +23,7 @@ from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
+from nctv.settings import APP_METHODS
 from nctv.ui.common import HEAVY, on_gpu
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
@@ -30,7 +31,7 @@ from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.state import (
-    DEFAULT_BINS,
+    APP_BINS,
     DEFAULT_CALIBRATION_SIZE,
     DEFAULT_DATASET_CHOICE,
     SplitSpec,
@@ -199,7 +200,7 @@ def _shared_panel() -> Shared:
             test_size = CheckedNumber(0, precision=0, label="Test size (images)", elem_id="test-size",
                                   info="0: the whole test split (10,000 images for Fashion-MNIST); else at least 10")
             seed = CheckedNumber(0, precision=0, label="Seed", info="0 to 2³¹ − 1; draws the calibration split and seeds δ")
-            bins = CheckedSlider(5, 50, DEFAULT_BINS, step=1, label="Bins (ECE, AECE, SCE)")
+            bins = CheckedSlider(5, 50, APP_BINS, step=1, label="Bins (ECE, AECE, SCE)")
         info = gr.Markdown(describe_model(DEFAULT_MODEL, ""))
     for box in (model, hub_id):
         box.change(describe_model, [model, hub_id], info, queue=False, show_progress="hidden", api_visibility="private")
@@ -284,7 +285,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
     with gr.Row():
         with gr.Column(scale=1, min_width=300):
             run, stop, status = _run_bar("Run calibration", "calibrate-status", status0)
-            methods = CheckedCheckboxGroup(cal_tab.method_choices(), value=list(cal_tab.DEFAULT_METHODS), label="Methods",
+            methods = CheckedCheckboxGroup(cal_tab.method_choices(), value=list(APP_METHODS), label="Methods",
                                        info="The uncalibrated model is always the reference row. Matrix Scaling, "
                                             "MS-ODIR and Dir-ODIR are slow on a CPU (up to minutes).")
             with gr.Accordion("Neural Clamping settings", open=True):
@@ -431,7 +432,7 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
         event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
     # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.
     api_t = CheckedNumber(1.0, visible=False)
-    api_bins = CheckedNumber(DEFAULT_BINS, visible=False)
+    api_bins = CheckedNumber(APP_BINS, visible=False)
     api_fig = gr.Plot(visible=False)
     gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, table, text],
           api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
@@ -439,7 +440,7 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
 
 def _initial_learn() -> tuple[str, str]:
     try:
-        return learn_tab.explain(1.0, DEFAULT_BINS, None)
+        return learn_tab.explain(1.0, APP_BINS, None)
     except ValueError as e:
         return str(e), ""
 

@@ -1,14 +1,13 @@
 """The Calibrate tab: fit the chosen methods on a calibration split of the chosen model, score
 them on its test split, and show the table, the reliability diagrams, the learned T and δ.
 
-:func:`run_calibration` is the work itself (no Gradio in it; ``scripts/make_precomputed.py`` uses
-it too, so the shipped result is exactly what the app computes). Every method is fitted once, with
+:func:`run_calibration` is the work itself (no Gradio in it): one call of the library's
+:func:`nctv.experiment.run_experiment`, whose result records everything the tab draws. Every method is fitted once, with
 the split's seed; logit-space methods reuse the cached unperturbed logits, Neural Clamping
 reports its loss and T after every step for the live view.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -17,7 +16,7 @@ import gradio as gr
 import torch
 
 from nctv.results import CALIBRATORS_FOLDER
-from nctv.settings import FITTERS
+from nctv.settings import NCOptions
 from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_gamma, parse_lr,
                              parse_weight_decay, parse_whole, user_errors, with_warnings)
 from nctv.ui.state import (
@@ -36,9 +35,6 @@ from nctv.ui.state import (
 )
 
 REFERENCE = "Uncalibrated"
-#: Methods ticked when the page opens: quick on a CPU. MS-ODIR and Dir-ODIR cross-validate 49
-#: regularisation settings (minutes on a CPU), Matrix Scaling takes tens of seconds: offered, not ticked.
-DEFAULT_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
 FITTER_CHOICES = [("fast (default: T by calibration ECE, then δ by L-BFGS at that T; about 10 passes)", "fast"),
                   ("paper recipe (SGD + momentum, lr 0.001, batch 512, 100 epochs)", "paper"),
                   ("authors' toolkit recipe (SGD + momentum, lr 0.01, batch 1000, 100 epochs)", "toolkit")]
@@ -47,25 +43,6 @@ GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
 WEIGHT_DECAY_CHOICES = ["default", "strong", "auto", "0", "0.001", "0.01", "0.1", "1"]
 
 Report = Callable[[tuple], None]
-
-
-@dataclass(frozen=True)
-class NCSettings:
-    """Neural Clamping's settings as the visitor chose them (γ and λ may be "auto")."""
-
-    gamma: float | str = 1.0
-    #: None: the fitter's own (fast: "auto" at the anchored T; the recipes: theirs).
-    weight_decay: float | str | None = None
-    init: str = "random"
-    fitter: str = "fast"
-    epochs: int = 100
-    #: The recipes' SGD learning rate; None: the recipe's own (the fast fitter has none).
-    lr: float | None = None
-
-    def nc_kwargs(self) -> dict[str, Any]:
-        """The settings a run passes on to NeuralClamping, leaving out those left at the fitter's own."""
-        return {"init": self.init, **{k: v for k, v in (("weight_decay", self.weight_decay), ("lr", self.lr))
-                                      if v is not None}}
 
 
 def method_choices() -> list[str]:
@@ -88,10 +65,11 @@ def _ordered_methods(methods: Sequence[str]) -> list[str]:
     return [REFERENCE] + [m for m in known if m in chosen and m != REFERENCE]
 
 
-def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NCSettings,
+def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NCOptions,
                     report: Report | None = None) -> tuple[Any, Calibration]:
     """Fit ``methods`` on the calibration split of ``spec``, score them on its test split, through
-    the library's :func:`nctv.experiment.run_experiment` (one run, seed = the split's seed).
+    the library's :func:`nctv.experiment.run_experiment` (one run, seed = the split's seed), with
+    Neural Clamping's options ``nc``.
 
     ``report`` receives ``("progress", fraction, message, unit, unit_fraction)`` (``unit``: the
     running step, numbered: the two logit passes, then each method; ``unit_fraction``: how far into
@@ -100,7 +78,7 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
     step "selected", carries the T it keeps). It may raise to cancel the run. Returns the
     ``RunResult`` (calibrated test logits attached) and the visitor's :class:`Calibration`.
     """
-    from nctv.experiment import run_experiment
+    from nctv.experiment import RunOptions, run_experiment
 
     say: Report = report or (lambda item: None)
     names = _ordered_methods(methods)
@@ -119,14 +97,9 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
         unit = min(int(fraction * units), units - 1)
         say(("progress", min(0.02 + 0.97 * fraction, 0.99), message, unit, fraction * units - unit))
 
-    nc_settings = nc.nc_kwargs()
-    result = run_experiment(
-        loaded, cal, test, names, seeds=[spec.calibration_seed], bins=[n_bins], fitter=nc.fitter, gamma=nc.gamma,
-        epochs=None if nc.fitter == "fast" else nc.epochs, progress=False, callback=progress,
-        nc_settings=nc_settings, on_fit_step=lambda row, info: say(("nc", row, info)))
-    result.settings.update(
-        init=nc.init, weight_decay=nc.weight_decay, lr=nc.lr, dataset=spec.dataset,
-        mean=[float(v) for v in loaded.data_config["mean"]], std=[float(v) for v in loaded.data_config["std"]])
+    options = RunOptions(seeds=[spec.calibration_seed], bins=[n_bins], nc=nc, progress=False, callback=progress,
+                         on_fit_step=lambda row, info: say(("nc", row, info)), dataset=spec.dataset)
+    result = run_experiment(loaded, cal, test, names, options)
     say(("progress", 1.0, f"done in {result.seconds:.1f} s", "done", 1.0))
     return result, _calibration_of(result, spec, n_bins)
 
@@ -310,14 +283,17 @@ class LiveTrace:
 # --------------------------------------------------------------------------- the handler
 
 
-def parse_nc_settings(gamma: Any, weight_decay: Any, init: Any, fitter: Any, epochs: Any, lr: Any = None) -> NCSettings:
-    if init not in ("random", "data"):
-        raise ValueError(f"Initialisation must be 'random' or 'data'; got {init!r}.")
-    if fitter not in FITTERS:
-        raise ValueError(f"The fitter must be one of {', '.join(FITTERS)}; got {fitter!r}.")
-    return NCSettings(parse_gamma(gamma),
-                      parse_weight_decay(weight_decay), init, fitter,
-                      parse_whole(epochs, "Epochs", 1, 1000), parse_lr(lr))
+def parse_nc_options(fitter: Any, weight_decay: Any, epochs: Any, lr: Any, **fields: Any) -> NCOptions:
+    """Neural Clamping's options from the form's fields, checked once: ``fields`` are the tab's
+    ``gamma`` and ``init`` where it has them (the γ sweep sets γ itself, the initialisation study
+    the initialisation). The recipes' epochs go only to a recipe (the fast fitter stops on
+    convergence); "default" λ and learning rate leave the fitter's own."""
+    epochs = parse_whole(epochs, "Epochs", 1, 1000)
+    given = {"weight_decay": parse_weight_decay(weight_decay), "epochs": None if fitter == "fast" else epochs,
+             "lr": parse_lr(lr), **fields}
+    if "gamma" in fields:
+        given["gamma"] = parse_gamma(fields["gamma"])
+    return NCOptions(fitter=fitter, **{k: v for k, v in given.items() if v is not None})
 
 
 def parse_split(model: Any, hub_id: Any, dataset: Any, calibration_size: Any, test_size: Any, seed: Any) -> SplitSpec:
@@ -349,7 +325,7 @@ def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins,
     diagrams, parameters, δ, files, state)."""
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
-    nc = parse_nc_settings(gamma, weight_decay, init, fitter, epochs, lr)
+    nc = parse_nc_options(fitter, weight_decay, epochs, lr, gamma=gamma, init=init)
     names = _ordered_methods(methods or [])
     worker = Worker(lambda report: run_calibration(spec, names, n_bins, nc, report))
     live = LiveTrace()

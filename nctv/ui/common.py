@@ -415,7 +415,7 @@ def parse_gamma(value: Any, name: str = "Focal-loss gamma") -> float | str:
 def parse_weight_decay(value: Any) -> float | str | None:
     """λ from the form: None for "default" (the fitter's own), a rule name ("auto", "strong"), or a
     number from 0 to WEIGHT_DECAY_MAX."""
-    from nctv.calibration.clamping import WEIGHT_DECAY_RULES
+    from nctv.settings import WEIGHT_DECAY_RULES
 
     check_text(value, "Weight decay (λ)")
     parsed = None if value is None else number_or_word(value, ("", "default", *WEIGHT_DECAY_RULES))

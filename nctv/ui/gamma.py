@@ -11,7 +11,8 @@ import numpy as np
 
 from nctv.checks import GAMMA_MAX
 from nctv.report import gamma_table, to_markdown
-from nctv.ui.calibrate import parse_nc_settings, parse_split
+from nctv.settings import NCOptions
+from nctv.ui.calibrate import parse_nc_options, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
 
@@ -41,15 +42,16 @@ def gamma_grid(start: Any, stop: Any, step: Any) -> list[float]:
     return [round(a + i * s, 4) for i in range(count)]
 
 
-def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, settings: dict, report: Callable[[Any], None]):
-    """``nctv.experiment.run_gamma_sweep`` on the spec's splits; ``report`` gets ("progress", f, msg)."""
-    from nctv.experiment import run_gamma_sweep
+def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, nc: NCOptions, report: Callable[[Any], None]):
+    """``nctv.experiment.run_gamma_sweep`` on the spec's splits with Neural Clamping's options ``nc``;
+    ``report`` gets ("progress", f, msg)."""
+    from nctv.experiment import RunOptions, run_gamma_sweep
 
     report(("progress", 0.0, f"loading {spec.model} and its splits"))
     loaded = get_model(spec.model)
     cal, test = get_splits(spec)
-    return run_gamma_sweep(loaded, cal, test, gammas=gammas, n_bins=n_bins, seed=spec.calibration_seed,
-                           progress=False, callback=lambda f, m: report(("progress", f, m)), **settings)
+    options = RunOptions(nc=nc, progress=False, callback=lambda f, m: report(("progress", f, m)), dataset=spec.dataset)
+    return run_gamma_sweep(loaded, cal, test, gammas, n_bins, spec.calibration_seed, options=options)
 
 
 def sweep_table(result: Any) -> str:
@@ -69,10 +71,8 @@ def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bin
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     gammas = gamma_grid(gamma_from, gamma_to, gamma_step)
-    nc = parse_nc_settings(1.0, weight_decay, init, fitter, epochs, lr)
-    settings = {"weight_decay": nc.weight_decay, "init": nc.init, "fitter": nc.fitter, "epochs": nc.epochs,
-                **({} if nc.lr is None else {"lr": nc.lr})}
-    worker = Worker(lambda report: run_sweep(spec, gammas, n_bins, settings, report))
+    nc = parse_nc_options(fitter, weight_decay, epochs, lr, init=init)
+    worker = Worker(lambda report: run_sweep(spec, gammas, n_bins, nc, report))
     result = yield from stream_progress(worker, progress, 4)
     fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")
     out = export_dir("gamma-sweep")

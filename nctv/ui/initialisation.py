@@ -8,7 +8,8 @@ from typing import Any, Callable
 import gradio as gr
 
 from nctv.report import init_study_table, to_markdown
-from nctv.ui.calibrate import parse_nc_settings, parse_split
+from nctv.settings import NCOptions
+from nctv.ui.calibrate import parse_nc_options, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.state import SplitSpec, get_model, get_splits
 
@@ -16,15 +17,16 @@ METRICS_SHOWN = ("entropy", "ece", "aece", "sce")
 MAX_RUNS = 20
 
 
-def run_study(spec: SplitSpec, runs: int, n_bins: int, settings: dict, report: Callable[[Any], None]):
-    """``nctv.experiment.run_init_study`` on the spec's splits; ``report`` gets ("progress", f, msg)."""
-    from nctv.experiment import run_init_study
+def run_study(spec: SplitSpec, runs: int, n_bins: int, nc: NCOptions, report: Callable[[Any], None]):
+    """``nctv.experiment.run_init_study`` on the spec's splits with Neural Clamping's options ``nc``;
+    ``report`` gets ("progress", f, msg)."""
+    from nctv.experiment import RunOptions, run_init_study
 
     report(("progress", 0.0, f"loading {spec.model} and its splits"))
     loaded = get_model(spec.model)
     cal, test = get_splits(spec)
-    return run_init_study(loaded, cal, test, runs=runs, n_bins=n_bins, seed=spec.calibration_seed, progress=False,
-                          callback=lambda f, m: report(("progress", f, m)), **settings)
+    options = RunOptions(nc=nc, progress=False, callback=lambda f, m: report(("progress", f, m)), dataset=spec.dataset)
+    return run_init_study(loaded, cal, test, runs, n_bins, spec.calibration_seed, options=options)
 
 
 def study_table(result: Any) -> str:
@@ -43,10 +45,8 @@ def init_study(model, hub_id, dataset, calibration_size, test_size, seed, n_bins
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     runs = parse_whole(runs, "Runs", 1, MAX_RUNS)
-    nc = parse_nc_settings(gamma, weight_decay, "random", fitter, epochs, lr)
-    settings = {"gamma": nc.gamma, "weight_decay": nc.weight_decay, "epochs": nc.epochs, "fitter": nc.fitter,
-                **({} if nc.lr is None else {"lr": nc.lr})}
-    worker = Worker(lambda report: run_study(spec, runs, n_bins, settings, report))
+    nc = parse_nc_options(fitter, weight_decay, epochs, lr, gamma=gamma)
+    worker = Worker(lambda report: run_study(spec, runs, n_bins, nc, report))
     result = yield from stream_progress(worker, progress, 4)
     data = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)
     out = export_dir("init-study")

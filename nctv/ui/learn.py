@@ -16,7 +16,7 @@ import torch
 
 from nctv import metrics, report
 from nctv.ui.common import parse_whole, user_errors
-from nctv.ui.state import DEFAULT_BINS, Calibration, get_splits, load_precomputed, test_logits_of
+from nctv.ui.state import APP_BINS, Calibration, get_splits, load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
 BINS_MIN, BINS_MAX = 5, 50
@@ -210,7 +210,7 @@ def _thumbnail(image) -> tuple[str, bool]:
 def bin_pictures(rows: Any, temperature: Any, state: Calibration | None) -> list[dict]:
     """The pictures of the test rows ``rows`` with their true label, the model's prediction (class
     names) and its confidence at T = 1 and at ``temperature``, in the order asked."""
-    t, _ = _checked(temperature, DEFAULT_BINS)
+    t, _ = _checked(temperature, APP_BINS)
     z, y, _ = test_logits_of(state)
     rows = checked_rows(rows, int(z.shape[0]))
     spec = state.split if state is not None and state.split is not None else load_precomputed().split
@@ -249,5 +249,5 @@ def page_view() -> gr.HTML:
     return gr.HTML(None, html_template=(static / "learn.html").read_text(encoding="utf-8"),
                    css_template=(static / "learn.css").read_text(encoding="utf-8"),
                    js_on_load=(static / "learn.js").read_text(encoding="utf-8"), elem_id="learn-view",
-                   t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=DEFAULT_BINS,
+                   t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=APP_BINS,
                    bin=None)

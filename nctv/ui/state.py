@@ -18,8 +18,8 @@ from nctv.checks import env_limit
 from nctv.data import DATASETS, allowed_folder, assets_dir
 from nctv.hub import max_model_bytes
 
-from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available  # noqa: E402 - the app's default is the library's
-DEFAULT_BINS = 15
+from nctv.settings import APP_BINS, DEFAULT_CALIBRATION_SIZE, hub_datasets_available  # noqa: E402 - the app's defaults are the library's
+
 PRECOMPUTED_LABEL = "pre-computed, shipped with the app"
 #: Method names (paper names) of the two calibrations the Try tab compares with the raw model.
 TS_METHOD = "Temperature Scaling"
@@ -238,7 +238,7 @@ class Calibration:
     delta: torch.Tensor | None
     nc_method: str | None
     source: str
-    n_bins: int = DEFAULT_BINS
+    n_bins: int = APP_BINS
     settings: dict = field(default_factory=dict)
     #: Test-split metrics (fractions) per method at ``n_bins`` bins, for the Learn tab's text.
     metrics: dict = field(default_factory=dict)
@@ -264,21 +264,12 @@ class Precomputed:
 @lru_cache(maxsize=1)
 def load_precomputed() -> Precomputed | None:
     """Read ``assets/precomputed`` (None when it is absent: the app then starts without it)."""
-    from safetensors.torch import load_file
-
     from nctv.results import RunResult
 
     folder = precomputed_dir()
-    files = [folder / n for n in ("results.json", "test_logits.safetensors", "delta.safetensors")]
-    if not all(f.is_file() for f in files):
+    if not all((folder / n).is_file() for n in ("results.json", "test_logits.safetensors", "delta.safetensors")):
         return None
-    result = RunResult.from_json(files[0].read_text(encoding="utf-8"))
-    logits = load_file(str(files[1]))
-    deltas = load_file(str(files[2]))
-    result.test_labels = logits.pop("labels")
-    for name, m in result.methods.items():
-        m.test_logits = logits.get(name)
-        m.delta = deltas.get(name)
+    result = RunResult.load(folder)
     nc = next((n for n in NC_METHODS if n in result.methods), None)
     cal = Calibration(
         # scripts/make_precomputed.py uses one seed for the calibration draw and the run, and the whole test pool.

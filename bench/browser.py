@@ -36,7 +36,7 @@ def first_screen(browser, url: str) -> dict:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     start = time.perf_counter()
     page.goto(url)
-    page.wait_for_selector("#reliability-plot .js-plotly-plot", timeout=120_000)
+    page.wait_for_selector("#calibrate-diagrams svg", timeout=120_000)
     diagrams = time.perf_counter() - start
     paints = page.evaluate("Object.fromEntries(performance.getEntriesByType('paint').map(e => [e.name, e.startTime]))")
     page.close()
@@ -47,7 +47,7 @@ def first_screen(browser, url: str) -> dict:
 def learn_drag(browser, url: str) -> dict:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
-    page.wait_for_selector("#reliability-plot .js-plotly-plot", timeout=120_000)
+    page.wait_for_selector("#calibrate-diagrams svg", timeout=120_000)
     start = time.perf_counter()
     page.get_by_role("tab", name="Learn").click()
     page.wait_for_selector("#learn-plot svg")

@@ -159,6 +159,11 @@ def test_whiskers_are_the_wilson_intervals_of_the_bins(browser, server, shipped)
                 # Coordinates are written to 0.1 px (the frame too).
                 assert share(y1) == pytest.approx(low[k], abs=0.15 / d["height"]), (name, k)
                 assert share(y2) == pytest.approx(high[k], abs=0.15 / d["height"]), (name, k)
+        # Each smoothed diagram carries its band from the server's resamples.
+        labels = page.locator("#calibrate-diagrams .nc-smooth svg").evaluate_all(
+            "svgs => svgs.map(s => [s.getAttribute('aria-label'), s.querySelectorAll('path.nd-band').length])")
+        assert len(labels) == len(logits)
+        assert all("95% band of 200 resamples" in label and bands == 1 for label, bands in labels)
     finally:
         page.context.close()
 
@@ -283,5 +288,12 @@ def test_one_error_beside_run_then_cleared_and_the_live_plot_counts_passes(brows
         assert xs == sorted(xs) and xs[-1] == pytest.approx(passes, abs=0.05)
         assert len(xs) > 3 and xs != list(range(len(xs)))  # passes, not a count of points
         page.screenshot(path=str(ARTIFACTS / "calibrate-after-run.png"), full_page=True)
+        # The run's own diagrams open groups of the run's own 1,000 test pictures.
+        bar = page.locator('.nc-card[data-method="Temperature Scaling"] .nd-hit').last
+        bar.click()
+        page.wait_for_function("document.querySelector('#calibrate-bin-note').innerText.startsWith('Wrong')")
+        count = int(page.locator("#calibrate-bin").get_attribute("data-count"))
+        rows = page.locator("#calibrate-bin-list li").evaluate_all("items => items.map(li => Number(li.dataset.row))")
+        assert len(rows) == min(24, count) and all(0 <= r < 1000 for r in rows)
     finally:
         page.context.close()

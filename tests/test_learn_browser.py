@@ -312,6 +312,13 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
                 assert a["x"] >= plot["x"] - 0.5 and a["x"] + a["width"] <= plot["x"] + plot["width"] + 0.5
                 for b in texts[i + 1:]:
                     assert not _overlaps(a, b), (a, b)
+        # The table of the settled T scrolls sideways rather than break a number over two lines.
+        pg.wait_for_function("document.querySelectorAll('#learn-table td').length > 0")
+        wrapped = pg.evaluate("""() => [...document.querySelectorAll('#learn-table td, #learn-table th')].filter(c => {
+            const r = document.createRange(); r.selectNodeContents(c);
+            return new Set([...r.getClientRects()].filter(b => b.width > 0).map(b => Math.round(b.top))).size > 1;
+        }).map(c => c.innerText)""")
+        assert wrapped == []
         save_small(pg.locator("#learn-view").screenshot(), "learn-phone-390x844.png")
     finally:
         pg.context.close()

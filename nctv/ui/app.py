@@ -388,7 +388,7 @@ def _learn_tab(state: gr.State, run_event) -> None:
     # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
     # after each calibration run, never with a move.
     view = learn_tab.page_view()
-    table = gr.Markdown(table0, elem_id="learn-table")
+    table = gr.Markdown(table0, elem_id="learn-table", elem_classes="result-table")
     text = gr.Markdown(text0, elem_id="learn-text")
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
         gr.Markdown(learn_tab.PAPER_TABLE)

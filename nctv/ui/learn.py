@@ -67,8 +67,8 @@ def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], c
         "**Smooth ECE** needs no bins: each prediction's gap (confidence minus right or wrong) is averaged with "
         "those of its neighbours in confidence through a Gaussian kernel whose width the data choose, and the "
         "average size of the smoothed gap is the smooth ECE (Błasiok & Nakkiran, 2024). The curve beside the "
-        "bars is that smoothed share correct; once T settles, the shaded band around it holds 95% of the curves "
-        "of 100 resamples of the test pictures.",
+        "bars is that smoothed share correct; once T settles, the shaded band around it is its 95% interval "
+        "from 100 resamples of the test pictures.",
         "**AECE** (adaptive ECE): the same formula, but every bin holds the same number of predictions (about "
         f"{per_bin:,.0f} here), so the crowded high-confidence range is examined in more detail. At T = {t:.2f}: "
         f"**{100 * now['aece']:.2f}%**.",

@@ -1,5 +1,6 @@
-// The Learn tab in the page (after diagram.js, whose drawing and smooth ECE it uses): the server sends the test logits once per calibration (props.value);
-// every move of T or of the bins is computed and drawn here, without a request. The conventions are
+// The Learn tab in the page (after diagram.js, whose drawing and smooth ECE it uses): the server
+// sends the test logits once per calibration (props.value); every move of T or of the bins is
+// computed and drawn here, without a request. The conventions are
 // nctv.metrics': p = softmax(z / T) in float64, confidence = max p, prediction = first argmax,
 // equal-width bins ((m-1)/M, m/M] with confidence 0 in the first, ECE = sum |Σacc - Σconf| / N.
 const root = element.querySelector(".nl");

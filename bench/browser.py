@@ -9,8 +9,8 @@ Launches ``python app.py`` offline on a free port and opens it in headless Chrom
 * the Learn tab's redraw: 20 moves of a mouse drag on the temperature slider, each timed in the page
   from the input event's time stamp to the updated diagram and read-outs (``data-redraw-ms``),
   with the number of requests the drag sent (0: it is computed in the page);
-* the Learn tab's smoothed diagram and smooth ECE, computed in the page once a move rests
-  (``data-smooth-ms``), at 5 temperatures;
+* the Learn tab's smoothed diagram and smooth ECE, computed in the page after a move, at most once
+  a frame (``data-smooth-ms``), at 5 temperatures;
 * beside it, one round trip of the ``/explore_temperature`` endpoint (what every move of T cost when
   the server drew the diagram), so that the two read as a ratio.
 
@@ -66,7 +66,7 @@ def learn_drag(browser, url: str) -> dict:
         times.append(float(page.locator(".nl").get_attribute("data-redraw-ms")))
     sent = len(requests)
     page.mouse.up()
-    # The smoothed diagram and its smooth ECE, computed in the page once a move rests (data-smooth-ms).
+    # The smoothed diagram and its smooth ECE, computed in the page after a move (data-smooth-ms).
     smooth = []
     for t in (0.5, 1.0, 1.5, 2.0, 3.0):
         page.evaluate("""t => { const r = document.querySelector('#learn-t'); r.value = String(t);
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 | Learn tab's first diagram after its first click (logits sent once) | {drag['learn_first_view_s']:.2f} s |
 | Learn redraw, median of {MOVES} drag moves (in the page) | {drag['redraw_median_ms']:.1f} ms |
 | requests sent during the drag | {drag['requests_during_drag']} |
-| Learn smoothed diagram and smooth ECE once a move rests, median of 5 T (in the page) | {drag['smooth_median_ms']:.0f} ms |
+| Learn smoothed diagram and smooth ECE after a move, median of 5 T (in the page) | {drag['smooth_median_ms']:.0f} ms |
 | `/explore_temperature` round trip (server-drawn diagram), median of 5 | {trip['explore_temperature_median_ms']:.0f} ms |
 | round trip / in-page redraw | {report['round_trip_over_redraw']:.0f}× |""")
     return 0

@@ -104,9 +104,9 @@ function draw() {
 
 const fontSize = () => parseFloat(getComputedStyle(root).getPropertyValue("--nd-font")) || 14;
 
-// The smoothed diagram: its curve and smooth ECE follow T once a move rests (they cost a few tens of
-// milliseconds, too much for every frame of a drag); its band follows once T settles.
-let smooth = null, band = null, smoothTimer = null, bandTimer = null;
+// The smoothed diagram: its curve and smooth ECE follow T at most once a frame, after the bars (they
+// cost about four times a redraw of the bars); its band follows once T settles.
+let smooth = null, band = null, smoothFrame = 0, bandTimer = null;
 const BAND_RESAMPLES = 100, BAND_SEED = 0, BAND_LEVEL = 0.95, BAND_CHUNK = 5;
 
 function drawSmooth() {
@@ -127,7 +127,8 @@ function confidences(temperature) {
 }
 
 function computeSmooth() {
-  clearTimeout(smoothTimer);
+  cancelAnimationFrame(smoothFrame);
+  smoothFrame = 0;
   if (!data) return;
   const start = performance.now(), conf = confidences(t), calib = smoothCalibration(conf, data.correct);
   const {value, bandwidth} = calib.search();
@@ -140,8 +141,7 @@ function computeSmooth() {
 }
 
 function scheduleSmooth() {
-  clearTimeout(smoothTimer);
-  smoothTimer = setTimeout(computeSmooth, 80);
+  if (!smoothFrame) smoothFrame = requestAnimationFrame(computeSmooth);
 }
 
 // The band: from the smoothed accuracy of seeded resamples of the pictures at the point estimate's

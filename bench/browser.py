@@ -9,6 +9,8 @@ Launches ``python app.py`` offline on a free port and opens it in headless Chrom
 * the Learn tab's redraw: 20 moves of a mouse drag on the temperature slider, each timed in the page
   from the input event's time stamp to the updated diagram and read-outs (``data-redraw-ms``),
   with the number of requests the drag sent (0: it is computed in the page);
+* the Learn tab's smoothed diagram and smooth ECE, computed in the page after a move, at most once
+  a frame (``data-smooth-ms``), at 5 temperatures;
 * beside it, one round trip of the ``/explore_temperature`` endpoint (what every move of T cost when
   the server drew the diagram), so that the two read as a ratio.
 
@@ -36,7 +38,7 @@ def first_screen(browser, url: str) -> dict:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     start = time.perf_counter()
     page.goto(url)
-    page.wait_for_selector("#reliability-plot .js-plotly-plot", timeout=120_000)
+    page.wait_for_selector("#calibrate-diagrams svg", timeout=120_000)
     diagrams = time.perf_counter() - start
     paints = page.evaluate("Object.fromEntries(performance.getEntriesByType('paint').map(e => [e.name, e.startTime]))")
     page.close()
@@ -47,7 +49,7 @@ def first_screen(browser, url: str) -> dict:
 def learn_drag(browser, url: str) -> dict:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
-    page.wait_for_selector("#reliability-plot .js-plotly-plot", timeout=120_000)
+    page.wait_for_selector("#calibrate-diagrams svg", timeout=120_000)
     start = time.perf_counter()
     page.get_by_role("tab", name="Learn").click()
     page.wait_for_selector("#learn-plot svg")
@@ -64,9 +66,16 @@ def learn_drag(browser, url: str) -> dict:
         times.append(float(page.locator(".nl").get_attribute("data-redraw-ms")))
     sent = len(requests)
     page.mouse.up()
+    # The smoothed diagram and its smooth ECE, computed in the page after a move (data-smooth-ms).
+    smooth = []
+    for t in (0.5, 1.0, 1.5, 2.0, 3.0):
+        page.evaluate("""t => { const r = document.querySelector('#learn-t'); r.value = String(t);
+                         r.dispatchEvent(new Event('input', {bubbles: true})); }""", t)
+        page.wait_for_function(f"Number(document.querySelector('.nl').dataset.smoothTemperature) === {t}")
+        smooth.append(float(page.locator(".nl").get_attribute("data-smooth-ms")))
     page.close()
     return {"learn_first_view_s": first_view, "redraw_ms": times, "redraw_median_ms": statistics.median(times),
-            "requests_during_drag": sent}
+            "requests_during_drag": sent, "smooth_ms": smooth, "smooth_median_ms": statistics.median(smooth)}
 
 
 def server_round_trip(url: str, repeats: int = 5) -> dict:
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 | Learn tab's first diagram after its first click (logits sent once) | {drag['learn_first_view_s']:.2f} s |
 | Learn redraw, median of {MOVES} drag moves (in the page) | {drag['redraw_median_ms']:.1f} ms |
 | requests sent during the drag | {drag['requests_during_drag']} |
+| Learn smoothed diagram and smooth ECE after a move, median of 5 T (in the page) | {drag['smooth_median_ms']:.0f} ms |
 | `/explore_temperature` round trip (server-drawn diagram), median of 5 | {trip['explore_temperature_median_ms']:.0f} ms |
 | round trip / in-page redraw | {report['round_trip_over_redraw']:.0f}× |""")
     return 0

@@ -1,5 +1,6 @@
 """Take the screenshots of docs/app.md: every tab of the launched app at a phone's, a projector's and a
-desktop's size, and the Learn tab in presenter mode, with Debian's Chromium (never a downloaded one).
+desktop's size, the Calibrate tab's diagrams, a group opened in Calibrate and in Learn, the Learn tab
+in presenter mode and the dark theme, with Debian's Chromium (never a downloaded one).
 
     python scripts/screenshots.py                # into docs/img/
     python scripts/screenshots.py --out /tmp/s   # elsewhere
@@ -35,25 +36,49 @@ def shoot(url: str, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
     written = []
+
+    def save(png: bytes, name: str) -> None:
+        small_png(png, out / name)
+        written.append(out / name)
+
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
         for size, (w, h) in SIZES.items():
             page = browser.new_page(viewport={"width": w, "height": h})
             page.goto(url)
-            page.wait_for_selector("#results-table table", timeout=120_000)
+            page.wait_for_selector("#calibrate-diagrams .nc-smooth svg", timeout=120_000)
             for key, tab in TABS.items():
                 page.get_by_role("tab", name=tab).click()
                 page.wait_for_timeout(2500)
-                path = out / f"{key}-{size}.png"
-                small_png(page.screenshot(full_page=size == "390"), path)
-                written.append(path)
+                save(page.screenshot(full_page=size == "390"), f"{key}-{size}.png")
+                if key == "calibrate":  # the diagrams, below the table
+                    save(page.locator("#calibrate-view").screenshot(), f"calibrate-diagrams-{size}.png")
+            if size != "1280":  # a group opened, in Learn and in Calibrate
+                page.locator("#learn-plot .nd-hit").last.click()
+                page.wait_for_selector("#learn-bin-list li", timeout=60_000)
+                page.evaluate("document.activeElement.blur()")
+                save(page.locator("#learn-view").screenshot(), f"learn-open-bin-{size}.png")
+                page.get_by_role("tab", name="Calibrate").click()
+                page.locator('.nc-card[data-method="Temperature Scaling"] .nd-hit[data-bin="12"]').click()
+                page.wait_for_selector("#calibrate-bin-list li", timeout=60_000)
+                page.evaluate("document.activeElement.blur()")
+                save(page.locator("#calibrate-bin").screenshot(), f"calibrate-open-bin-{size}.png")
             if size == "1280":
+                page.get_by_role("tab", name="Learn").click()
                 page.click("#learn-presenter")
-                page.wait_for_timeout(800)
-                path = out / "learn-presenter-1280.png"
-                small_png(page.screenshot(), path)
-                written.append(path)
+                page.wait_for_timeout(1500)  # the band of the settled T follows the first drawing
+                save(page.screenshot(), "learn-presenter-1280.png")
             page.close()
+        # The dark theme, where the diagrams follow it.
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(url + "?__theme=dark")
+        page.wait_for_selector("#calibrate-diagrams .nc-smooth svg", timeout=120_000)
+        page.wait_for_timeout(1000)
+        save(page.locator("#calibrate-view").screenshot(), "calibrate-diagrams-dark-1280.png")
+        page.get_by_role("tab", name="Learn").click()
+        page.wait_for_timeout(2500)
+        save(page.screenshot(), "learn-dark-1280.png")
+        page.close()
         browser.close()
     return written
 

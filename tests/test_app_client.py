@@ -118,11 +118,12 @@ def test_classify_a_drawing(client, tmp_path):
 def test_calibrate_small_run(client, default_model):
     out = client.predict(*SHARED, ["Temperature Scaling", "Neural Clamping (FL)"], "1", "auto", "random", "fast", 100,
                          api_name="/calibrate")
-    status, live, table, diagrams, stacked, params, delta, files = out
+    status, live, table, diagrams, params, delta, files = out
     assert status.startswith("**Done**")
     for method in ("Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"):
         assert f"| {method} |" in table
-    assert all(p["type"] == "plotly" for p in (live, diagrams, stacked, delta))
+    assert all(p["type"] == "plotly" for p in (live, delta))
+    assert [m["name"] for m in diagrams["methods"]] == ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
     results = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     nc = results["methods"]["Neural Clamping (FL)"]
     assert results["calibration"]["size"] == 300 and results["test"]["size"] == 1000

@@ -41,7 +41,7 @@ def open_app(browser, url: str, width: int, height: int, phone: bool = False):
     pg = context.new_page()
     pg.set_default_timeout(60_000)
     pg.goto(url)
-    pg.locator("#reliability-plot .js-plotly-plot:visible").first.wait_for()
+    pg.locator("#calibrate-diagrams svg").first.wait_for()
     return pg
 
 
@@ -80,7 +80,7 @@ def test_first_screen_shows_the_shipped_result(page):
     table = page.locator("#results-table")
     assert "pre-computed, shipped with the app" in table.inner_text()
     assert "Neural Clamping (FL)" in table.inner_text()
-    assert page.locator("#reliability-plot .js-plotly-plot .main-svg").count() > 0
+    assert page.locator("#calibrate-diagrams .nc-card svg").count() == 10  # two diagrams for each of 5 methods
     shot(page, "1-first-screen")
 
 
@@ -130,7 +130,7 @@ def test_a_live_calibration_run(page):
     table = page.locator("#results-table").inner_text()
     assert "your run of" in table and "Uncalibrated" in table and "Neural Clamping (FL)" in table
     assert page.locator("#live-plot .js-plotly-plot").count() == 1
-    assert page.locator("#reliability-plot .js-plotly-plot:visible").count() == 1  # a row, or a stack on a phone
+    assert page.locator("#calibrate-diagrams .nc-card").count() == 5  # the five methods ticked at first
     shot(page, "2-after-run")
 
 
@@ -157,9 +157,8 @@ def test_many_methods_titles_apart_and_live_colours_match_the_legend(page):
     shot(page, "2c-many-methods")
     for width in (1400, 1280, 390):
         page.set_viewport_size({"width": width, "height": 1000})
-        page.wait_for_timeout(800)  # plotly redraws on resize
-        titles = page.locator("#reliability-plot .js-plotly-plot:visible .annotation-text").all()
-        boxes = [t.bounding_box() for t in titles if not (t.text_content() or "").startswith("ECE")]
+        page.wait_for_timeout(800)  # the diagrams redraw at the new size
+        boxes = [t.bounding_box() for t in page.locator("#calibrate-diagrams .nc-card h3").all()]
         assert len(boxes) == 14
         for i, a in enumerate(boxes):
             assert not any(boxes_overlap(a, b) for b in boxes[i + 1:]), f"titles collide at {width} px"

@@ -1,12 +1,26 @@
 """The Calibrate tab as a person sees it at a desktop (1400 × 1000), a projector (1280 × 720) and a
-phone (390 × 844), in headless Chromium on the launched app: Run where one looks, figures and tables
-that stay readable, every download in view, one error message that the next run clears, and the live
-plot counting passes. Positions and sizes are read off the page; screenshots go to test-artifacts/."""
+phone (390 × 844), in headless Chromium on the launched app: Run where one looks, reliability diagrams
+drawn in the page (a row, or a stack on a phone) whose read-outs are the library's, whose whiskers are
+the bins' Wilson intervals and whose colours follow the theme, a clicked bar that shows its pictures,
+tables that stay readable, every download in view, one error message that the next run clears, and
+the live plot counting passes. Positions, sizes, colours and numbers are read off the page;
+screenshots go to test-artifacts/."""
 import re
 
+import numpy as np
 import pytest
-
+import torch
+from safetensors.torch import load_file
 from test_browser import ARTIFACTS, CHROMIUM, boxes_overlap, browser, open_panel, wait_for_status  # noqa: F401
+from test_learn_browser import _luminance as luminance
+from test_learn_browser import _rgb as rgb
+from test_learn_browser import contrast
+from test_open_bin_browser import sure
+
+from nctv import metrics
+from nctv.data import FASHION_MNIST_CLASSES
+from nctv.intervals import wilson_interval
+from nctv.ui import state
 
 pytestmark = pytest.mark.browser
 SIZES = [(1400, 1000, False), (1280, 720, False), (390, 844, True)]
@@ -18,20 +32,13 @@ WRAPPED_CELLS = """sel => [...document.querySelectorAll(sel + ' td, ' + sel + ' 
     return tops.size > 1; }).map(cell => cell.innerText)"""
 
 
-def open_at(browser, url: str, width: int, height: int, phone: bool):
+def open_at(browser, url: str, width: int, height: int, phone: bool, theme: str = ""):
     context = browser.new_context(viewport={"width": width, "height": height}, is_mobile=phone, has_touch=phone)
     pg = context.new_page()
     pg.set_default_timeout(60_000)
-    pg.goto(url)
-    pg.locator("#reliability-plot .js-plotly-plot:visible").first.wait_for()
-    pg.wait_for_timeout(500)  # plotly sizes the figure to its box
+    pg.goto(url + (f"?__theme={theme}" if theme else ""))
+    pg.locator("#calibrate-diagrams .nc-smooth svg").first.wait_for()
     return pg
-
-
-def visible_titles(page, box: str) -> list[dict]:
-    """Bounding boxes of the panel titles of the figure in ``box`` that is shown (the ECE labels aside)."""
-    titles = page.locator(f"{box} .js-plotly-plot:visible .annotation-text").all()
-    return [t.bounding_box() for t in titles if not (t.text_content() or "").startswith("ECE")]
 
 
 def assert_apart(boxes: list[dict], what: str) -> None:
@@ -39,8 +46,26 @@ def assert_apart(boxes: list[dict], what: str) -> None:
         assert not any(boxes_overlap(a, b) for b in boxes[i + 1:]), f"{what} overlap"
 
 
+@pytest.fixture(scope="module")
+def shipped():
+    """Per method of the shipped result: its test logits, read from the file itself (not through the app)."""
+    tensors = load_file(str(state.precomputed_dir() / "test_logits.safetensors"))
+    labels = tensors.pop("labels")
+    return {name: z.double() for name, z in tensors.items()}, labels
+
+
+#: Per card: the title's box, the boxes of its two diagrams and of every text in them, its read-outs.
+CARDS = """() => [...document.querySelectorAll('#calibrate-diagrams .nc-card')].map(card => {
+    const box = (e) => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; };
+    return {method: card.dataset.method, title: box(card.querySelector('h3')), titleText: card.querySelector('h3').innerText,
+            binned: box(card.querySelector('.nc-binned svg')), smooth: box(card.querySelector('.nc-smooth svg')),
+            texts: [...card.querySelectorAll('svg')].map(svg => [...svg.querySelectorAll('text')].map(box)),
+            reads: Object.fromEntries([...card.querySelectorAll('dd')].map(d => [d.dataset.metric, [Number(d.dataset.value), d.innerText]]))};
+})"""
+
+
 @pytest.mark.parametrize("width,height,phone", SIZES, ids=[f"{w}x{h}" for w, h, _ in SIZES])
-def test_first_screen_reads_at_every_size(browser, server, width, height, phone):  # noqa: F811
+def test_first_screen_reads_at_every_size(browser, server, shipped, width, height, phone):  # noqa: F811
     page = open_at(browser, server, width, height, phone)
     try:
         # Run, Stop and the status line within the first screen, above the method boxes.
@@ -49,17 +74,35 @@ def test_first_screen_reads_at_every_size(browser, server, width, height, phone)
         print(f"\n{width} × {height}: Run at y = {run['y']:.0f} px")
         assert run["y"] + run["height"] <= height and status["y"] < height
         assert run["y"] < page.get_by_text("Methods", exact=True).bounding_box()["y"]
-        # One reliability figure shown: a row on a wide screen, a stack on a phone; titles apart.
-        shown = page.locator("#reliability-plot .js-plotly-plot:visible")
-        assert shown.count() == 1
-        wanted = "#reliability-stack" if phone else "#reliability-row"
-        assert page.locator(f"{wanted} .js-plotly-plot").is_visible()
-        titles = visible_titles(page, "#reliability-plot")
-        assert len(titles) == 5
-        assert_apart(titles, f"reliability titles at {width} px")
-        ends = sorted(t["y"] + t["height"] for t in titles)  # titles of one row end on one line
-        rows = 1 + sum(b - a > 20 for a, b in zip(ends, ends[1:]))
-        assert rows == (5 if phone else 1)  # one panel per row when stacked, one row otherwise
+        # One card per method: a row on a wide screen, one above the other on a phone; titles on their
+        # own panels, nothing overlapping, every text inside its diagram.
+        cards = page.evaluate(CARDS)
+        logits, labels = shipped
+        assert [c["method"] for c in cards] == [c["titleText"] for c in cards]
+        assert sorted(c["method"] for c in cards) == sorted(logits)
+        tops = [c["title"]["y"] for c in cards]
+        if phone:
+            assert tops == sorted(tops) and len({round(c["title"]["x"]) for c in cards}) == 1
+        else:
+            assert max(tops) - min(tops) < 1 and [c["title"]["x"] for c in cards] == sorted(c["title"]["x"] for c in cards)
+        boxes = [b for c in cards for b in (c["title"], c["binned"], c["smooth"])]
+        assert_apart(boxes, f"titles and diagrams at {width} px")
+        for c in cards:
+            assert c["title"]["y"] + c["title"]["height"] <= c["binned"]["y"] <= c["smooth"]["y"]
+            assert c["binned"]["width"] >= (300 if phone else 120)
+            for svg, texts in zip((c["binned"], c["smooth"]), c["texts"], strict=True):
+                assert len(texts) >= 10
+                assert_apart(texts, f"texts of {c['method']} at {width} px")
+                for t in texts:
+                    assert svg["x"] - 0.5 <= t["x"] and t["x"] + t["width"] <= svg["x"] + svg["width"] + 0.5
+            # The read-outs are the library's, computed here from the shipped logits file.
+            z = logits[c["method"]]
+            for metric, want in (("ece", metrics.ece(z, labels, 15)), ("smooth_ece", metrics.smooth_ece(z, labels)),
+                                 ("accuracy", metrics.accuracy(z, labels))):
+                got, text = c["reads"][metric]
+                assert got == pytest.approx(want, abs=1e-9) and text == f"{100 * want:.2f}%", (c["method"], metric)
+        # On a wide screen the row fits: no sideways scrolling of the diagrams.
+        assert page.evaluate("(e => e.scrollWidth <= e.clientWidth)(document.querySelector('#calibrate-diagrams'))")
         # The results table: no number broken over two lines; it scrolls sideways instead.
         assert page.evaluate(WRAPPED_CELLS, "#results-table") == []
         cells = [c.bounding_box() for c in page.locator("#results-table td").all()]
@@ -78,13 +121,130 @@ def test_first_screen_reads_at_every_size(browser, server, width, height, phone)
         assert "calibrators" in names[0].inner_text()
         print(f"{width} × {height}: download box {box['height']:.0f} px for {len(names)} files")
         page.screenshot(path=str(ARTIFACTS / f"calibrate-{width}.png"), full_page=width == 1400)
-        if phone:
-            page.locator("#reliability-stack").screenshot(path=str(ARTIFACTS / "calibrate-390-diagrams.png"))
+        page.locator("#calibrate-view").screenshot(path=str(ARTIFACTS / f"calibrate-{width}-diagrams.png"))
         # The study tabs: their Run button too within the first screen, above their settings.
         for tab, button in (("γ sweep", "Run γ sweep"), ("Initialisation", "Run initialisation study")):
             page.get_by_role("tab", name=tab).click()
             run = page.get_by_role("button", name=button).bounding_box()
             assert run["y"] + run["height"] <= height, f"{button} at y = {run['y']:.0f} px"
+    finally:
+        page.context.close()
+
+
+#: Per binned diagram: its frame (the first .nd-frame: the [0, 1] square) and every whisker line.
+WHISKERS = """() => [...document.querySelectorAll('#calibrate-diagrams .nc-binned svg')].map(svg => {
+    const frame = svg.querySelector('.nd-frame');
+    return {method: svg.closest('.nc-card').dataset.method, top: Number(frame.getAttribute('y')), height: Number(frame.getAttribute('height')),
+            lines: [...svg.querySelectorAll('line.nd-whisker')].map(l => ['x1', 'y1', 'x2', 'y2'].map(a => Number(l.getAttribute(a))))};
+})"""
+
+
+def test_whiskers_are_the_wilson_intervals_of_the_bins(browser, server, shipped):  # noqa: F811
+    """Each non-empty bin carries a whisker from the low to the high end of the 95 % Wilson interval of
+    its accuracy, computed here from the shipped logits (read back in the diagram's own units)."""
+    page = open_at(browser, server, 1400, 1000, False)
+    try:
+        logits, labels = shipped
+        drawn = {d["method"]: d for d in page.evaluate(WHISKERS)}
+        assert sorted(drawn) == sorted(logits)
+        for name, z in logits.items():
+            d = drawn[name]
+            bins = metrics.reliability_bins(z, labels, 15)
+            low, high = wilson_interval(np.round(bins.accuracy * bins.counts), bins.counts)
+            filled = np.flatnonzero(bins.counts > 0)
+            stems = [ln for ln in d["lines"] if ln[0] == ln[2]]  # vertical: the whiskers' stems
+            assert len(stems) == len(filled) and len(d["lines"]) == 3 * len(filled), name
+            share = lambda py: 1 - (py - d["top"]) / d["height"]  # noqa: E731
+            for (_, y1, _, y2), k in zip(sorted(stems), filled, strict=True):
+                # Coordinates are written to 0.1 px (the frame too).
+                assert share(y1) == pytest.approx(low[k], abs=0.15 / d["height"]), (name, k)
+                assert share(y2) == pytest.approx(high[k], abs=0.15 / d["height"]), (name, k)
+        # Each smoothed diagram carries its band from the server's resamples.
+        labels = page.locator("#calibrate-diagrams .nc-smooth svg").evaluate_all(
+            "svgs => svgs.map(s => [s.getAttribute('aria-label'), s.querySelectorAll('path.nd-band').length])")
+        assert len(labels) == len(logits)
+        assert all("95% band of 200 resamples" in label and bands == 1 for label, bands in labels)
+    finally:
+        page.context.close()
+
+
+STYLE = """() => {
+    const st = (e) => getComputedStyle(e);
+    const bg = st(document.querySelector('.nc')).backgroundColor;
+    const plotBg = st(document.querySelector('#calibrate-diagrams .nd-plot')).backgroundColor;
+    const texts = [...document.querySelectorAll('#calibrate-diagrams svg text:not(.nd-on-bar), #calibrate-diagrams h3, #calibrate-diagrams dd, #calibrate-diagrams dt, .nc-lead, .nc-legend span')]
+        .map(e => e.tagName.toLowerCase() === 'text' ? st(e).fill : st(e).color);
+    const bars = st(document.querySelector('#calibrate-diagrams .nd-acc')).fill;
+    const curve = st(document.querySelector('#calibrate-diagrams .nd-curve')).stroke;
+    return {bg, plotBg, texts, bars, curve};
+}"""
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_diagrams_follow_the_theme(browser, server, theme):  # noqa: F811
+    page = open_at(browser, server, 1280, 720, False, theme)
+    try:
+        assert page.evaluate("document.body.classList.contains('dark')") == (theme == "dark")
+        s = page.evaluate(STYLE)
+        lum = luminance(rgb(s["plotBg"]))
+        assert (lum < 0.05) if theme == "dark" else (lum > 0.9)
+        assert luminance(rgb(s["bg"])) == pytest.approx(lum, abs=0.02)
+        assert len(s["texts"]) > 100
+        for fill in s["texts"]:
+            assert contrast(fill, s["plotBg"]) >= 4.5, (fill, s["plotBg"])
+        assert contrast(s["bars"], s["plotBg"]) >= 3 and contrast(s["curve"], s["plotBg"]) >= 3
+        page.locator("#calibrate-view").screenshot(path=str(ARTIFACTS / f"calibrate-{theme}-1280.png"))
+    finally:
+        page.context.close()
+
+
+def group_items(page) -> list[dict]:
+    return page.evaluate("""() => [...document.querySelectorAll('#calibrate-bin-list li')].map(li => ({
+        row: Number(li.dataset.row), wrong: li.classList.contains('nd-pic--wrong'),
+        text: [...li.querySelectorAll('dt, dd')].map(e => e.textContent)}))""")
+
+
+@pytest.mark.parametrize("width,height,phone", [(1400, 1000, False), (390, 844, True)], ids=["1400", "390"])
+def test_a_clicked_bar_shows_the_pictures_of_its_group(browser, server, shipped, width, height, phone):  # noqa: F811
+    """Group 12 of 15 of temperature scaling (confidence 80–86.7 %): the panel says how many pictures
+    (numpy's count on the shipped logits) and lists them with a confidence after calibration inside
+    the group's range and the uncalibrated one beside it."""
+    logits, labels = shipped
+    z, z0 = logits["Temperature Scaling"], logits["Uncalibrated"]
+    conf = torch.softmax(z, 1).max(1).values.numpy()
+    conf0 = torch.softmax(z0, 1).max(1).values.numpy()
+    members = np.flatnonzero((conf > 12 / 15) & (conf <= 13 / 15))
+    page = open_at(browser, server, width, height, phone)
+    try:
+        bar = page.locator('.nc-card[data-method="Temperature Scaling"] .nd-hit[data-bin="12"]')
+        bar.scroll_into_view_if_needed()
+        bar.tap() if phone else bar.click()
+        page.wait_for_function("document.querySelectorAll('#calibrate-bin-list li').length > 0")
+        assert int(page.locator("#calibrate-bin").get_attribute("data-count")) == len(members)
+        assert page.locator("#calibrate-bin-title").inner_text().startswith(
+            f"Temperature Scaling, confidence 80–86.7%: {len(members):,} pictures")
+        items = group_items(page)
+        assert len(items) == min(24, len(members))
+        assert [i["wrong"] for i in items] == sorted((i["wrong"] for i in items), reverse=True)
+        for item in items:
+            assert item["row"] in set(members.tolist())
+            words = dict(zip(item["text"][1::2], item["text"][2::2]))
+            after = float(words["Temperature Scaling"].rstrip("%"))
+            assert 80 - 0.005 <= after <= 100 * 13 / 15 + 0.005
+            assert after == pytest.approx(100 * conf[item["row"]], abs=0.006)
+            assert words["Uncalibrated"] == sure(conf0[item["row"]]) and conf0[item["row"]] > conf[item["row"]]
+            assert words["True"] == FASHION_MNIST_CLASSES[int(labels[item["row"]])]
+        if phone:
+            assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        page.locator("#calibrate-bin").screenshot(path=str(ARTIFACTS / f"calibrate-open-bin-{width}.png"))
+        # Escape closes the group; another method's bar opens its own.
+        page.keyboard.press("Escape")
+        assert page.locator("#calibrate-bin").is_hidden()
+        other = page.locator('.nc-card[data-method="Neural Clamping (FL)"] .nd-hit[data-bin="14"]')
+        other.focus()
+        other.press("Enter")
+        page.wait_for_function("document.querySelector('#calibrate-bin-note').innerText.startsWith('Wrong')")
+        assert page.locator("#calibrate-bin").get_attribute("data-method") == "Neural Clamping (FL)"
     finally:
         page.context.close()
 
@@ -128,5 +288,12 @@ def test_one_error_beside_run_then_cleared_and_the_live_plot_counts_passes(brows
         assert xs == sorted(xs) and xs[-1] == pytest.approx(passes, abs=0.05)
         assert len(xs) > 3 and xs != list(range(len(xs)))  # passes, not a count of points
         page.screenshot(path=str(ARTIFACTS / "calibrate-after-run.png"), full_page=True)
+        # The run's own diagrams open groups of the run's own 1,000 test pictures.
+        bar = page.locator('.nc-card[data-method="Temperature Scaling"] .nd-hit').last
+        bar.click()
+        page.wait_for_function("document.querySelector('#calibrate-bin-note').innerText.startsWith('Wrong')")
+        count = int(page.locator("#calibrate-bin").get_attribute("data-count"))
+        rows = page.locator("#calibrate-bin-list li").evaluate_all("items => items.map(li => Number(li.dataset.row))")
+        assert len(rows) == min(24, count) and all(0 <= r < 1000 for r in rows)
     finally:
         page.context.close()

@@ -92,6 +92,26 @@ def test_readouts_equal_the_library_metrics(page, shipped):
     assert f"{100 * metrics.ece(z / 2.345, y, 15):.2f}%" in page.locator("#learn-text").inner_text()
 
 
+def test_smooth_ece_equals_the_library(page, shipped):
+    """The page's smooth ECE, its bandwidth and, once T settles, its band of resamples: the read-out
+    equals nctv.metrics.smooth_ece to 1e-6 at several T, the bandwidth that of smooth_reliability."""
+    z, y = shipped
+    for t in (0.3, 1.0, 1.75, 3.61, 5.0):
+        set_range(page, "#learn-t", t)
+        page.wait_for_function(f"Number(document.querySelector('.nl').dataset.smoothTemperature) === {t}")
+        read = page.locator("#learn-smooth-ece")
+        want = metrics.smooth_ece(z / t, y)
+        assert float(read.get_attribute("data-value")) == pytest.approx(want, abs=1e-6), t
+        assert read.inner_text() == f"{100 * want:.2f}%"
+        label = page.locator("#learn-smooth svg").get_attribute("aria-label")
+        assert f"T = {t:.2f}" in label and f"bandwidth {metrics.smooth_reliability(z / t, y).bandwidth:.3f}" in label
+    # Released at T = 5: the band of the page's resamples follows, drawn around the curve.
+    page.locator("#learn-t").dispatch_event("change")
+    page.wait_for_function("Number(document.querySelector('.nl').dataset.bandTemperature) === 5")
+    assert "95% band of 100 resamples" in page.locator("#learn-smooth svg").get_attribute("aria-label")
+    assert page.locator("#learn-smooth svg path.nd-band").count() == 1
+
+
 def test_dragging_redraws_in_the_page_without_a_request(page):
     """20 moves of a mouse drag: each redraws the diagram, none sends a request; the median time from
     the input event to the updated page is recorded (bench/browser.py reports it too)."""
@@ -190,10 +210,10 @@ STYLES = """() => {
     const st = (e) => getComputedStyle(e);
     const bg = st(document.querySelector('.nl')).backgroundColor;
     const plotBg = st(document.querySelector('#learn-plot')).backgroundColor;
-    const texts = [...document.querySelectorAll('#learn-plot svg text:not(.nl-on-bar)')]
+    const texts = [...document.querySelectorAll('.nl-figs svg text:not(.nd-on-bar)')]
         .map(e => [st(e).fontSize, st(e).fill]);
-    const onBar = [...document.querySelectorAll('#learn-plot svg text.nl-on-bar')]
-        .map(e => [st(e).fontSize, st(e).fill, st(document.querySelector('#learn-plot .nl-hist')).fill]);
+    const onBar = [...document.querySelectorAll('#learn-plot svg text.nd-on-bar')]
+        .map(e => [st(e).fontSize, st(e).fill, st(document.querySelector('#learn-plot .nd-hist')).fill]);
     const labels = ['.nl-ends span', '#learn-ece', '#learn-lead', '#learn-message', '.nl-read dt']
         .map(s => document.querySelector(s)).map(e => [st(e).fontSize, st(e).color]);
     return {bg, plotBg, texts, onBar, labels, ece: st(document.querySelector('#learn-ece')).fontSize};
@@ -207,18 +227,20 @@ def test_presenter_mode_fills_a_projector_in_large_type(browser, server):  # noq
         pg.wait_for_function("document.querySelector('.nl').dataset.presenter === 'on'")
         pg.wait_for_timeout(300)  # the diagram redraws at its new size
         s = pg.evaluate(STYLES)
-        assert len(s["texts"]) > 15
+        assert len(s["texts"]) > 30  # both diagrams
         for size, fill in s["texts"]:
             assert float(size[:-2]) >= 20 and contrast(fill, s["plotBg"]) >= 4.5, (size, fill, s["plotBg"])
-        assert s["onBar"]  # the crowded top group's share, written on its bar
         for size, fill, bar in s["onBar"]:
             assert float(size[:-2]) >= 20 and contrast(fill, bar) >= 4.5, (size, fill, bar)
         assert float(s["ece"][:-2]) >= 28
         for size, color in s["labels"]:
             assert float(size[:-2]) >= 20 and contrast(color, s["bg"]) >= 4.5, (size, color)
-        plot, controls = pg.locator("#learn-plot").bounding_box(), pg.locator(".nl-controls").bounding_box()
+        # The two diagrams side by side fill the screen beside the controls.
+        plot, controls = pg.locator(".nl-figs").bounding_box(), pg.locator(".nl-controls").bounding_box()
         assert plot["width"] >= 0.6 * 1280 and controls["x"] + controls["width"] <= plot["x"]
         assert plot["y"] >= 0 and plot["y"] + plot["height"] <= 720 and plot["x"] + plot["width"] <= 1280
+        binned, smooth = (pg.locator(f"{sel} svg").bounding_box() for sel in ("#learn-plot", "#learn-smooth"))
+        assert binned["x"] + binned["width"] <= smooth["x"] and abs(binned["y"] - smooth["y"]) < 1
         svg = pg.locator("#learn-plot svg").bounding_box()
         assert svg["height"] >= 0.85 * 720
         save_small(pg.screenshot(), "learn-presenter-1280x720.png")
@@ -232,7 +254,7 @@ def test_presenter_mode_fills_a_projector_in_large_type(browser, server):  # noq
 def test_projector_without_presenter_mode_shows_diagram_and_controls(browser, server):  # noqa: F811
     pg = open_learn(browser, server, 1280, 720)
     try:
-        plot, controls = pg.locator("#learn-plot").bounding_box(), pg.locator(".nl-controls").bounding_box()
+        plot, controls = pg.locator(".nl-figs").bounding_box(), pg.locator(".nl-controls").bounding_box()
         assert plot["y"] + plot["height"] <= 720 and pg.evaluate("window.scrollY") == 0
         assert controls["x"] + controls["width"] <= plot["x"]
         s = pg.evaluate(STYLES)
@@ -254,7 +276,7 @@ def test_dark_theme_darkens_the_plot(browser, server):  # noqa: F811
             assert contrast(fill, s["plotBg"]) >= 4.5
         for _, fill, bar in s["onBar"]:
             assert contrast(fill, bar) >= 4.5
-        bar = pg.evaluate("getComputedStyle(document.querySelector('#learn-plot .nl-acc')).fill")
+        bar = pg.evaluate("getComputedStyle(document.querySelector('#learn-plot .nd-acc')).fill")
         assert contrast(bar, s["plotBg"]) >= 3  # the bars stand out from the dark background
         pg.screenshot(path=str(ARTIFACTS / "learn-dark-1400x1000.png"), full_page=True)
     finally:
@@ -274,19 +296,29 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
         boxes = pg.evaluate("""() => {
             const box = (e) => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; };
             const controls = [...document.querySelectorAll('.nl-controls > *')].map(box);
-            const texts = [...document.querySelectorAll('#learn-plot svg text')].map(box);
-            return {controls, texts, plot: box(document.querySelector('#learn-plot')), width: document.documentElement.clientWidth};
+            const texts = (sel) => [...document.querySelectorAll(sel + ' svg text')].map(box);
+            return {controls, texts: [texts('#learn-plot'), texts('#learn-smooth')],
+                    plots: ['#learn-plot', '#learn-smooth'].map(s => box(document.querySelector(s))),
+                    width: document.documentElement.clientWidth};
         }""")
-        parts = boxes["controls"] + [boxes["plot"]]
+        parts = boxes["controls"] + boxes["plots"]
         for i, a in enumerate(parts):
             assert a["x"] >= 0 and a["x"] + a["width"] <= boxes["width"] + 0.5, a
             for b in parts[i + 1:]:
                 assert not _overlaps(a, b), (a, b)
-        texts = boxes["texts"]
-        for i, a in enumerate(texts):
-            assert a["x"] >= boxes["plot"]["x"] - 0.5 and a["x"] + a["width"] <= boxes["plot"]["x"] + boxes["plot"]["width"] + 0.5
-            for b in texts[i + 1:]:
-                assert not _overlaps(a, b), (a, b)
+        for plot, texts in zip(boxes["plots"], boxes["texts"], strict=True):
+            assert len(texts) > 10
+            for i, a in enumerate(texts):
+                assert a["x"] >= plot["x"] - 0.5 and a["x"] + a["width"] <= plot["x"] + plot["width"] + 0.5
+                for b in texts[i + 1:]:
+                    assert not _overlaps(a, b), (a, b)
+        # The table of the settled T scrolls sideways rather than break a number over two lines.
+        pg.wait_for_function("document.querySelectorAll('#learn-table td').length > 0")
+        wrapped = pg.evaluate("""() => [...document.querySelectorAll('#learn-table td, #learn-table th')].filter(c => {
+            const r = document.createRange(); r.selectNodeContents(c);
+            return new Set([...r.getClientRects()].filter(b => b.width > 0).map(b => Math.round(b.top))).size > 1;
+        }).map(c => c.innerText)""")
+        assert wrapped == []
         save_small(pg.locator("#learn-view").screenshot(), "learn-phone-390x844.png")
     finally:
         pg.context.close()
@@ -295,11 +327,13 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
 def test_wide_screen_labels_stay_apart(page):
     set_range(page, "#learn-bins", learn.APP_BINS)
     set_range(page, "#learn-t", 1.0)
-    texts = page.evaluate("""() => [...document.querySelectorAll('#learn-plot svg text')].map(e => {
-        const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; })""")
-    for i, a in enumerate(texts):
-        for b in texts[i + 1:]:
-            assert not _overlaps(a, b), (a, b)
+    for plot in ("#learn-plot", "#learn-smooth"):
+        texts = page.evaluate("""sel => [...document.querySelectorAll(sel + ' svg text')].map(e => {
+            const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width, height: r.height}; })""", plot)
+        assert len(texts) > 10
+        for i, a in enumerate(texts):
+            for b in texts[i + 1:]:
+                assert not _overlaps(a, b), (a, b)
     page.evaluate("document.activeElement.blur()")
     save_small(page.locator("#learn-view").screenshot(), "learn-1400x1000.png")
 

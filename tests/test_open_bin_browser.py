@@ -43,7 +43,7 @@ def top_group():
 
 def items(page) -> list[dict]:
     return page.evaluate("""() => [...document.querySelectorAll('#learn-bin-list li')].map(li => ({
-        row: Number(li.dataset.row), wrong: li.classList.contains('nl-pic--wrong'),
+        row: Number(li.dataset.row), wrong: li.classList.contains('nd-pic--wrong'),
         text: [...li.querySelectorAll('dt, dd')].map(e => e.textContent),
         src: li.querySelector('img').src, width: li.querySelector('img').naturalWidth,
         rendering: getComputedStyle(li.querySelector('img')).imageRendering}))""")
@@ -63,7 +63,7 @@ def test_top_group_opens_with_its_count_accuracy_and_wrong_pictures_first(browse
     pg = open_learn(browser, server, 1400, 1000)
     try:
         assert pg.locator(".nl").get_attribute("data-bins") == str(BINS)
-        pg.locator(f'.nl-hit[data-bin="{g["bin"]}"]').click()
+        pg.locator(f'#learn-plot .nd-hit[data-bin="{g["bin"]}"]').click()
         wait_for_pictures(pg)
         panel = pg.locator("#learn-bin")
         count, accuracy = len(g["rows"]), float(g["right"][g["rows"]].mean())
@@ -118,7 +118,7 @@ def test_keyboard_opens_a_group_and_escape_closes_it(browser, server, top_group)
         # Focus goes back to the bar that opened the group.
         assert pg.evaluate("document.activeElement.dataset.bin") == str(top_group["bin"])
         # Two bars clicked in quick succession: the panel ends with the second's pictures.
-        pg.evaluate("""() => { for (const b of [13, 14]) document.querySelector(`.nl-hit[data-bin="${b}"]`)
+        pg.evaluate("""() => { for (const b of [13, 14]) document.querySelector(`#learn-plot .nd-hit[data-bin="${b}"]`)
             .dispatchEvent(new MouseEvent('click', {bubbles: true})); }""")
         wait_for_pictures(pg)
         pg.wait_for_function("document.querySelector('#learn-bin-note').innerText.startsWith('Wrong predictions')")
@@ -129,7 +129,7 @@ def test_keyboard_opens_a_group_and_escape_closes_it(browser, server, top_group)
         box = pg.locator("#learn-t-box")
         box.fill("2")
         box.press("Enter")
-        pg.locator('.nl-hit[data-bin="9"]').click()
+        pg.locator('#learn-plot .nd-hit[data-bin="9"]').click()
         wait_for_pictures(pg)
         s = items(pg)[0]
         assert s["text"][5] == "T = 1" and s["text"][7] == "T = 2.00"
@@ -150,7 +150,7 @@ def test_phone_panel_stacks_under_the_diagram_without_overflow(browser, server, 
     try:
         pg.get_by_role("tab", name="Learn").click()
         pg.wait_for_selector("#learn-plot svg")
-        pg.locator(f'.nl-hit[data-bin="{top_group["bin"]}"]').tap()
+        pg.locator(f'#learn-plot .nd-hit[data-bin="{top_group["bin"]}"]').tap()
         wait_for_pictures(pg)
         boxes = pg.evaluate("""() => {
             const box = (e) => { const r = e.getBoundingClientRect();
@@ -179,7 +179,7 @@ def test_presenter_mode_shows_the_group_in_large_type(browser, server, top_group
     try:
         pg.click("#learn-presenter")
         pg.wait_for_function("document.querySelector('.nl').dataset.presenter === 'on'")
-        pg.locator(f'.nl-hit[data-bin="{top_group["bin"]}"]').click()
+        pg.locator(f'#learn-plot .nd-hit[data-bin="{top_group["bin"]}"]').click()
         wait_for_pictures(pg)
         sizes = pg.evaluate("""() => [...document.querySelectorAll('#learn-bin-title, #learn-bin-note, #learn-bin dd')]
             .map(e => parseFloat(getComputedStyle(e).fontSize))""")

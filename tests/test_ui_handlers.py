@@ -210,18 +210,17 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     outs = list(cal_tab.calibrate(*SHARED, ["Temperature Scaling", "Neural Clamping (FL)"], "1", "auto", "random",
                                   "fast", 100))
     assert len(outs) >= 2 and all(len(o) == len(cal_tab.OUTPUTS) for o in outs)
-    status, panel, live, table, diagrams, stacked, params, delta, files, calibration = outs[-1]
+    status, panel, live, table, diagrams, params, delta, files, calibration, shown = outs[-1]
     assert status.startswith("**Done**") and "| Neural Clamping (FL) |" in table and "| Uncalibrated |" in table
     # 300 images for a δ of 784 values: the library's small-split warning reaches the page.
     assert "⚠ Neural Clamping: 300 calibration images for a δ of 784 values" in status
     assert panel["visible"] is True and len(live.data) == 2  # loss and T of one NC fit
-    assert diagrams.layout.title.text is None and delta is not None  # the box's label names it
-    # In a row on a wide screen, one above the other on a phone, each panel under its own title.
-    titles = [a for a in stacked.layout.annotations if a.name == "panel-title"]
-    assert [t.text for t in titles] == ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
-    tops = [stacked.get_subplot(2 * r + 1, 1).yaxis.domain for r in range(3)]
-    assert all(t.y == pytest.approx(top[1]) for t, top in zip(titles, tops)) and tops == sorted(tops, reverse=True)
-    assert len({diagrams.get_subplot(1, c).yaxis.domain for c in (1, 2, 3)}) == 1  # one row
+    assert delta is not None
+    # The diagrams' numbers, one entry per method in the run's order, for the page to draw.
+    assert [m["name"] for m in diagrams["methods"]] == ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
+    assert diagrams["bins"] == 15 and diagrams["n"] == 1000
+    assert all(sum(m["counts"]) == 1000 for m in diagrams["methods"])
+    assert shown.split == SMALL and set(shown.confidence) == {m["name"] for m in diagrams["methods"]}
     # Running: the status says which step runs and, once it can, the time it still needs.
     running = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
     assert running and all(r.startswith("**Running** — ") for r in running)
@@ -1045,10 +1044,9 @@ def test_shipped_result_matches_the_shipped_model(default_model):
 
 
 def test_first_screen_is_the_shipped_result():
-    status, table, diagrams, stacked, params, delta, files = cal_tab.precomputed_view()
+    status, table, diagrams, params, delta, files = cal_tab.precomputed_view()
     assert state.PRECOMPUTED_LABEL in status and state.PRECOMPUTED_LABEL in table
-    assert "| Neural Clamping (FL) |" in table and len(diagrams.data) > 0 and delta is not None
-    assert len(stacked.data) == len(diagrams.data)  # the same diagrams, stacked for a phone
+    assert "| Neural Clamping (FL) |" in table and len(diagrams["methods"]) == 5 and delta is not None
     assert Path(files[0]).name == "calibrators.zip"
     # The parameters say in words how large δ is: its largest change in 0–255 levels, from the
     # shipped δ and the model's normalisation (x = (p / 255 − mean) / std, so Δp = 255 · std · δ).

@@ -52,20 +52,15 @@ INTRO = f"""## {TITLE}
 **Calibration** makes a classifier's confidence match how often it is right. Compare **Neural Clamping**
 (Tang, Chen & Ho, TMLR 2024: a learned input perturbation δ plus a temperature T on a frozen model) with
 temperature scaling and the other post-hoc methods. The first tab opens on a pre-computed result."""
-#: Width below which the page is laid out for a phone (one column; diagrams stacked).
+#: Width below which the page is laid out for a phone (one column).
 PHONE_WIDTH = 640
 #: Page styles. The Run bar (Run, Stop, status) stays in view on a wide screen while the settings
-#: below it scroll. Reliability diagrams come twice: in rows on a wide screen, stacked on a phone;
-#: the row, and the study figures, keep a readable width and scroll sideways where they do not fit.
-#: Result tables scroll sideways rather than break a number over two lines.
+#: below it scroll. The study figures keep a readable width and scroll sideways where they do not
+#: fit. Result tables scroll sideways rather than break a number over two lines.
 APP_CSS = f"""
-#learn-plot, #reliability-row, #gamma-plot, #init-plot {{ overflow-x: auto; }}
-#reliability-row .js-plotly-plot, #gamma-plot .js-plotly-plot, #init-plot .js-plotly-plot {{
-  min-width: {MIN_PLOT_WIDTH}px;
-}}
-@media (max-width: {PHONE_WIDTH}px) {{ #reliability-row {{ display: none !important; }} }}
+#gamma-plot, #init-plot {{ overflow-x: auto; }}
+#gamma-plot .js-plotly-plot, #init-plot .js-plotly-plot {{ min-width: {MIN_PLOT_WIDTH}px; }}
 @media (min-width: {PHONE_WIDTH + 1}px) {{
-  #reliability-stack {{ display: none !important; }}
   .run-bar {{ position: sticky; top: 0; z-index: 20; background: var(--background-fill-primary); }}
 }}
 .run-bar .prose {{ min-height: 0; }}
@@ -281,7 +276,9 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
 
 
 def _calibrate_tab(shared: Shared, state: gr.State):
-    status0, table0, diagrams0, stacked0, params0, delta0, files0 = cal_tab.precomputed_view()
+    status0, table0, diagrams0, params0, delta0, files0 = cal_tab.precomputed_view()
+    # What an opened group of the diagrams needs of this visitor's latest run (None: the shipped one).
+    shown = gr.State(None, time_to_live=CALIBRATION_TTL_S)
     with gr.Row():
         with gr.Column(scale=1, min_width=300):
             run, stop, status = _run_bar("Run calibration", "calibrate-status", status0)
@@ -294,11 +291,8 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             with gr.Column(visible=False) as live_panel:
                 live = gr.Plot(label="Neural Clamping as it trains: loss and T", elem_id="live-plot")
             table = gr.Markdown(table0, elem_id="results-table", elem_classes="result-table")
-            with gr.Column(elem_id="reliability-plot"):
-                diagrams = gr.Plot(fit_width(diagrams0), label="Reliability diagrams (test split)",
-                                   elem_id="reliability-row")
-                stacked = gr.Plot(fit_width(stacked0), label="Reliability diagrams (test split)",
-                                  elem_id="reliability-stack")
+            # Drawn in the page from the numbers the server computes once per result.
+            diagrams = cal_tab.diagram_view(diagrams0)
             with gr.Row():  # side by side where both fit, else one above the other
                 with gr.Column(min_width=320):
                     params = gr.Markdown(params0)
@@ -309,7 +303,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                                           "figures, δ)", file_count="multiple", interactive=False,
                             elem_id="calibrate-files")
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"]]
-    outputs = [status, live_panel, live, table, diagrams, stacked, params, delta, files, state]
+    outputs = [status, live_panel, live, table, diagrams, params, delta, files, state, shown]
     # The status line's own text is the progress (step, time left) and, after a failure, the error:
     # Gradio's progress and error marks go on it alone and are hidden there (APP_CSS), since they
     # would cover that text. The result below stays in view until the new one replaces it.
@@ -317,6 +311,10 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                       concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
+    # A clicked bar: the pictures of that group go to the view's "bin" property. Every click counts;
+    # the page keeps the answer to its latest request only.
+    diagrams.open_bin(cal_tab.open_group, [shown], [diagrams], show_progress="hidden", trigger_mode="multiple",
+                      concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
     return event
 
 
@@ -412,7 +410,7 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
     # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
     # after each calibration run, never with a move.
     view = learn_tab.page_view()
-    table = gr.Markdown(table0, elem_id="learn-table")
+    table = gr.Markdown(table0, elem_id="learn-table", elem_classes="result-table")
     text = gr.Markdown(text0, elem_id="learn-text")
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
         gr.Markdown(learn_tab.PAPER_TABLE)

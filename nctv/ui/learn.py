@@ -1,5 +1,5 @@
-"""The Learn tab: move a temperature and watch the reliability diagram, ECE, accuracy and mean
-confidence follow. The page computes those itself (``static/learn.js``) from the test logits that
+"""The Learn tab: move a temperature and watch the reliability diagram, its smoothed twin, ECE, smooth
+ECE, accuracy and mean confidence follow. The page computes those itself (``static/learn.js``) from the test logits that
 :func:`page_data` sends once per calibration; the server writes the table and the explanations, with
 the numbers of the model in use, once T settles; the paper's headline results for reference."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from nctv import metrics, report
 from nctv.ui.common import parse_whole, user_errors
-from nctv.ui.state import APP_BINS, Calibration, get_splits, load_precomputed, test_logits_of
+from nctv.ui.state import APP_BINS, Calibration, SplitSpec, get_splits, load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
 BINS_MIN, BINS_MAX = 5, 50
@@ -62,6 +62,11 @@ def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], c
         "the predictions. In the diagram the blue bars are the accuracies, the shaded bars reach from there to "
         "each bin's mean confidence: the gaps. "
         f"At T = {t:.2f} it is **{100 * now['ece']:.2f}%** (0% is perfect).",
+        "**Smooth ECE** needs no bins: each prediction's gap (confidence minus right or wrong) is averaged with "
+        "those of its neighbours in confidence through a Gaussian kernel whose width the data choose, and the "
+        "average size of the smoothed gap is the smooth ECE (Błasiok & Nakkiran, 2024). The curve beside the "
+        "bars is that smoothed share correct; once T settles, the shaded band around it is its 95% interval "
+        "from 100 resamples of the test pictures.",
         "**AECE** (adaptive ECE): the same formula, but every bin holds the same number of predictions (about "
         f"{per_bin:,.0f} here), so the crowded high-confidence range is examined in more detail. At T = {t:.2f}: "
         f"**{100 * now['aece']:.2f}%**.",
@@ -207,25 +212,35 @@ def _thumbnail(image) -> tuple[str, bool]:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii"), small
 
 
+def pictures(spec: SplitSpec, rows: list[int], labels: Any, before: tuple[Any, Any], after: tuple[Any, Any]) -> list[dict]:
+    """The pictures of the test rows ``rows`` of ``spec``'s test split with their true label (``labels``
+    of the whole split), the model's prediction (class names) and its confidence before and after
+    calibration: ``before`` and ``after`` are (top-label confidence, predicted class) of the asked rows,
+    in their order. A picture is right when the calibrated prediction is."""
+    split = get_splits(spec)[1]
+    names = split.class_names
+    out = []
+    for i, row in enumerate(rows):
+        src, small = _thumbnail(split.image(row))
+        label, first, then = int(labels[row]), int(before[1][i]), int(after[1][i])
+        out.append({"row": row, "src": src, "small": small, "label": names[label], "prediction": names[first],
+                    "prediction_after": names[then], "right": label == then,
+                    "confidence_before": float(before[0][i]), "confidence_after": float(after[0][i])})
+    return out
+
+
 def bin_pictures(rows: Any, temperature: Any, state: Calibration | None) -> list[dict]:
-    """The pictures of the test rows ``rows`` with their true label, the model's prediction (class
-    names) and its confidence at T = 1 and at ``temperature``, in the order asked."""
+    """The pictures of the test rows ``rows`` (see :func:`pictures`), before calibration (T = 1) and
+    at ``temperature``, in the order asked."""
     t, _ = _checked(temperature, APP_BINS)
     z, y, _ = test_logits_of(state)
     rows = checked_rows(rows, int(z.shape[0]))
     spec = state.split if state is not None and state.split is not None else load_precomputed().split
-    split = get_splits(spec)[1]
-    names = split.class_names
     z = z[rows].double()
     conf1, pred = torch.softmax(z, dim=1).max(dim=1)
-    conf_t = torch.softmax(z / t, dim=1).max(dim=1).values
-    out = []
-    for i, row in enumerate(rows):
-        src, small = _thumbnail(split.image(row))
-        label, p = int(y[row]), int(pred[i])
-        out.append({"row": row, "src": src, "small": small, "label": names[label], "prediction": names[p],
-                    "right": label == p, "confidence_1": float(conf1[i]), "confidence_t": float(conf_t[i])})
-    return out
+    # Dividing by T never changes the predicted class.
+    return pictures(spec, rows, y, (conf1.numpy(), pred.numpy()),
+                    (torch.softmax(z / t, dim=1).max(dim=1).values.numpy(), pred.numpy()))
 
 
 @user_errors
@@ -242,12 +257,21 @@ def open_bin(state: Calibration | None, evt: gr.EventData) -> dict:
     return gr.update(bin=answer)
 
 
+def _static(name: str) -> str:
+    return (resources.files("nctv.ui") / "static" / name).read_text(encoding="utf-8")
+
+
+def diagram_widget(widget: str, value: Any = None, **props: Any) -> gr.HTML:
+    """A widget of ``static/<widget>.{html,css,js}`` that draws reliability diagrams in the page: its
+    style and script follow the shared ``static/diagram.{css,js}`` (the drawing, the smooth ECE, the
+    opened group's pictures)."""
+    return gr.HTML(value, html_template=_static(f"{widget}.html"),
+                   css_template=_static("diagram.css") + _static(f"{widget}.css"),
+                   js_on_load=_static("diagram.js") + _static(f"{widget}.js"), **props)
+
+
 def page_view() -> gr.HTML:
-    """The page's controls and diagram (``static/learn.{html,css,js}``); its value, empty at first,
+    """The page's controls and diagrams (``static/learn.{html,css,js}``); its value, empty at first,
     becomes :func:`page_data` when the tab is first shown (its "first_view" event)."""
-    static = resources.files("nctv.ui") / "static"
-    return gr.HTML(None, html_template=(static / "learn.html").read_text(encoding="utf-8"),
-                   css_template=(static / "learn.css").read_text(encoding="utf-8"),
-                   js_on_load=(static / "learn.js").read_text(encoding="utf-8"), elem_id="learn-view",
-                   t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN, bins_max=BINS_MAX, bins=APP_BINS,
-                   bin=None)
+    return diagram_widget("learn", elem_id="learn-view", t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN,
+                          bins_max=BINS_MAX, bins=APP_BINS, bin=None)

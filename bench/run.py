@@ -440,7 +440,7 @@ def targets(args: argparse.Namespace, results: dict) -> list[dict]:
     if "intervals" in results:
         r = results["intervals"][0]
         sec = r["intervals"]["seconds"] if _ok(r) else None
-        add("intervals of 8 metrics × 10 methods, 10,000×10 logits, 1,000 resamples",
+        add("intervals of 9 metrics × 10 methods, 10,000×10 logits, 1,000 resamples",
             "not measured" if sec is None else f"{sec:.2f} s ({r['ratio']:.1f} × one evaluation)",
             f"≤ {INTERVALS_SECONDS_MAX:g} s on {args.threads} thread(s)", None if sec is None else sec <= INTERVALS_SECONDS_MAX)
     if "grid" in results:

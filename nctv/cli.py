@@ -429,7 +429,7 @@ def _run_figures(result, test) -> dict[str, tuple[Any, Any]]:
     from nctv.results import COMPARED_METHOD
 
     b = _main_bins(result.bins)
-    rel = plots.reliability_data_from_result(result, n_bins=b)
+    rel = plots.reliability_data_from_result(result, n_bins=b, smooth=True)
     figs = {"reliability": _both(plots.reliability_figure, rel), "confidence": _both(plots.confidence_figure, rel)}
     with_delta = [m for m in result.methods.values() if m.delta is not None and m.delta.ndim == 3]
     nc = next((m for m in with_delta if m.name == COMPARED_METHOD), with_delta[0] if with_delta else None)

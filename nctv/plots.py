@@ -170,17 +170,19 @@ def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backen
     if _check_backend(backend) == "plotly":
         return _reliability_plotly(items, per_row or PLOTLY_PER_ROW)
     rows, cols = _grid(len(items), per_row or _PER_ROW)
+    # A method's smoothed diagram goes under its binned one, so that a row of methods stays a row.
     panels = 2 if any(d.smooth is not None for d in items) else 1
-    fig = _new_figure(3.0 * cols * panels, 4.0 * rows)
-    grid = fig.add_gridspec(2 * rows, cols * panels, height_ratios=[3, 1] * rows)
+    fig = _new_figure(3.0 * cols, 4.0 * rows * panels)
+    grid = fig.add_gridspec(2 * rows * panels, cols, height_ratios=[3, 1] * rows * panels)
     for k, d in enumerate(items):
         r, c = divmod(k, cols)
-        ax = fig.add_subplot(grid[2 * r, panels * c])
-        hx = fig.add_subplot(grid[2 * r + 1, panels * c], sharex=ax)
+        top = 2 * panels * r
+        ax = fig.add_subplot(grid[top, c])
+        hx = fig.add_subplot(grid[top + 1, c], sharex=ax)
         _binned_panel(ax, hx, d, first=k == 0, left=c == 0)
         if d.smooth is not None:
-            ax = fig.add_subplot(grid[2 * r, panels * c + 1])
-            hx = fig.add_subplot(grid[2 * r + 1, panels * c + 1], sharex=ax)
+            ax = fig.add_subplot(grid[top + 2, c])
+            hx = fig.add_subplot(grid[top + 3, c], sharex=ax)
             _smooth_panel(ax, hx, d, first=k == 0)
     return fig
 
@@ -196,8 +198,13 @@ def _binned_panel(ax: Any, hx: Any, d: ReliabilityData, first: bool, left: bool)
     acc = np.where(filled, d.accuracy, 0.0)
     conf = np.where(filled, d.confidence, 0.0)
     ax.bar(edges, acc, width=width, align="edge", color=BLUE, edgecolor="black", linewidth=0.5, label="Accuracy")
-    ax.bar(edges, conf - acc, bottom=acc, width=width, align="edge", color=RED, alpha=0.3, edgecolor=RED,
-           hatch="//", linewidth=0.5, label="Gap")
+    over = conf >= acc
+    ax.bar(edges[over], (conf - acc)[over], bottom=acc[over], width=width[over], align="edge", color=RED, alpha=0.3,
+           edgecolor=RED, hatch="//", linewidth=0.5, label="Gap")
+    # Where a bin is right more often than it is sure, its gap lies inside the accuracy bar: outlined,
+    # since a translucent fill there would mix with the bar into a third colour.
+    ax.bar(edges[~over], (conf - acc)[~over], bottom=acc[~over], width=width[~over], align="edge", fill=False,
+           edgecolor=RED, linestyle="--", linewidth=1.2, label="Gap (under-confident)" if (~over).any() else None)
     low, high = d.accuracy_interval
     mid = (d.edges[:-1] + d.edges[1:]) / 2
     # The Wilson interval holds the bin's accuracy; clipping at 0 only removes rounding below it.
@@ -233,7 +240,9 @@ def _smooth_panel(ax: Any, hx: Any, d: ReliabilityData, first: bool) -> None:
     ax.fill_between(b.confidence, low, high, color=BLUE, alpha=0.25, linewidth=0, label=f"{100 * b.level:g} % band")
     ax.plot(b.confidence, curve, color=BLUE, lw=1.5, label="Smoothed accuracy")
     ax.plot([0, 1], [0, 1], ls="--", color=GREY, lw=1)
-    ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{d.method} (smoothed)" if d.method else "Smoothed")
+    # A long name takes a second line rather than run into the next panel's title.
+    joint = "\n" if len(d.method or "") > 16 else " "
+    ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{d.method}{joint}(smoothed)" if d.method else "Smoothed")
     _label_box(ax, f"smECE = {100 * b.smooth_ece:.2f}%\nσ = {b.bandwidth:.3f}")
     if first:
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9)

@@ -75,7 +75,7 @@ def test_run_end_to_end(tmp_path, default_model):
     # Above the summary: the main table, every figure with its interval.
     assert text.startswith("**Calibration on the test split (15 bins)**") and "95 % interval" in text
     ts_row = next(r for r in text.splitlines() if r.startswith("| Temperature Scaling |"))
-    assert ts_row.count(" [") == 5
+    assert ts_row.count(" [") == 6  # accuracy, entropy, ECE, AECE, SCE and smooth ECE
     for name in ("results.json", "table.md", "table.csv", "table.tex", "table.json", "test_logits.safetensors",
                  "delta.safetensors"):
         assert (out / name).stat().st_size > 0, name
@@ -84,6 +84,9 @@ def test_run_end_to_end(tmp_path, default_model):
             assert im.format == "PNG" and im.width > 100
         assert (out / "figures" / f"{fig}.pdf").read_bytes().startswith(b"%PDF")
         assert "Plotly.newPlot" in (out / "figures" / f"{fig}.html").read_text()
+    # Every method's smoothed diagram, with its band, beside its binned one.
+    page = (out / "figures" / "reliability.html").read_text()
+    assert page.count("(smoothed)") == 4 and "95 % band" in page
     data = json.loads((out / "results.json").read_text())
     assert data["fitter"] == "paper" and data["seeds"] == [0, 1] and data["test"]["size"] == 400
     assert data["methods"]["Neural Clamping (FL)"]["seeds"] == [0, 1]

@@ -107,12 +107,14 @@ def _run(loaded: Any, cal: Any, test: Any, methods: list[str], p: dict, device: 
     settings for the Neural Clamping rows: the panel's one call of ``run_experiment``. In fp32 on every
     device, so that a GPU run compares with a CPU one and with NCToolkit; intervals are made by the
     summary, over the seeds of a row and across rows."""
-    from nctv.experiment import run_experiment
+    from nctv.experiment import RunOptions, run_experiment
+    from nctv.settings import NCOptions
 
-    return run_experiment(loaded, cal, test, methods=methods, seeds=[p.get("seed", 0)], bins=[N_BINS],
-                          fitter=p.get("fitter") or "fast", gamma=p.get("gamma"), epochs=p.get("epochs"),
-                          device=device, nc_settings=p.get("settings") or None, progress=False, precision="fp32",
-                          intervals=None)
+    given = {"gamma": p.get("gamma"), "epochs": p.get("epochs"), **(p.get("settings") or {})}
+    nc = NCOptions(fitter=p.get("fitter") or "fast", **{k: v for k, v in given.items() if v is not None})
+    options = RunOptions(seeds=[p.get("seed", 0)], bins=[N_BINS], nc=nc, device=device, progress=False,
+                         precision="fp32", intervals=None)
+    return run_experiment(loaded, cal, test, methods, options)
 
 
 def _keep_logits(p: dict, label: str, logits: torch.Tensor, labels: Any) -> str:

@@ -625,15 +625,20 @@ def _passes_callback(total: float, what: str, bar: Any, callback: ProgressCallba
     ``info["passes"]`` is already the running total of the whole sweep or study.
     """
 
+    shown = [0.0]
+
     def report(info: dict) -> None:
         now = float(info["passes"])
-        planned = float(info.get("planned_passes", total))  # a study's own re-estimate, when it makes one
+        # A study's own re-estimate, or the fit's re-planned total (a sweep's later γ values), when made.
+        planned = float(info.get("planned_passes", info.get("expected_passes", total)))
         bar.n = round(min(now, total), 2)
         bar.refresh()
         if callback is not None:
             loss = info.get("loss")
             tail = f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
-            callback(min(now / planned, 0.99), f"{what}: about {now:.0f} of {planned:.0f} passes{tail}")
+            # A plan that grows (a fit longer than the mean of those before) holds the bar; it never goes back.
+            shown[0] = max(shown[0], min(now / planned, 0.99))
+            callback(shown[0], f"{what}: about {now:.0f} of {planned:.0f} passes{tail}")
 
     return report
 

@@ -252,6 +252,22 @@ def test_gamma_sweep_and_init_study(splits):
         experiment.run_init_study(model, cal, test, runs=1, progress=False)
 
 
+def test_study_progress_reaches_its_end_before_done(splits):
+    """The fast fitter stops most γ values and runs well before their caps: the progress a sweep or an
+    initialisation study reports comes close to its end before "done", instead of stopping short."""
+    cal, test = splits
+    model = CountingMatchedFilter()
+    for run in (lambda cb: experiment.run_gamma_sweep(model, cal, test, gammas=[0.0, 0.5, 1.0, 1.5, 2.0, 3.0],
+                                                      progress=False, callback=cb),
+                lambda cb: experiment.run_init_study(model, cal, test, runs=3, input_range=RANGE, progress=False,
+                                                     callback=cb)):
+        seen = []
+        run(lambda f, m: seen.append((f, m)))
+        fractions = [f for f, _ in seen]
+        assert fractions[-1] == 1.0 and fractions == sorted(fractions)
+        assert fractions[-2] >= 0.85, seen[-4:]  # the last step before "done"
+
+
 def test_bad_input_is_explained(splits):
     cal, test = splits
     model = CountingMatchedFilter()

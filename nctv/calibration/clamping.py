@@ -568,11 +568,20 @@ class NeuralClamping(_InputCalibrator):
         bar = self._bar(expected)
         memory: LBFGSMemory | None = None
         anchor = None if self._recipe() is not None else start.anchor
+        later: list[float] = []  # passes each γ after the first took (fast fitter)
         try:
             for i, gamma in enumerate(gammas):
                 if fits and fits[-1].result.stopped:
                     break
+                if later and self._recipe() is None:
+                    # The fast fitter usually stops well before its cap, so a plan of caps would stop
+                    # short and then jump to done: the γ values left are planned at the mean length of
+                    # the later ones that ended.
+                    expected = problem.split.passes + (len(gammas) - i) * sum(later) / len(later)
+                    if bar is not None:
+                        bar.total = expected
                 report = Reporter(self.callback, bar, expected)
+                before = problem.split.passes
                 generator = torch.Generator().manual_seed(int(seed))
                 if self._recipe() is not None:
                     delta0 = self._initial_delta(start, shape, generator, dev)
@@ -598,6 +607,8 @@ class NeuralClamping(_InputCalibrator):
                         result = FitResult(delta0, log_t0, fit.objective_from_logits(z_known, delta0, log_t0),
                                            z_known, report.history, 0.0)
                 fits.append(GammaFit(gamma, fit.weight_decay, result))
+                if i > 0:
+                    later.append(problem.split.passes - before)
         finally:
             if bar is not None:
                 bar.close()

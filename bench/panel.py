@@ -348,7 +348,11 @@ def ece_target(label: str, means: dict[str, float], draws: dict[str, Any], lent:
                            "not_paired": [k for k in present if k not in draws or label not in draws],
                            "lent": sorted(k for k in present if k in lent)}
     if best in out["paired"]:
-        out.update(rule="paired", met=out["paired"][best]["high"] <= ECE_MARGIN_PT + 1e-9)
+        # Met where the whole interval lies at or below the limit, missed where it lies above it; an
+        # interval across the limit cannot tell, and the verdict says so instead of calling it missed.
+        c = out["paired"][best]
+        out.update(rule="paired", met=True if c["high"] <= ECE_MARGIN_PT + 1e-9 else False if c["low"] > ECE_MARGIN_PT
+                   else None)
     else:
         out.update(rule="means", value=means[best] + ECE_MARGIN_PT, met=means[label] <= means[best] + ECE_MARGIN_PT + 1e-9)
     return out
@@ -589,15 +593,22 @@ def _paired_text(first: str, second: str, c: dict) -> str:
             f"{c['relation']}")
 
 
+def target_verdict(t: dict) -> str:
+    """"met", "**missed**", or, for a paired interval across the limit, "not shown"."""
+    return {True: "met", False: "**missed**", None: "not shown"}[t["met"]]
+
+
 def target_lines(label: str, t: dict, level: str) -> list[str]:
     """The ECE target of row ``label`` in words, with the interval it was judged by."""
     best = t["best_alternative"] + (" †" if t["best_alternative"] in t["lent"] else "")
     if t["rule"] == "paired":
         c = t["paired"][t["best_alternative"]]
-        verdict = "met" if t["met"] else "**missed**"
+        limit = _pt(ECE_MARGIN_PT)
+        why = {True: f"upper end {_pt(c['high'])} ≤ {limit}", False: f"lower end {_pt(c['low'])} > {limit}",
+               None: f"the interval holds {limit}: too wide to tell"}[t["met"]]
         line = (f"ECE target, {label} not worse than the best alternative ({best}): "
                 f"{_paired_text(label, t['best_alternative'], c)} ({level} interval, paired, seeds pooled); "
-                f"upper end {_pt(c['high'])} ≤ {_pt(ECE_MARGIN_PT)}: {verdict}.")
+                f"{why}: {target_verdict(t)}.")
     else:
         verdict = "met" if t["met"] else f"**missed by {t['measured'] - t['value']:.2f} point**"
         line = (f"ECE target, {label} not worse than the best alternative ({best}): judged by the earlier rule on "
@@ -631,7 +642,7 @@ def _zero_init_table(panel: list[dict], level: str) -> list[str]:
         diff = "not paired (no logits)" if c is None else \
             f"{_pt(c['difference'])} [{_pt(c['low'])}, {_pt(c['high'])}], {c['relation']}"
         t = z["ece_target"]
-        target = "–" if t is None else ("met" if t["met"] else "**missed**") + ("" if t["rule"] == "paired" else " (means)")
+        target = "–" if t is None else target_verdict(t) + ("" if t["rule"] == "paired" else " (means)")
         lines.append(f"| {m['model']} | {z['means'][0]:.2f} | {z['means'][1]:.2f} | {diff} | "
                      f"{z['passes'][0]:.1f} / {z['passes'][1]:.1f} | {target} |")
     return lines + [""]
@@ -657,7 +668,9 @@ def markdown(summary: dict, settings: dict) -> list[str]:
                   "The targets: the default not worse than the best alternative (the lowest mean ECE of TS by grid "
                   f"search, the recipes and NCToolkit), i.e. the upper end of the {level} paired interval of "
                   f"(NC default − best alternative), seeds pooled, at most {_pt(ECE_MARGIN_PT)} point; *tied* when that "
-                  "interval holds 0. A row lent by an earlier report that kept no per-sample logits cannot be paired: "
+                  "interval holds 0. The target is *met* when the whole interval lies at or below the limit, *missed* "
+                  "when it lies above it, and *not shown* when it holds the limit: the test split cannot tell. A row "
+                  "lent by an earlier report that kept no per-sample logits cannot be paired: "
                   "against it the earlier rule on means applies (the default's mean ECE at most 0.1 point above its "
                   "mean), and the verdict says so. The cost target: at most a fifth of the toolkit recipe's passes.", ""]
         for m in summary["panel"]:

@@ -399,8 +399,9 @@ def selection_comparison(results: list[dict]) -> dict[tuple[int, int], list[dict
 def targets(args: argparse.Namespace, results: dict) -> list[dict]:
     rows: list[dict] = []
 
-    def add(name: str, measured: str, limit: str, met: bool | None, note: str = "") -> None:
-        rows.append({"target": name, "measured": measured, "limit": limit, "met": met, "note": note})
+    def add(name: str, measured: str, limit: str, met: bool | None, note: str = "", verdict: str | None = None) -> None:
+        rows.append({"target": name, "measured": measured, "limit": limit, "met": met, "note": note,
+                     "verdict": verdict or _verdict(met)})
 
     if "panel_nc" in results:
         for m in panel.summarise(results)["panel"]:
@@ -409,7 +410,9 @@ def targets(args: argparse.Namespace, results: dict) -> list[dict]:
                 c = t["paired"][t["best_alternative"]]
                 add(f"{m['model']}: NC default − best alternative ({t['best_alternative']}), test ECE, "
                     "upper end of the paired 95 % interval", f"{c['difference']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}] pt",
-                    f"≤ +{panel.ECE_MARGIN_PT:g} pt", t["met"], c["relation"])
+                    f"≤ +{panel.ECE_MARGIN_PT:g} pt", t["met"],
+                    c["relation"] + ("; the interval holds the limit, too wide to tell" if t["met"] is None else ""),
+                    panel.target_verdict(t))
             elif t:
                 add(f"{m['model']}: NC default mean test ECE vs the best alternative ({t['best_alternative']}) + 0.1 pt",
                     f"{t['measured']:.2f} %", f"≤ {t['value']:.2f} %", t["met"],
@@ -546,7 +549,7 @@ def render_markdown(report: dict) -> str:
 
     lines += ["## Targets", "", "| target | measured | limit | verdict | note |", "| --- | --- | --- | --- | --- |"]
     for t in report["targets"]:
-        lines.append(f"| {t['target']} | {t['measured']} | {t['limit']} | {_verdict(t['met'])} | {t['note']} |")
+        lines.append(f"| {t['target']} | {t['measured']} | {t['limit']} | {t.get('verdict') or _verdict(t['met'])} | {t['note']} |")
     lines.append("")
 
     if "panel_nc" in res or "nctoolkit" in res:
@@ -924,5 +927,5 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "report.md").write_text(render_markdown(report) + "\n")
     log(f"done in {total / 60:.1f} min; wrote {args.out / 'report.md'} and report.json")
     for t in report["targets"]:
-        log(f"  {_verdict(t['met']):>10}  {t['target']}: {t['measured']} (limit {t['limit']})")
+        log(f"  {t.get('verdict') or _verdict(t['met']):>10}  {t['target']}: {t['measured']} (limit {t['limit']})")
     return 0

@@ -176,6 +176,12 @@ def test_an_over_confident_default_misses_and_a_calibrated_one_meets(tmp_path, s
     c = t["paired"]["TS by Grid Search"]
     assert t["met"] is True and c["relation"] == "lower" and c["high"] < 0
 
+    # A little over-confident: an interval that holds both 0 and the limit cannot tell, and says so.
+    t = _panel_of(tmp_path / "close", [z / 2.4, z / 2.41], z / 2.5, y)["ece_target"]
+    c = t["paired"]["TS by Grid Search"]
+    assert c["low"] < 0 < panel.ECE_MARGIN_PT < c["high"] and c["relation"] == "tied" and t["met"] is None
+    assert panel.target_lines("NC default", t, "95 %")[0].endswith("too wide to tell: not shown.")
+
 
 # ---------------------------------------------------------------------------------------------
 # A tiny real panel: one embedded model, two seeds, a few hundred images, every row by the engine
@@ -208,7 +214,8 @@ def test_the_panel_verdict_is_the_engines_paired_interval_with_seeds_pooled(tiny
     t = m["ece_target"]
     assert t["rule"] == "paired" and t["best_alternative"] == "TS by Grid Search"
     c = t["paired"]["TS by Grid Search"]
-    assert t["met"] == (c["high"] <= panel.ECE_MARGIN_PT)
+    assert t["met"] == (True if c["high"] <= panel.ECE_MARGIN_PT else False if c["low"] > panel.ECE_MARGIN_PT
+                        else None)
 
     # The engine itself, both rows and both seeds in one run: it pools the seeds and pairs the rows.
     loaded = load_model(MODEL)

@@ -462,7 +462,7 @@ def test_an_allowed_root_serves_a_folder_of_classes(tmp_path, monkeypatch):
             images.pil(int(i)).save(root / "fmnist" / FMNIST_CLASSES[cls] / f"{i}.png")
     monkeypatch.setenv("NCTV_DATA_ROOTS", os.pathsep.join([str(tmp_path / "elsewhere"), str(root)]))
     dataset = f"folder:{root}/fmnist"
-    status, *_, files, calibration = _calibrate(dataset)[-1]
+    status, *_, files, calibration, _shown_run = _calibrate(dataset)[-1]
     assert status.startswith("**Done**") and calibration.split.dataset == dataset
     data = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     assert data["calibration"]["name"] == f"{dataset} calibration" and data["calibration"]["size"] == 20
@@ -955,12 +955,12 @@ def test_init_study_handler_reports_both_initialisations():
     assert set(data["runs"]) == {"random", "data"} and len(data["runs"]["random"]) == 2
     for init, label in (("random", "Random δ₀"), ("data", "Data-driven δ₀ (Theorem 1)")):
         eces = [100 * r["ece"] for r in data["runs"][init]]
-        mean, std = np.mean(eces), np.std(eces, ddof=1)
-        # The fast fitter's data-driven fit is computed once, so its runs coincide and no spread is shown.
-        shown = f"{mean:.2f}" if init == "data" else f"{mean:.2f} ± {std:.2f}"
+        # The mean over runs with the interval of that mean from resampling the test split (runs redrawn).
+        ci = data["ci"][init]["ece"]
+        shown = f"{np.mean(eces):.2f} [{100 * ci['ci_low']:.2f}, {100 * ci['ci_high']:.2f}]"
         assert _row(table, label)[2].strip("*_") == shown
     assert len({r["ece"] for r in data["runs"]["data"]}) == 1
-    assert {t.name for t in fig.data} == {"random", "data-driven"}
+    assert {t.name for t in fig.data} == {"random", "data-driven", "mean, 95 % interval"}
 
 
 def test_init_study_progress_reaches_its_end_before_done():
@@ -988,7 +988,7 @@ def test_calibrate_handler_hands_every_setting_to_the_fitted_object(tmp_path):
     outs = list(cal_tab.calibrate(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 200, 0, 15,
                                   ["Neural Clamping (FL)"], str(v["gamma"]), str(v["weight_decay"]), v["init"],
                                   v["fitter"], v["epochs"], str(v["lr"])))
-    files, calibration = outs[-1][-2], outs[-1][-1]
+    files, calibration = outs[-1][-3], outs[-1][-2]
     archive = next(f for f in files if f.endswith("calibrators.zip"))
     with zipfile.ZipFile(archive) as z:
         config = json.loads(z.read("neural-clamping-fl/config.json"))

@@ -243,6 +243,9 @@ def test_presenter_mode_fills_a_projector_in_large_type(browser, server):  # noq
         assert binned["x"] + binned["width"] <= smooth["x"] and abs(binned["y"] - smooth["y"]) < 1
         svg = pg.locator("#learn-plot svg").bounding_box()
         assert svg["height"] >= 0.85 * 720
+        for read_out in ("#learn-ece", "#learn-smooth-ece", "#learn-accuracy", "#learn-confidence"):
+            box = pg.locator(read_out).bounding_box()  # every read-out on the screen, none scrolled away
+            assert box["y"] >= 0 and box["y"] + box["height"] <= 720, read_out
         save_small(pg.screenshot(), "learn-presenter-1280x720.png")
         # Escape leaves presenter mode.
         pg.keyboard.press("Escape")

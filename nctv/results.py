@@ -28,6 +28,8 @@ REFERENCE_METHOD = "Uncalibrated"
 GRID_SEARCH_METHOD = "TS by Grid Search"
 #: The folder of a saved run that holds its fitted calibrators (``RunResult.save_calibrators``).
 CALIBRATORS_FOLDER = "calibrators"
+#: A γ sweep's file name beside a run's (the shipped result's sweep, which the γ sweep tab opens on).
+GAMMA_SWEEP_FILE = "gamma_sweep.json"
 
 
 def method_slug(method: str) -> str:

@@ -70,6 +70,8 @@ STUDY_BINS = 15
 #: seconds: offered, not ticked), and the one bin count the app shows.
 APP_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Neural Clamping (FL)")
 APP_BINS = 15
+#: The γ sweep tab's default grid (its "from", "to" and "step" fields: 0 to 1 by 0.1).
+APP_SWEEP_GAMMAS = tuple(round(0.1 * i, 4) for i in range(11))
 #: Intervals of a run's figures (nctv.intervals): coverage, resamples of the test split, and how a
 #: table shows them ("value [low, high]" or "value ± half-width").
 DEFAULT_LEVEL = 0.95

@@ -313,3 +313,25 @@ def test_projector_shows_the_learn_diagram_without_scrolling(browser, server):
         assert blue > 2000
     finally:
         pg.context.close()
+
+
+def test_the_gamma_tab_opens_on_the_shipped_sweep(page):
+    """The γ sweep tab's first screen is the sweep shipped with the pre-computed result: its figure, and a
+    table whose chosen γ and test ECE are those of the shipped file."""
+    import json
+
+    from nctv.data import assets_dir
+    from nctv.results import GAMMA_SWEEP_FILE
+
+    shipped = json.loads((assets_dir() / "precomputed" / GAMMA_SWEEP_FILE).read_text())
+    page.get_by_role("tab", name="γ sweep").click()
+    page.locator("#gamma-plot .js-plotly-plot").wait_for()
+    assert "pre-computed, shipped with the app" in page.locator("#gamma-status").inner_text()
+    chosen = shipped["chosen_gamma"]
+    row = page.locator("table tr", has_text=f"{chosen:g} (chosen)").first
+    cells = [c.strip() for c in row.inner_text().split("\t")]
+    assert cells[0] == f"{chosen:g} (chosen)"
+    i = shipped["gammas"].index(chosen)
+    assert cells[6].startswith(f"{100 * shipped['splits']['test']['ece'][i]:.2f} [")
+    assert page.locator("#gamma-plot .js-plotly-plot .scatterlayer .trace").count() >= 4
+    page.get_by_role("tab", name="Calibrate").click()

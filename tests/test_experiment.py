@@ -252,6 +252,23 @@ def test_gamma_sweep_and_init_study(splits):
         experiment.run_init_study(model, cal, test, runs=1, progress=False)
 
 
+def test_a_saved_gamma_sweep_reads_back_whole_and_refuses_bad_values(splits):
+    from nctv.calibration.studies import GammaSweep
+
+    cal, test = splits
+    g = experiment.run_gamma_sweep(CountingMatchedFilter(), cal, test, gammas=[0.0, 0.5, 1.0], progress=False)
+    data = json.loads(g.to_json())
+    back = type(g)(GammaSweep.from_dict(data), data["model"], data["calibration"], data["test"], data["settings"],
+                   data["seconds"], data["created"])
+    assert json.loads(back.to_json()) == data
+    data["splits"]["test"]["ece"][1] = float("nan")
+    with pytest.raises(ValueError, match="test ece must be 3 finite numbers"):
+        GammaSweep.from_dict(data)
+    data["splits"]["test"]["ece"] = [0.01, 0.02]
+    with pytest.raises(ValueError, match="test ece must be 3 finite numbers"):
+        GammaSweep.from_dict(data)
+
+
 def test_study_progress_reaches_its_end_before_done(splits):
     """The fast fitter stops most γ values and runs well before their caps: the progress a sweep or an
     initialisation study reports comes close to its end before "done", instead of stopping short."""

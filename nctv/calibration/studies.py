@@ -89,6 +89,31 @@ class GammaSweep:
     test_high: dict[str, np.ndarray] | None = None
     intervals: dict[str, Any] | None = None
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GammaSweep":
+        """The sweep a saved ``GammaSweepResult.to_dict()`` holds; every curve finite and one value per γ."""
+        gammas = _finite(data["gammas"], "gammas", None)
+        n = len(gammas)
+        splits = data["splits"]
+        curves = {split: {m: _finite(v, f"{split} {m}", n) for m, v in splits[split].items()} for split in splits}
+        ends = data.get("test_intervals")
+        return cls(gammas=gammas, temperature=_finite(data["temperature"], "temperature", n),
+                   weight_decay=_finite(data["weight_decay"], "weight_decay", n),
+                   objective=_finite(data["objective"], "objective", n), passes=_finite(data["passes"], "passes", n),
+                   cal=curves["calibration"], test=curves.get("test"), chosen_gamma=float(data["chosen_gamma"]),
+                   n_passes=float(data["n_passes"]), test_passes=0.5 * n if "test" in curves else 0.0,
+                   fitter=str(data["fitter"]), n_bins=int(data["n_bins"]),
+                   test_low=None if ends is None else {m: _finite(e["ci_low"], f"{m} low", n) for m, e in ends.items()},
+                   test_high=None if ends is None else {m: _finite(e["ci_high"], f"{m} high", n) for m, e in ends.items()},
+                   intervals=data.get("intervals"))
+
+
+def _finite(values: Any, name: str, n: int | None) -> np.ndarray:
+    a = np.asarray(values, dtype=float)
+    if a.ndim != 1 or (n is not None and len(a) != n) or not np.isfinite(a).all():
+        raise ValueError(f"The saved sweep's {name} must be {n or 'some'} finite numbers.")
+    return a
+
 
 def _options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOptions, dict[str, Any]]:
     """The study's Neural Clamping options (``options`` with the options among ``settings``), and

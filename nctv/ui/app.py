@@ -261,14 +261,15 @@ def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
         api_visibility="private")
 
 
-def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list, api_name: str) -> None:
+def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list, api_name: str,
+               first: tuple = (None, "", None)) -> None:
     """Figure, table and downloads of a study tab (γ sweep, initialisation) below its settings, with
     ``handler`` streaming into the status of its Run bar (``bar``: run, stop, status) and those three
-    on the heavy queue."""
+    on the heavy queue; ``first``: the figure, table and files shown before any run."""
     run, stop, status = bar
-    fig = gr.Plot(label=plot_label, elem_id=plot_id)
-    table = gr.Markdown(elem_classes="result-table")
-    files = gr.File(label="Download (JSON, PNG)", file_count="multiple", interactive=False)
+    fig = gr.Plot(fit_width(first[0]), label=plot_label, elem_id=plot_id)
+    table = gr.Markdown(first[1], elem_classes="result-table")
+    files = gr.File(first[2] or None, label="Download (JSON, PNG)", file_count="multiple", interactive=False)
     event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
@@ -321,7 +322,8 @@ def _calibrate_tab(shared: Shared, state: gr.State):
 def _gamma_tab(shared: Shared):
     gr.Markdown("Neural Clamping fitted for each γ of the grid (the fast fitter continues from the previous γ). "
                 "The chosen γ has the lowest ECE on the calibration split.")
-    bar = _run_bar("Run γ sweep", "gamma-status")
+    status0, *first = gamma_tab.shipped_view()
+    bar = _run_bar("Run γ sweep", "gamma-status", status0)
     with gr.Row():
         # Range checks live in the handler, whose messages name γ.
         g_from = CheckedNumber(0.0, label="γ from", info=f"0 to {GAMMA_MAX:g}")
@@ -331,7 +333,7 @@ def _gamma_tab(shared: Shared):
     inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"],
                               nc["lr"]]
     _study_run(bar, "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
-               "gamma_sweep")
+               "gamma_sweep", tuple(first))
 
 
 def _init_tab(shared: Shared):

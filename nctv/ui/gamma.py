@@ -54,6 +54,27 @@ def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, nc: NCOptions, 
     return run_gamma_sweep(loaded, cal, test, gammas, n_bins, spec.calibration_seed, options=options)
 
 
+def shipped_view() -> tuple[str, Any, str, list[str]]:
+    """(status, figure, table, files) of the γ sweep shipped beside the pre-computed result, which the
+    tab opens on; with none shipped, a status line saying what Run does."""
+    from nctv import plots
+    from nctv.calibration.studies import GammaSweep
+    from nctv.data import assets_dir
+    from nctv.results import GAMMA_SWEEP_FILE, GammaSweepResult
+
+    path = assets_dir() / "precomputed" / GAMMA_SWEEP_FILE
+    if not path.is_file():
+        return "Press **Run γ sweep** to fit Neural Clamping for every γ of the grid.", None, "", []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    result = GammaSweepResult(GammaSweep.from_dict(data), data["model"], data["calibration"], data["test"],
+                              data["settings"], float(data["seconds"]), data["created"])
+    fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")
+    status = (f"Showing the sweep *pre-computed, shipped with the app* (model {data['model'].get('name', '?')}, "
+              f"γ from {result.sweep.gammas[0]:g} to {result.sweep.gammas[-1]:g}). Press **Run γ sweep** for a live "
+              "run with your settings.")
+    return status, fig, sweep_table(result), [str(path)]
+
+
 def sweep_table(result: Any) -> str:
     """The CLI's γ table, plus the cost of the run (the page's answer to "why did it take this long")."""
     s = result.sweep

@@ -30,6 +30,8 @@ GRID_SEARCH_METHOD = "TS by Grid Search"
 CALIBRATORS_FOLDER = "calibrators"
 #: A γ sweep's file name beside a run's (the shipped result's sweep, which the γ sweep tab opens on).
 GAMMA_SWEEP_FILE = "gamma_sweep.json"
+#: An initialisation study's file name beside a run's (the shipped one opens the Initialisation tab).
+INIT_STUDY_FILE = "init_study.json"
 
 
 def method_slug(method: str) -> str:

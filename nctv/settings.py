@@ -72,6 +72,8 @@ APP_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vect
 APP_BINS = 15
 #: The γ sweep tab's default grid (its "from", "to" and "step" fields: 0 to 1 by 0.1).
 APP_SWEEP_GAMMAS = tuple(round(0.1 * i, 4) for i in range(11))
+#: The Initialisation tab's default runs per initialisation.
+APP_INIT_RUNS = 5
 #: Intervals of a run's figures (nctv.intervals): coverage, resamples of the test split, and how a
 #: table shows them ("value [low, high]" or "value ± half-width").
 DEFAULT_LEVEL = 0.95

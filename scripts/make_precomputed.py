@@ -22,10 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nctv.data import assets_dir, get_splits  # noqa: E402
-from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep  # noqa: E402
+from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep, run_init_study  # noqa: E402
 from nctv.inference import resolve_device  # noqa: E402
-from nctv.results import GAMMA_SWEEP_FILE, method_slug  # noqa: E402
-from nctv.settings import APP_BINS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_CALIBRATION_SIZE, NCOptions  # noqa: E402
+from nctv.results import GAMMA_SWEEP_FILE, INIT_STUDY_FILE, method_slug  # noqa: E402
+from nctv.settings import (APP_BINS, APP_INIT_RUNS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_CALIBRATION_SIZE,  # noqa: E402
+                           NCOptions)
 from nctv.zoo import DEFAULT_MODEL, load_model  # noqa: E402
 
 #: The page's Neural Clamping settings left at their defaults: γ = 1, the fast fitter, random δ₀.
@@ -65,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     # The γ sweep tab's first screen: its default grid, 0 to 1 by 0.1, with the page's other settings.
     sweep = run_gamma_sweep(loaded, cal, test, APP_SWEEP_GAMMAS, args.bins, args.seed,
                             options=RunOptions(nc=APP_NC, progress=False, callback=report))
+    # The Initialisation tab's: its default of 5 runs per initialisation.
+    study = run_init_study(loaded, cal, test, APP_INIT_RUNS, args.bins, args.seed,
+                           options=RunOptions(nc=APP_NC, progress=False, callback=report))
     if args.out.exists():
         shutil.rmtree(args.out)
     written = result.save(args.out, model=loaded)
-    (args.out / GAMMA_SWEEP_FILE).write_text(sweep.to_json(), encoding="utf-8")
-    written.append(args.out / GAMMA_SWEEP_FILE)
+    for name, study_result in ((GAMMA_SWEEP_FILE, sweep), (INIT_STUDY_FILE, study)):
+        (args.out / name).write_text(study_result.to_json(), encoding="utf-8")
+        written.append(args.out / name)
     written += write_examples(test, args.out / "examples")
     for p in written:
         print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KiB)")

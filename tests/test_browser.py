@@ -335,3 +335,26 @@ def test_the_gamma_tab_opens_on_the_shipped_sweep(page):
     assert cells[6].startswith(f"{100 * shipped['splits']['test']['ece'][i]:.2f} [")
     assert page.locator("#gamma-plot .js-plotly-plot .scatterlayer .trace").count() >= 4
     page.get_by_role("tab", name="Calibrate").click()
+
+
+def test_the_initialisation_tab_opens_on_the_shipped_study(page):
+    """The Initialisation tab's first screen is the study shipped with the pre-computed result: its box
+    plots, and a table whose ECE means and intervals are those of the shipped file."""
+    import json
+
+    import numpy as np
+
+    from nctv.data import assets_dir
+    from nctv.results import INIT_STUDY_FILE
+
+    shipped = json.loads((assets_dir() / "precomputed" / INIT_STUDY_FILE).read_text())
+    page.get_by_role("tab", name="Initialisation").click()
+    page.locator("#init-plot .js-plotly-plot").wait_for()
+    assert "pre-computed, shipped with the app" in page.locator("#init-status").inner_text()
+    for init, label in (("random", "Random δ₀"), ("data", "Data-driven δ₀ (Theorem 1)")):
+        row = page.locator("table tr", has_text=label).first
+        ece = row.inner_text().split("\t")[2].strip()
+        ci = shipped["ci"][init]["ece"]
+        mean = np.mean([100 * r["ece"] for r in shipped["runs"][init]])
+        assert ece == f"{mean:.2f} [{100 * ci['ci_low']:.2f}, {100 * ci['ci_high']:.2f}]"
+    page.get_by_role("tab", name="Calibrate").click()

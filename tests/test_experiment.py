@@ -262,11 +262,29 @@ def test_a_saved_gamma_sweep_reads_back_whole_and_refuses_bad_values(splits):
                    data["seconds"], data["created"])
     assert json.loads(back.to_json()) == data
     data["splits"]["test"]["ece"][1] = float("nan")
-    with pytest.raises(ValueError, match="test ece must be 3 finite numbers"):
+    with pytest.raises(ValueError, match="study's test ece must be 3 finite numbers"):
         GammaSweep.from_dict(data)
     data["splits"]["test"]["ece"] = [0.01, 0.02]
-    with pytest.raises(ValueError, match="test ece must be 3 finite numbers"):
+    with pytest.raises(ValueError, match="study's test ece must be 3 finite numbers"):
         GammaSweep.from_dict(data)
+
+
+def test_a_saved_init_study_reads_back_whole_and_refuses_bad_values(splits):
+    from nctv.calibration.studies import InitStudy
+
+    cal, test = splits
+    i = experiment.run_init_study(CountingMatchedFilter(), cal, test, runs=2, input_range=RANGE, progress=False)
+    data = json.loads(i.to_json())
+    back = type(i)(InitStudy.from_dict(data), data["model"], data["calibration"], data["test"], data["settings"],
+                   data["seconds"], data["created"], data["n_classes"])
+    assert json.loads(back.to_json()) == data
+    data["runs"]["random"] = data["runs"]["random"][:1]
+    with pytest.raises(ValueError, match="1 random runs for 2 seeds"):
+        InitStudy.from_dict(data)
+    data = json.loads(i.to_json())
+    data["ci"]["data"]["ece"]["ci_high"] = float("inf")
+    with pytest.raises(ValueError, match="data ece interval must be 2 finite numbers"):
+        InitStudy.from_dict(data)
 
 
 def test_study_progress_reaches_its_end_before_done(splits):

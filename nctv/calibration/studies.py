@@ -111,7 +111,7 @@ class GammaSweep:
 def _finite(values: Any, name: str, n: int | None) -> np.ndarray:
     a = np.asarray(values, dtype=float)
     if a.ndim != 1 or (n is not None and len(a) != n) or not np.isfinite(a).all():
-        raise ValueError(f"The saved sweep's {name} must be {n or 'some'} finite numbers.")
+        raise ValueError(f"The saved study's {name} must be {n or 'some'} finite numbers.")
     return a
 
 
@@ -225,6 +225,29 @@ class InitStudy:
     ci: dict[str, dict[str, list[float]]] | None = None
     ci_difference: dict[str, list[float]] | None = None
     intervals: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "InitStudy":
+        """The study a saved ``InitStudyResult.to_dict()`` holds; every figure finite, both initialisations
+        with one metric dict per seed."""
+        seeds = [int(v) for v in data["seeds"]]
+        runs = {}
+        for init in ("random", "data"):
+            per = data["runs"][init]
+            if len(per) != len(seeds):
+                raise ValueError(f"The saved study has {len(per)} {init} runs for {len(seeds)} seeds.")
+            runs[init] = [{m: float(v) for m, v in zip(r, _finite(list(r.values()), f"{init} run", len(r)))}
+                          for r in per]
+        ci = data.get("ci")
+        ci = None if ci is None else {
+            init: {m: list(_finite([e["ci_low"], e["ci_high"]], f"{init} {m} interval", 2)) for m, e in per.items()}
+            for init, per in ci.items()}
+        diff = data.get("difference")
+        diff = None if diff is None else {
+            m: list(_finite([e["difference"], e["low"], e["high"]], f"{m} difference", 3)) for m, e in diff.items()}
+        return cls(runs=runs, seeds=seeds, fitter=str(data["fitter"]), n_passes=float(data["n_passes"]),
+                   shared_data_fit=bool(data["shared_data_fit"]), n_bins=int(data["n_bins"]), ci=ci,
+                   ci_difference=diff, intervals=data.get("intervals"))
 
     def values(self, init: str, metric: str) -> np.ndarray:
         """One metric over the runs of one initialisation, for box plots."""

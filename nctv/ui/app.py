@@ -23,7 +23,7 @@ from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
-from nctv.settings import APP_METHODS
+from nctv.settings import APP_INIT_RUNS, APP_METHODS
 from nctv.ui.common import HEAVY, on_gpu
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
@@ -339,12 +339,13 @@ def _gamma_tab(shared: Shared):
 def _init_tab(shared: Shared):
     gr.Markdown("Neural Clamping started from a random δ and from the data-driven δ̃ of Theorem 1, several runs "
                 "each, scored on the test split.")
-    bar = _run_bar("Run initialisation study", "init-status")
-    runs = CheckedSlider(2, init_tab.MAX_RUNS, 5, step=1, label="Runs per initialisation")
+    status0, *first = init_tab.shipped_view()
+    bar = _run_bar("Run initialisation study", "init-status", status0)
+    runs = CheckedSlider(2, init_tab.MAX_RUNS, APP_INIT_RUNS, step=1, label="Runs per initialisation")
     nc = _nc_controls(init=False)
     inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"], nc["lr"]]
     _study_run(bar, "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
-               "init_study")
+               "init_study", tuple(first))
 
 
 def _try_tab(state: gr.State):

@@ -13,7 +13,8 @@ from nctv.checks import GAMMA_MAX
 from nctv.report import gamma_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
-from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.common import (Worker, export_dir, parse_whole, shipped_study, stream_progress, user_errors,
+                            with_warnings)
 from nctv.ui.state import SplitSpec, get_model, get_splits
 
 #: At most this many γ values per sweep (the paper's grid has 21).
@@ -59,13 +60,12 @@ def shipped_view() -> tuple[str, Any, str, list[str]]:
     tab opens on; with none shipped, a status line saying what Run does."""
     from nctv import plots
     from nctv.calibration.studies import GammaSweep
-    from nctv.data import assets_dir
     from nctv.results import GAMMA_SWEEP_FILE, GammaSweepResult
 
-    path = assets_dir() / "precomputed" / GAMMA_SWEEP_FILE
-    if not path.is_file():
+    shipped = shipped_study(GAMMA_SWEEP_FILE)
+    if shipped is None:
         return "Press **Run γ sweep** to fit Neural Clamping for every γ of the grid.", None, "", []
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data, path = shipped
     result = GammaSweepResult(GammaSweep.from_dict(data), data["model"], data["calibration"], data["test"],
                               data["settings"], float(data["seconds"]), data["created"])
     fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")

@@ -10,7 +10,8 @@ import gradio as gr
 from nctv.report import init_study_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
-from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.common import (Worker, export_dir, parse_whole, shipped_study, stream_progress, user_errors,
+                            with_warnings)
 from nctv.ui.state import SplitSpec, get_model, get_splits
 
 METRICS_SHOWN = ("entropy", "ece", "aece", "sce")
@@ -27,6 +28,27 @@ def run_study(spec: SplitSpec, runs: int, n_bins: int, nc: NCOptions, report: Ca
     cal, test = get_splits(spec)
     options = RunOptions(nc=nc, progress=False, callback=lambda f, m: report(("progress", f, m)), dataset=spec.dataset)
     return run_init_study(loaded, cal, test, runs, n_bins, spec.calibration_seed, options=options)
+
+
+def shipped_view() -> tuple[str, Any, str, list[str]]:
+    """(status, box plots, table, files) of the initialisation study shipped beside the pre-computed
+    result, which the tab opens on; with none shipped, a status line saying what Run does."""
+    from nctv import plots
+    from nctv.calibration.studies import InitStudy
+    from nctv.results import INIT_STUDY_FILE, InitStudyResult
+
+    shipped = shipped_study(INIT_STUDY_FILE)
+    if shipped is None:
+        return "Press **Run initialisation study** to fit Neural Clamping from both starts.", None, "", []
+    data, path = shipped
+    result = InitStudyResult(InitStudy.from_dict(data), data["model"], data["calibration"], data["test"],
+                             data["settings"], float(data["seconds"]), data["created"], int(data["n_classes"]))
+    figure = plots.init_study_figure(plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN),
+                                     backend="plotly")
+    status = (f"Showing the study *pre-computed, shipped with the app* (model {data['model'].get('name', '?')}, "
+              f"{len(result.study.seeds)} runs per initialisation). Press **Run initialisation study** for a live "
+              "run with your settings.")
+    return status, figure, study_table(result), [str(path)]
 
 
 def study_table(result: Any) -> str:

@@ -19,12 +19,12 @@ from safetensors import safe_open
 from nctv import metrics
 from nctv.data import get_splits
 from nctv.inference import model_logits
-from nctv.ui import state
+from nctv.ui import limits, shipped
 from nctv.ui.try_image import example_images
 from nctv.zoo import DEFAULT_MODEL
 
 PUBLIC = {"/calibrate", "/gamma_sweep", "/init_study", "/classify", "/classify_drawing", "/explore_temperature"}
-SHARED = (DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
+SHARED = (DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_queue_settings(server):
 
 
 def test_explore_temperature_matches_metrics_of_the_shipped_logits(client):
-    pre = state.load_precomputed()
+    pre = shipped.load_precomputed()
     z, y = pre.result.methods["Uncalibrated"].test_logits, pre.result.test_labels
     plot, table, text = client.predict(1.5, 12, api_name="/explore_temperature")
     assert plot["type"] == "plotly" and json.loads(plot["plot"])["data"]
@@ -95,7 +95,7 @@ def _top(rows, method):
 
 def test_classify_an_example(client):
     verdict, chart, view, note = client.predict(handle_file(example_images()[0]), api_name="/classify")
-    assert state.PRECOMPUTED_LABEL in note and "This model knows 10 classes" in note
+    assert shipped.PRECOMPUTED_LABEL in note and "This model knows 10 classes" in note
     assert "looks like the data the model knows" in verdict and 'data-flagged="false"' in verdict
     assert 'data-delta="[' in view and "<canvas" in view
     # Temperature scaling never changes the predicted class.

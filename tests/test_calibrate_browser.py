@@ -20,7 +20,7 @@ from test_open_bin_browser import sure
 from nctv import metrics
 from nctv.data import FASHION_MNIST_CLASSES
 from nctv.intervals import wilson_interval
-from nctv.ui import state
+from nctv.ui.shipped import precomputed_dir
 
 pytestmark = pytest.mark.browser
 SIZES = [(1400, 1000, False), (1280, 720, False), (390, 844, True)]
@@ -49,7 +49,7 @@ def assert_apart(boxes: list[dict], what: str) -> None:
 @pytest.fixture(scope="module")
 def shipped():
     """Per method of the shipped result: its test logits, read from the file itself (not through the app)."""
-    tensors = load_file(str(state.precomputed_dir() / "test_logits.safetensors"))
+    tensors = load_file(str(precomputed_dir() / "test_logits.safetensors"))
     labels = tensors.pop("labels")
     return {name: z.double() for name, z in tensors.items()}, labels
 

@@ -92,7 +92,7 @@ def _imports_the_app(source: str) -> bool:
 
 
 def test_the_app_import_finder_sees_every_form():
-    assert _imports_the_app("def f():\n    from nctv.ui.state import get_model\n")
+    assert _imports_the_app("def f():\n    from nctv.ui.caches import get_model\n")
     assert _imports_the_app("from nctv import ui") and _imports_the_app("import nctv.ui.calibrate as c")
     assert not _imports_the_app("from nctv import experiment\nimport nctv.uix")
 

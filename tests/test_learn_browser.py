@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from test_browser import ARTIFACTS, CHROMIUM, browser, open_app, open_panel, wait_for_status  # noqa: F401 - browser: the shared fixture
 
 from nctv import metrics
-from nctv.ui import learn, state
+from nctv.ui import learn
+from nctv.ui.shipped import load_precomputed, precomputed_dir
 
 pytestmark = [
     pytest.mark.browser,
@@ -32,7 +33,7 @@ def save_small(png: bytes, name: str) -> None:
 @pytest.fixture(scope="module")
 def shipped():
     """The shipped test logits and labels, read from the file itself (not through the app)."""
-    tensors = load_file(str(state.precomputed_dir() / "test_logits.safetensors"))
+    tensors = load_file(str(precomputed_dir() / "test_logits.safetensors"))
     return tensors["Uncalibrated"].double(), tensors["labels"]
 
 
@@ -176,7 +177,7 @@ def test_typed_temperature_out_of_range_is_clamped_with_a_message(page, shipped)
 
 def test_fit_button_and_bins_follow_in_the_page(page, shipped):
     z, y = shipped
-    fitted = state.load_precomputed().calibration.ts_temperature
+    fitted = load_precomputed().calibration.ts_temperature
     page.get_by_role("button", name="Set T to the temperature-scaling fit").click()
     assert float(page.locator(".nl").get_attribute("data-temperature")) == pytest.approx(fitted, abs=1e-12)
     check_readouts(page, z, y, fitted, 15)

@@ -11,12 +11,13 @@ from PIL import Image
 
 from nctv.data import FASHION_MNIST_CLASSES
 from nctv.settings import NCOptions
-from nctv.ui import learn, state
+from nctv.ui import caches, learn, session
+from nctv.ui.shipped import load_precomputed
 
 
 @pytest.fixture(scope="module")
 def shipped():
-    pre = state.load_precomputed()
+    pre = load_precomputed()
     return pre.result.methods["Uncalibrated"].test_logits.double().numpy(), pre.result.test_labels.numpy()
 
 
@@ -39,7 +40,7 @@ def test_pictures_of_the_asked_rows(shipped):
     rows = [9_999, 0, 17, 4_242]
     got = answer({"rows": rows, "temperature": 1.7, "request": 5})
     assert got["request"] == 5 and "message" not in got
-    images = state.get_splits(state.load_precomputed().split)[1].arrays()[0]
+    images = caches.get_splits(load_precomputed().split)[1].arrays()[0]
     for row, item in zip(rows, got["items"], strict=True):
         p1, pt = softmax(z[row:row + 1])[0], softmax(z[row:row + 1] / 1.7)[0]
         assert item["row"] == row
@@ -115,10 +116,10 @@ def test_a_folder_of_colour_pictures_gives_colour_thumbnails(tmp_path, monkeypat
     from nctv.zoo import DEFAULT_MODEL
 
     root = colour_folder(tmp_path, monkeypatch, 120, 0)  # red pictures of 120 × 120 pixels
-    spec = state.SplitSpec(DEFAULT_MODEL, f"folder:{root}", 10, 0, 20)
-    cal = state.Calibration(split=spec, model=DEFAULT_MODEL, ts_temperature=1.0, nc_temperature=None, delta=None,
+    spec = session.SplitSpec(DEFAULT_MODEL, f"folder:{root}", 10, 0, 20)
+    cal = session.Calibration(split=spec, model=DEFAULT_MODEL, ts_temperature=1.0, nc_temperature=None, delta=None,
                             nc_method=None, source="a test run")
-    test = get_splits(state.get_model(DEFAULT_MODEL), dataset=f"folder:{root}", calibration_size=10, test_size=20)[1]
+    test = get_splits(caches.get_model(DEFAULT_MODEL), dataset=f"folder:{root}", calibration_size=10, test_size=20)[1]
     got = learn.open_bin(cal, gr.EventData(None, {"rows": [0, 19], "temperature": 2.0, "request": 1}))["bin"]
     for row, item in zip([0, 19], got["items"], strict=True):
         thumb = pixels(item["src"])
@@ -147,7 +148,7 @@ def top_labels(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def test_a_shipped_group_of_a_method_lists_its_pictures_before_and_after():
     """Group 12 of 15 of Neural Clamping's diagram: the rows whose calibrated confidence lies in
     (12/15, 13/15], computed here with numpy from the shipped logits; wrong ones first, then the surest."""
-    pre = state.load_precomputed()
+    pre = load_precomputed()
     method, y = "Neural Clamping (FL)", pre.result.test_labels.numpy()
     conf, pred = top_labels(pre.result.methods[method].test_logits.numpy())
     conf0, pred0 = top_labels(pre.result.methods["Uncalibrated"].test_logits.numpy())
@@ -191,12 +192,12 @@ def test_a_run_on_a_folder_opens_groups_of_its_own_pictures(tmp_path, monkeypatc
     from nctv.zoo import DEFAULT_MODEL
 
     root = colour_folder(tmp_path, monkeypatch, 60, 1)  # green pictures of 60 × 60 pixels
-    spec = state.SplitSpec(DEFAULT_MODEL, f"folder:{root}", 20, 0, 20)
+    spec = session.SplitSpec(DEFAULT_MODEL, f"folder:{root}", 20, 0, 20)
     result, cal = calibrate.run_calibration(spec, ["Temperature Scaling"], 5, NCOptions())
     shown = calibrate.shown_run(result, cal.split, 5)
     t = result.methods["Temperature Scaling"].params["temperature"]
     conf, pred = top_labels(result.methods["Uncalibrated"].test_logits.double().numpy() / t)
-    test = state.get_splits(spec)[1]
+    test = caches.get_splits(spec)[1]
     group = int(np.clip(np.ceil(conf.max() * 5) - 1, 0, 4))  # the group of the surest picture
     members = np.flatnonzero(np.clip(np.searchsorted(np.linspace(0, 1, 6), conf, side="left") - 1, 0, 4) == group)
     got = calibrate_answer(shown, {"method": "Temperature Scaling", "bin": group, "request": 1})

@@ -14,7 +14,7 @@ from test_browser import CHROMIUM, browser, open_app  # noqa: F401 - browser: th
 from test_learn_browser import open_learn, save_small
 
 from nctv.data import FASHION_MNIST_CLASSES
-from nctv.ui import learn, state
+from nctv.ui import caches, learn, shipped
 
 pytestmark = [
     pytest.mark.browser,
@@ -27,7 +27,7 @@ BINS = 15
 def top_group():
     """The top non-empty group at T = 1 and 15 bins, computed with numpy from the shipped file: the
     rows in it, which are right, and the confidences."""
-    tensors = load_file(str(state.precomputed_dir() / "test_logits.safetensors"))
+    tensors = load_file(str(shipped.precomputed_dir() / "test_logits.safetensors"))
     z, y = tensors["Uncalibrated"].astype(np.float64), tensors["labels"]
     # The page gets every row when the split fits (it does: 10,000 × 10 logits), so the groups are the split's.
     assert z.size <= learn.PAGE_MAX_VALUES
@@ -91,7 +91,7 @@ def test_top_group_opens_with_its_count_accuracy_and_wrong_pictures_first(browse
             assert s["wrong"] == (label != pred)
             assert s["width"] == 28 and s["rendering"] == "pixelated"
         # The thumbnail is the test picture itself.
-        images = state.get_splits(state.load_precomputed().split)[1].arrays()[0]
+        images = caches.get_splits(shipped.load_precomputed().split)[1].arrays()[0]
         png = base64.b64decode(shown[0]["src"].split(",", 1)[1])
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), images[shown[0]["row"]])
         pg.evaluate("document.activeElement.blur()")

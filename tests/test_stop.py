@@ -246,7 +246,7 @@ def cpu_seconds(pid):
 def test_stop_in_the_launched_app_leaves_the_server_idle(server):
     from gradio_client import Client
 
-    from nctv.ui.state import DEFAULT_DATASET_CHOICE
+    from nctv.ui.limits import DEFAULT_DATASET_CHOICE
     from nctv.zoo import DEFAULT_MODEL
 
     pid = server_pid(server)

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from test_browser import ARTIFACTS, CHROMIUM, boxes_overlap, browser, open_app  # noqa: F401 - browser: a fixture
-from nctv.ui import state, try_image
+from nctv.ui import caches, try_image
+from nctv.ui.shipped import load_precomputed
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
@@ -182,8 +183,8 @@ def test_a_file_that_is_no_picture_clears_the_result_with_one_message(browser, s
 
 
 def test_amplifying_and_blending_delta_redraws_the_canvases_exactly(browser, server):
-    cal = state.load_precomputed().calibration
-    loaded = state.get_model(cal.model)
+    cal = load_precomputed().calibration
+    loaded = caches.get_model(cal.model)
     std = torch.tensor(loaded.data_config["std"], dtype=torch.float64).reshape(-1, 1, 1)
     own = (255 * cal.delta.double() * std).numpy().ravel()  # δ in 0–255 levels, from the shipped file
     pg = open_try(browser, server, 390, 844)

@@ -28,15 +28,18 @@ from nctv import metrics
 from nctv.calibration import METHODS
 from nctv.data import FASHION_MNIST_CLASSES as FMNIST_CLASSES
 from nctv.data import get_splits as data_splits
+from nctv.data import assets_dir
 from nctv.data import load_pools as data_load_pools
 from nctv.cache import model_fingerprint
 from nctv.inference import model_logits
+from nctv.hub import max_model_bytes
 from nctv.memory import DeviceOutOfMemoryError
 from nctv.settings import NCOptions
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
-from nctv.ui import learn, state, try_image
+from nctv.ui import caches, learn, limits, session, try_image
+from nctv.ui.shipped import PRECOMPUTED_LABEL, load_precomputed, precomputed_dir
 from nctv.ui import images as ui_images
 from nctv.ui.common import (SAME_TASK, SERVER_PATH, ProgressLine, Worker, duration, parse_gamma, parse_weight_decay,
                             parse_whole, redact, user_errors)
@@ -45,9 +48,9 @@ from nctv.ui.images import CheckedImage, CheckedSketchpad
 from nctv.training import train_classifier
 from nctv.zoo import DEFAULT_MODEL
 
-SMALL = state.SplitSpec(DEFAULT_MODEL, None, 300, 0, 1000)
+SMALL = session.SplitSpec(DEFAULT_MODEL, None, 300, 0, 1000)
 METHODS_RUN = ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
-SHARED = (DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
+SHARED = (DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,7 +129,7 @@ def test_live_plot_counts_the_passes_the_library_reports():
     """The live plot's x values are the passes of the real fit's own step reports, through the
     same callback the Calibrate tab gives the library."""
     items = []
-    cal_tab.run_calibration(state.SplitSpec(DEFAULT_MODEL, None, 100, 0, 100), ["Neural Clamping (FL)"], 5,
+    cal_tab.run_calibration(session.SplitSpec(DEFAULT_MODEL, None, 100, 0, 100), ["Neural Clamping (FL)"], 5,
                             NCOptions(), items.append)
     live = cal_tab.LiveTrace()
     steps = [i for i in items if i[0] == "nc"]
@@ -225,7 +228,7 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     running = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
     assert running and all(r.startswith("**Running** — ") for r in running)
     assert any(re.search(r"Neural Clamping \(FL\) \(seed 0\): pass [\d.]+.* · about \d+ s left", r) for r in running)
-    assert "T = " in params and isinstance(calibration, state.Calibration) and calibration.split == SMALL
+    assert "T = " in params and isinstance(calibration, session.Calibration) and calibration.split == SMALL
     assert Path(files[0]).name == "calibrators.zip"  # the file to reuse first
     names = {Path(f).name for f in files}
     assert {"results.json", "table.csv", "table.md", "reliability.png", "delta.png", "delta.safetensors"} <= names
@@ -301,7 +304,7 @@ def test_calibrate_handler_refuses_bad_settings_in_words(args, words):
              weight_decay="auto", epochs=100, lr="default")
     a.update(args)
     with pytest.raises(gr.Error, match=re.escape(words)):
-        list(cal_tab.calibrate(a["model"], a["hub_id"], state.DEFAULT_DATASET_CHOICE, a["size"], a["test_size"], 0, 15,
+        list(cal_tab.calibrate(a["model"], a["hub_id"], limits.DEFAULT_DATASET_CHOICE, a["size"], a["test_size"], 0, 15,
                                a["methods"], a["gamma"], a["weight_decay"], "random", "fast", a["epochs"], a["lr"]))
 
 
@@ -341,12 +344,12 @@ def test_parsing_helpers():
 
 @pytest.mark.parametrize("available", [False, True])
 def test_dataset_box_offers_hf_dataset_only_with_datasets(monkeypatch, available):
-    monkeypatch.setattr(state, "hub_datasets_available", lambda: available)
+    monkeypatch.setattr(limits, "hub_datasets_available", lambda: available)
     monkeypatch.setenv("NCTV_DATA_ROOTS", "/srv/data")
     monkeypatch.setenv("NCTV_HUB_DATASETS", "1")  # what the operator allows; see below for the default
-    assert "folder:/path" in state.dataset_hint() and ("hf-dataset:" in state.dataset_hint()) is available
-    assert state.dataset_choices()[0] == state.DEFAULT_DATASET_CHOICE and "fashion-mnist" in state.dataset_choices()
-    assert not any(c.startswith("hf-dataset:") for c in state.dataset_choices())  # a pattern, typed, never picked
+    assert "folder:/path" in limits.dataset_hint() and ("hf-dataset:" in limits.dataset_hint()) is available
+    assert limits.dataset_choices()[0] == limits.DEFAULT_DATASET_CHOICE and "fashion-mnist" in limits.dataset_choices()
+    assert not any(c.startswith("hf-dataset:") for c in limits.dataset_choices())  # a pattern, typed, never picked
 
 
 def test_user_errors_turn_exceptions_into_messages():
@@ -449,7 +452,7 @@ def test_server_folders_are_refused_alike_and_reveal_nothing(roots, tmp_path, mo
     assert not re.search(r"/\w|\d", message)  # no path, no count
     # The server's own split loader refuses too, for a split built without the form.
     with pytest.raises(ValueError, match=re.escape(message)):
-        state.get_splits(state.SplitSpec(DEFAULT_MODEL, "folder:/etc", 20, 0, 20))
+        caches.get_splits(session.SplitSpec(DEFAULT_MODEL, "folder:/etc", 20, 0, 20))
 
 
 def test_an_allowed_root_serves_a_folder_of_classes(tmp_path, monkeypatch):
@@ -467,7 +470,7 @@ def test_an_allowed_root_serves_a_folder_of_classes(tmp_path, monkeypatch):
     data = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     assert data["calibration"]["name"] == f"{dataset} calibration" and data["calibration"]["size"] == 20
     # The same images the library reads from that folder without any root.
-    _, test = data_splits(state.get_model(DEFAULT_MODEL), dataset=dataset, calibration_size=20, test_size=20)
+    _, test = data_splits(caches.get_model(DEFAULT_MODEL), dataset=dataset, calibration_size=20, test_size=20)
     assert data["test"]["fingerprint"] == test.fingerprint and set(test.labels.tolist()) <= {1, 8}
 
 
@@ -482,13 +485,13 @@ def _strings(value) -> list[str]:
 def test_downloads_hold_no_server_path(run):
     result, calibration, _ = run
     files = [Path(f) for f in cal_tab.export_files(result, calibration, 15)]
-    server = [str(Path(__file__).resolve().parent.parent), str(Path.home()), str(state.assets_dir())]
-    for f in files + [state.precomputed_dir() / "results.json"]:
+    server = [str(Path(__file__).resolve().parent.parent), str(Path.home()), str(assets_dir())]
+    for f in files + [precomputed_dir() / "results.json"]:
         if f.suffix in (".json", ".md", ".csv", ".tex"):
             text = f.read_text(encoding="utf-8")
             assert not [p for p in server if p in text], f
     results = next(f for f in files if f.name == "results.json")
-    for f in (results, state.precomputed_dir() / "results.json"):
+    for f in (results, precomputed_dir() / "results.json"):
         data = json.loads(f.read_text(encoding="utf-8"))
         assert data["model"]["source"] == "local-dir:models/fmnist-resnet-overconfident"
         assert not [s for s in _strings(data) if s.startswith("/") or ":/" in s]
@@ -499,13 +502,13 @@ def test_messages_hide_the_servers_folders(monkeypatch):
 
     # Offline, an uncached Hub model's message names the Hugging Face cache for a local user.
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    message = _refusal(state.DEFAULT_DATASET_CHOICE, hub_id="nctv-test/never-downloaded")
+    message = _refusal(limits.DEFAULT_DATASET_CHOICE, hub_id="nctv-test/never-downloaded")
     assert "needs the network" in message and f"cache ({SERVER_PATH})" in message
     assert constants.HF_HUB_CACHE not in message and str(Path.home()) + "/" not in message
 
     @user_errors
     def missing_asset():
-        raise ValueError(f"The embedded file {state.assets_dir()}/data/x.npz is missing; see {Path.home()}.")
+        raise ValueError(f"The embedded file {assets_dir()}/data/x.npz is missing; see {Path.home()}.")
 
     with pytest.raises(gr.Error) as e:
         missing_asset()
@@ -515,25 +518,25 @@ def test_messages_hide_the_servers_folders(monkeypatch):
 def test_hub_datasets_and_folders_are_offered_only_when_allowed(monkeypatch):
     monkeypatch.delenv("NCTV_DATA_ROOTS", raising=False)
     monkeypatch.delenv("NCTV_HUB_DATASETS", raising=False)
-    assert state.dataset_hint() is None
+    assert limits.dataset_hint() is None
     assert "NCTV_HUB_DATASETS" in _refusal("hf-dataset:org/name@test")
     monkeypatch.setenv("NCTV_HUB_DATASETS", "1")
-    assert state.resolve_dataset("hf-dataset:org/name@test") == "hf-dataset:org/name@test"
+    assert limits.resolve_dataset("hf-dataset:org/name@test") == "hf-dataset:org/name@test"
     # A typed id is a Hub id: no server folder of that name is looked at.
-    assert state.resolve_model_name(DEFAULT_MODEL, "timm/resnet18.a1_in1k") == "hf-hub:timm/resnet18.a1_in1k"
-    assert state.resolve_model_name(None, "fmnist-vit") == "fmnist-vit"
+    assert limits.resolve_model_name(DEFAULT_MODEL, "timm/resnet18.a1_in1k") == "hf-hub:timm/resnet18.a1_in1k"
+    assert limits.resolve_model_name(None, "fmnist-vit") == "fmnist-vit"
 
 
 def test_operator_limits_come_from_the_environment(monkeypatch):
     monkeypatch.delenv("NCTV_MAX_MODEL_MB", raising=False)
-    assert state.max_model_bytes() == 500 * 10**6
+    assert max_model_bytes() == 500 * 10**6
     monkeypatch.setenv("NCTV_MAX_MODEL_MB", "250")
-    assert state.max_model_bytes() == 250 * 10**6
+    assert max_model_bytes() == 250 * 10**6
     monkeypatch.setenv("NCTV_MAX_MODEL_MB", "lots")
     with pytest.raises(ValueError, match="NCTV_MAX_MODEL_MB must be a number ≥ 0; it is 'lots'"):
-        state.max_model_bytes()
+        max_model_bytes()
     # The model memo's size is read once, when the app starts.
-    script = "from nctv.ui import state; print(state._models.maxsize)"
+    script = "from nctv.ui import caches; print(caches._models.maxsize)"
     env = {**os.environ, "NCTV_MAX_MODELS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr[-2000:]
@@ -741,16 +744,16 @@ def test_classify_shows_three_calibrations_of_the_same_picture(run, default_mode
 
 
 def test_classify_without_a_run_uses_the_shipped_calibration_and_converts_colour(tmp_path, default_model):
-    cal = state.load_precomputed().calibration
+    cal = load_precomputed().calibration
     rgb = tmp_path / "colour.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(rgb)
     _, page, _, note = try_image.classify(str(rgb), None)
-    assert state.PRECOMPUTED_LABEL in note and "converted to grey" in note and "40 × 30" not in note
+    assert PRECOMPUTED_LABEL in note and "converted to grey" in note and "40 × 30" not in note
     _assert_three_calibrations(default_model, Image.open(rgb).convert("L"), cal, page)
 
 
 def test_the_delta_view_carries_the_calibrations_delta_in_pixel_levels(default_model):
-    cal = state.load_precomputed().calibration
+    cal = load_precomputed().calibration
     example = try_image.example_images()[3]
     _, _, view, _ = try_image.classify(example, None)
     attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', view.split(">", 1)[0]))
@@ -782,7 +785,7 @@ def test_grey_picture_for_a_colour_model(tmp_path):
     train_classifier("resnet10t", dict(channels=[8, 8, 8, 8], stem_width=4), (images, labels), out_dir=folder,
                      class_names=["a", "b", "c"], epochs=1, batch_size=32, progress=False)
     name = f"local-dir:{folder}"
-    cal = state.Calibration(None, name, ts_temperature=2.0, nc_temperature=None, delta=None, nc_method=None,
+    cal = session.Calibration(None, name, ts_temperature=2.0, nc_temperature=None, delta=None, nc_method=None,
                             source="a test calibration")
     grey = tmp_path / "grey.png"
     Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(grey)
@@ -790,7 +793,7 @@ def test_grey_picture_for_a_colour_model(tmp_path):
     assert "three colour channels" in note and "was not part of this run" in note
     assert "knows 3 classes: a, b, c" in note and "check is unavailable: this calibration came without its images" in verdict
     assert 'data-flagged="unknown"' in verdict and "no δ to show" in view and "Neural Clamping was not part" in page
-    loaded = state.get_model(name)
+    loaded = caches.get_model(name)
     z = model_logits(loaded.model, loaded.preprocess(Image.open(grey).convert("RGB"))[None])
     rows = chart(page)
     assert set(rows) == {"a", "b", "c"} and all(set(bars) == {"raw", "ts"} for bars in rows.values())
@@ -831,13 +834,13 @@ def test_a_foreign_picture_is_flagged_first_and_its_answer_dimmed(tmp_path):
     assert 'data-flagged="false"' in passed and "looks like the data the model knows" in passed
     assert "nctv-chart nctv-dim" not in bars
     # The shipped calibration's images are the page's default splits: the check fits on exactly them.
-    pre = state.load_precomputed()
-    assert state.get_splits(pre.split)[0].fingerprint == pre.result.calibration["fingerprint"]
+    pre = load_precomputed()
+    assert caches.get_splits(pre.split)[0].fingerprint == pre.result.calibration["fingerprint"]
 
 
 def test_the_ood_check_is_unavailable_rather_than_failing(tmp_path):
-    cal = dataclasses.replace(state.load_precomputed().calibration, source="a test calibration",
-                              split=state.SplitSpec(DEFAULT_MODEL, "folder:/no/such/folder", 20, 0, 20))
+    cal = dataclasses.replace(load_precomputed().calibration, source="a test calibration",
+                              split=session.SplitSpec(DEFAULT_MODEL, "folder:/no/such/folder", 20, 0, 20))
     verdict, page, *_ = try_image.classify(try_image.example_images()[0], cal)
     assert "check is unavailable: its images could not be loaded" in verdict and len(chart(page)) >= 5
     assert "nctv-chart nctv-dim" not in page
@@ -876,7 +879,7 @@ def test_the_chart_shows_one_decimal_and_escapes_names():
 
 
 def test_learn_recomputes_metrics_at_the_slider_temperature():
-    pre = state.load_precomputed()
+    pre = load_precomputed()
     z, y = pre.result.methods["Uncalibrated"].test_logits, pre.result.test_labels
     fig, table, text = learn.explore_temperature(2.0, 10, None)
     row = _row(table, "T = 2.00 (slider)")
@@ -899,7 +902,7 @@ def _decoded(data: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_learn_page_gets_the_test_logits_once_whole_or_sampled(monkeypatch):
-    pre = state.load_precomputed()
+    pre = load_precomputed()
     z, y = pre.result.methods["Uncalibrated"].test_logits, pre.result.test_labels
     data = learn.page_data(None)
     got_z, got_y = _decoded(data)
@@ -985,7 +988,7 @@ def test_calibrate_handler_hands_every_setting_to_the_fitted_object(tmp_path):
     """The Calibrate tab's fields reach the Neural Clamping that was fitted: the calibrator the run
     offers for download (saved from the fitted object itself) holds each one."""
     v = NON_DEFAULT
-    outs = list(cal_tab.calibrate(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 300, 200, 0, 15,
+    outs = list(cal_tab.calibrate(DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 200, 0, 15,
                                   ["Neural Clamping (FL)"], str(v["gamma"]), str(v["weight_decay"]), v["init"],
                                   v["fitter"], v["epochs"], str(v["lr"])))
     files, calibration = outs[-1][-3], outs[-1][-2]
@@ -1001,13 +1004,13 @@ def test_gamma_and_initialisation_tabs_hand_every_setting_to_the_fit():
     """The γ sweep and initialisation tabs build the same options from their fields: each run records
     the options its fits were built with, and the sweep fits the grid's γ values with them."""
     v = NON_DEFAULT
-    outs = list(gamma_tab.gamma_sweep(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 200, 200, 0, 15, 0, 0.5, 0.5,
+    outs = list(gamma_tab.gamma_sweep(DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 200, 200, 0, 15, 0, 0.5, 0.5,
                                       str(v["weight_decay"]), v["init"], v["fitter"], v["epochs"], str(v["lr"])))
     sweep = json.loads(Path(outs[-1][-1][0]).read_text())
     given = {k: x for k, x in v.items() if k != "gamma"}  # the sweep sets γ itself
     assert {k: sweep["settings"]["nc"][k] for k in given} == given
     assert sweep["gammas"] == [0.0, 0.5] and sweep["fitter"] == "paper" and sweep["weight_decay"] == [0.02, 0.02]
-    outs = list(init_tab.init_study(DEFAULT_MODEL, "", state.DEFAULT_DATASET_CHOICE, 200, 200, 0, 15, 1,
+    outs = list(init_tab.init_study(DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 200, 200, 0, 15, 1,
                                     str(v["gamma"]), str(v["weight_decay"]), v["fitter"], v["epochs"], str(v["lr"])))
     study = json.loads(Path(outs[-1][-1][0]).read_text())
     given = {k: x for k, x in v.items() if k != "init"}  # the study sets the initialisation itself
@@ -1018,7 +1021,7 @@ def test_gamma_and_initialisation_tabs_hand_every_setting_to_the_fit():
 
 
 def test_shipped_result_matches_the_shipped_model(default_model):
-    pre = state.load_precomputed()
+    pre = load_precomputed()
     assert pre is not None, "assets/precomputed is missing: run python scripts/make_precomputed.py"
     r = pre.result
     assert r.model["name"] == DEFAULT_MODEL
@@ -1032,7 +1035,7 @@ def test_shipped_result_matches_the_shipped_model(default_model):
     z = model_logits(default_model.model, x)
     assert torch.allclose(r.methods["Uncalibrated"].test_logits[::7], z, atol=1e-4)
     cal = pre.calibration
-    assert cal.source == state.PRECOMPUTED_LABEL and tuple(cal.delta.shape) == tuple(x.shape[1:])
+    assert cal.source == PRECOMPUTED_LABEL and tuple(cal.delta.shape) == tuple(x.shape[1:])
     z_nc = model_logits(default_model.model, x, delta=cal.delta) / cal.nc_temperature
     assert torch.allclose(r.methods[cal.nc_method].test_logits[::7], z_nc, atol=1e-4)
     full = r.methods["Uncalibrated"].test_logits
@@ -1045,24 +1048,24 @@ def test_shipped_result_matches_the_shipped_model(default_model):
 
 def test_first_screen_is_the_shipped_result():
     status, table, diagrams, params, delta, files = cal_tab.precomputed_view()
-    assert state.PRECOMPUTED_LABEL in status and state.PRECOMPUTED_LABEL in table
+    assert PRECOMPUTED_LABEL in status and PRECOMPUTED_LABEL in table
     assert "| Neural Clamping (FL) |" in table and len(diagrams["methods"]) == 5 and delta is not None
     assert Path(files[0]).name == "calibrators.zip"
     # The parameters say in words how large δ is: its largest change in 0–255 levels, from the
     # shipped δ and the model's normalisation (x = (p / 255 − mean) / std, so Δp = 255 · std · δ).
-    pre = state.load_precomputed()
+    pre = load_precomputed()
     largest = 255 * float((pre.calibration.delta.abs() * torch.tensor(pre.result.settings["std"]).view(-1, 1, 1)).max())
     assert f"its largest change is {largest:.1f} of 255 grey levels" in params
     # The run's verdict on Neural Clamping, from the paired interval, stands under the table.
     assert "Neural Clamping (FL) and TS by Grid Search are tied on this model" in table or \
         "Neural Clamping (FL) is" in table
     shipped = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
-    assert shipped == json.loads((state.precomputed_dir() / "results.json").read_text())
+    assert shipped == json.loads((precomputed_dir() / "results.json").read_text())
     # The shipped run's calibrators come as a zip too, and load back as the run's own δ and T.
     from nctv.ui.upload_calibrator import load_calibrators
 
     archive = next(f for f in files if f.endswith("calibrators.zip"))
     loaded, line = load_calibrators(archive, None)
-    pre = state.load_precomputed().calibration
+    pre = load_precomputed().calibration
     assert "Loaded **Neural Clamping (FL)**" in line and torch.equal(loaded.delta, pre.delta)
     assert loaded.nc_temperature == pre.nc_temperature and loaded.ts_temperature == pre.ts_temperature

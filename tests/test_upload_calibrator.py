@@ -11,14 +11,14 @@ import torch
 from nctv.calibration.saving import CONFIG_NAME, TENSORS_NAME
 from nctv.settings import NCOptions
 from nctv.ui import calibrate as cal_tab
-from nctv.ui import state, try_image
+from nctv.ui import session, try_image
 from nctv.ui.upload_calibrator import calibration_from_zip, load_calibrators
 from nctv.zoo import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
 def run_and_zip():
-    spec = state.SplitSpec(DEFAULT_MODEL, None, 400, 0, 1000)
+    spec = session.SplitSpec(DEFAULT_MODEL, None, 400, 0, 1000)
     nc = NCOptions()
     result, calibration = cal_tab.run_calibration(spec, ["Temperature Scaling", "Neural Clamping (FL)"], 15, nc)
     files = cal_tab.export_files(result, calibration, 15)

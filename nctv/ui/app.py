@@ -23,27 +23,18 @@ from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
-from nctv.settings import APP_INIT_RUNS, APP_METHODS
+from nctv.hub import max_model_bytes
+from nctv.settings import APP_BINS, APP_INIT_RUNS, APP_METHODS, DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import HEAVY, on_gpu
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
 from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
-from nctv.ui.state import (
-    APP_BINS,
-    DEFAULT_CALIBRATION_SIZE,
-    DEFAULT_DATASET_CHOICE,
-    SplitSpec,
-    dataset_choices,
-    dataset_hint,
-    examples_dir,
-    get_logits,
-    get_ood_detector,
-    load_precomputed,
-    max_model_bytes,
-    model_choices,
-)
+from nctv.ui.caches import get_logits, get_ood_detector
+from nctv.ui.limits import DEFAULT_DATASET_CHOICE, dataset_choices, dataset_hint, model_choices
+from nctv.ui.session import SplitSpec
+from nctv.ui.shipped import examples_dir, load_precomputed
 
 log = logging.getLogger("nctv.ui")
 

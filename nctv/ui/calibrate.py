@@ -23,20 +23,10 @@ from nctv.results import CALIBRATORS_FOLDER
 from nctv.settings import NCOptions
 from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_gamma, parse_lr,
                              parse_weight_decay, parse_whole, user_errors, with_warnings)
-from nctv.ui.state import (
-    NC_METHODS,
-    PRECOMPUTED_LABEL,
-    TS_METHOD,
-    Calibration,
-    SplitSpec,
-    get_model,
-    get_splits,
-    precomputed_dir,
-    resolve_dataset,
-    resolve_model_name,
-    test_metrics,
-    ts_temperature_of,
-)
+from nctv.ui.caches import get_model, get_splits, ts_temperature_of
+from nctv.ui.limits import resolve_dataset, resolve_model_name
+from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
+from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir, test_metrics
 
 REFERENCE = "Uncalibrated"
 FITTER_CHOICES = [("fast (default: T by calibration ECE, then δ by L-BFGS at that T; about 10 passes)", "fast"),
@@ -211,7 +201,7 @@ def shown_run(result: Any, split: SplitSpec, n_bins: int) -> ShownRun:
 
 @lru_cache(maxsize=1)
 def _shipped_run() -> ShownRun:
-    from nctv.ui.state import load_precomputed
+    from nctv.ui.shipped import load_precomputed
 
     pre = load_precomputed()
     if pre is None:
@@ -478,7 +468,7 @@ def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins,
 def precomputed_view() -> tuple:
     """The first screen: the shipped result (status, table, the diagrams' numbers, parameters, δ,
     files), clearly labelled, or a hint when none is shipped."""
-    from nctv.ui.state import load_precomputed
+    from nctv.ui.shipped import load_precomputed
 
     pre = load_precomputed()
     if pre is None:

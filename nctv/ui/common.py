@@ -374,16 +374,6 @@ _EXPORT_ROOT = Path(tempfile.gettempdir()) / "nctv-app-exports"
 KEEP_EXPORTS = 30
 
 
-def shipped_study(name: str) -> tuple[dict, Path] | None:
-    """The study file ``name`` shipped beside the pre-computed result (its data and path), or None."""
-    import json
-
-    from nctv.data import assets_dir
-
-    path = assets_dir() / "precomputed" / name
-    return (json.loads(path.read_text(encoding="utf-8")), path) if path.is_file() else None
-
-
 def export_dir(prefix: str) -> Path:
     """A fresh folder for one result's downloadable files (in the temp folder Gradio serves from)."""
     _EXPORT_ROOT.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,10 @@ from nctv.checks import GAMMA_MAX
 from nctv.report import gamma_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
-from nctv.ui.common import (Worker, export_dir, parse_whole, shipped_study, stream_progress, user_errors,
-                            with_warnings)
-from nctv.ui.state import SplitSpec, get_model, get_splits
+from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.caches import get_model, get_splits
+from nctv.ui.session import SplitSpec
+from nctv.ui.shipped import shipped_study
 
 #: At most this many γ values per sweep (the paper's grid has 21).
 MAX_GAMMAS = 41

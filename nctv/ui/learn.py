@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from nctv import metrics, report
+from nctv.settings import APP_BINS
 from nctv.ui.common import parse_whole, user_errors
-from nctv.ui.state import APP_BINS, Calibration, SplitSpec, get_splits, load_precomputed, test_logits_of
+from nctv.ui.caches import get_splits
+from nctv.ui.session import Calibration, SplitSpec
+from nctv.ui.shipped import load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
 BINS_MIN, BINS_MAX = 5, 50

@@ -27,7 +27,9 @@ import torch
 from nctv.inference import model_logits
 from nctv.ui.common import redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
-from nctv.ui.state import Calibration, examples_dir, get_model, get_ood_detector, load_precomputed
+from nctv.ui.caches import get_model, get_ood_detector
+from nctv.ui.session import Calibration
+from nctv.ui.shipped import examples_dir, load_precomputed
 
 log = logging.getLogger("nctv.ui")
 

@@ -23,7 +23,8 @@ from nctv.calibration.saving import (CONFIG_NAME, FILE_CAPS, TENSORS_NAME, Model
 from nctv.checks import env_limit, shown
 from nctv.settings import DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import user_errors
-from nctv.ui.state import NC_METHODS, TS_METHOD, Calibration, SplitSpec, get_model, ts_temperature_of
+from nctv.ui.caches import get_model, ts_temperature_of
+from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
 
 #: Caps on a visitor's zip: its size, its unpacked size (bytes really decompressed, whatever the
 #: zip claims) and its number of files. Each file is also held to its own cap (saving.FILE_CAPS).

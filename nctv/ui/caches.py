@@ -1,0 +1,115 @@
+"""Server-wide caches: models, splits, unperturbed logits, weight fingerprints and
+out-of-distribution detectors, read-only and shared, so a second visitor does not pay again.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from nctv.checks import env_limit
+from nctv.hub import max_model_bytes
+from nctv.ui.limits import DEFAULT_MAX_MODELS, data_roots
+from nctv.ui.session import TS_METHOD, SplitSpec
+
+
+class Memo:
+    """A small thread-safe LRU memo: one computation per key even when visitors ask at once."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._data: OrderedDict = OrderedDict()
+        self._locks: dict[Any, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
+        with self._guard:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return self._data[key]
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            with self._guard:
+                if key in self._data:
+                    return self._data[key]
+            value = compute()
+            with self._guard:
+                self._data[key] = value
+                self._data.move_to_end(key)
+                while len(self._data) > self.maxsize:
+                    self._data.popitem(last=False)
+                self._locks.pop(key, None)
+            return value
+
+
+#: Models held in memory at once (``$NCTV_MAX_MODELS``, read at start); the least recently used goes first.
+_models = Memo(env_limit("NCTV_MAX_MODELS", DEFAULT_MAX_MODELS))
+_splits = Memo(6)
+_logits = Memo(8)
+_hashes = Memo(8)
+_detectors = Memo(4)
+
+
+def get_model(name: str):
+    """The zoo's ``LoadedModel`` for ``name`` on the best device here (loaded once per server)."""
+    from nctv.inference import resolve_device
+    from nctv.zoo import load_model
+
+    return _models.get(name, lambda: load_model(name, device=resolve_device(None), max_weight_bytes=max_model_bytes()))
+
+
+def model_hash(name: str) -> str:
+    """The model's weight fingerprint (keys the on-disk logit cache), computed once per model."""
+    from nctv.cache import model_fingerprint
+
+    return _hashes.get(name, lambda: model_fingerprint(get_model(name).model))
+
+
+def get_splits(spec: SplitSpec):
+    """(calibration, test) splits of ``spec`` (see :func:`nctv.data.get_splits`)."""
+    from nctv.data import get_splits as data_splits
+
+    def make():
+        return data_splits(get_model(spec.model), dataset=spec.dataset, calibration_size=spec.calibration_size,
+                           calibration_seed=spec.calibration_seed, test_size=spec.test_size,
+                           folder_roots=data_roots())
+
+    return _splits.get(spec, make)
+
+
+def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unperturbed logits (N, K) and labels (N,) of the model on its ``which`` ("calibration"/"test")
+    split, from memory, else from the on-disk logit cache of :func:`nctv.cache.split_logits`."""
+    from nctv.cache import split_logits
+
+    cal, test = get_splits(spec)
+    split = cal if which == "calibration" else test
+    key = (spec.model, split.fingerprint)
+
+    def make():
+        cached = split_logits(get_model(spec.model).model, split, model_hash=model_hash(spec.model))
+        return cached.logits, cached.labels
+
+    return _logits.get(key, make)
+
+
+def ts_temperature_of(spec: SplitSpec) -> float:
+    """Temperature scaling fitted on ``spec``'s cached calibration logits (the Try tab always
+    compares with it; on cached logits it costs nothing)."""
+    from nctv.calibration import METHODS
+
+    return float(METHODS[TS_METHOD].factory().fit(*get_logits(spec, "calibration")).temperature_)
+
+
+def get_ood_detector(spec: SplitSpec):
+    """The out-of-distribution detector (:mod:`nctv.ood`) of ``spec``'s model: fitted on its
+    calibration split, threshold set on its test split, once per server."""
+    from nctv.ood import fit_on_splits
+
+    def make():
+        cal, test = get_splits(spec)
+        return fit_on_splits(get_model(spec.model).model, cal, test)
+
+    return _detectors.get(spec, make)

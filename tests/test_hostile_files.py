@@ -233,7 +233,8 @@ NC_CASES = {
     "delta nan": (_in_file("fitted.delta_", torch.full((1, 28, 28), math.nan)), "delta_ holds NaN or infinite"),
     "delta inf": (_in_file("fitted.delta_", torch.zeros(1, 28, 28).index_fill_(2, torch.tensor([3]), math.inf)),
                   "delta_ holds NaN or infinite"),
-    "delta 1e30": (_in_file("fitted.delta_", torch.full((1, 28, 28), 1e30)), "more than the model's whole input range"),
+    "delta 1e30": (_in_file("fitted.delta_", torch.full((1, 28, 28), 1e30)),
+                   "more than twice the model's whole input range"),
     "delta shape": (_in_file("fitted.delta_", torch.zeros(1, 28, 27)), r"delta_ has shape \[1, 28, 27\]; it must have "
                                                                     r"the model's input shape \[1, 28, 28\]"),
     "delta scalar tensor": (_in_file("fitted.delta_", torch.tensor(0.5)), r"delta_ has shape \[\]"),
@@ -259,6 +260,21 @@ def test_impossible_neural_clamping_calibrators_are_refused(case, loaded, tmp_pa
     folder = _copy("neural-clamping-fl", tmp_path, **changes)
     with pytest.raises(ValueError, match=words):
         load_calibrator(folder, model=loaded)
+
+
+def test_a_delta_a_little_past_the_input_range_loads(loaded, tmp_path):
+    """An SGD fit from Theorem 1's δ̃ (entries up to the range's width) may step slightly past that
+    width: such a calibrator is real and loads; only one past twice the width is refused."""
+    alpha, beta = loaded.input_range
+    width = float((beta - alpha).abs().max())
+    near = torch.zeros(1, 28, 28)
+    near[0, 0, 0] = 1.01 * width
+    calibrator = load_calibrator(_copy("neural-clamping-fl", tmp_path / "near", **_in_file("fitted.delta_", near)),
+                                 model=loaded)
+    assert float(calibrator.delta_.abs().max()) == pytest.approx(1.01 * width)
+    far = near * 2
+    with pytest.raises(ValueError, match="more than twice the model's whole input range"):
+        load_calibrator(_copy("neural-clamping-fl", tmp_path / "far", **_in_file("fitted.delta_", far)), model=loaded)
 
 
 def _delta_file(tmp_path, dtype, shape, nbytes, real_bytes=None) -> Path:

@@ -314,9 +314,10 @@ class _Expected:
     def __init__(self, config: dict, model: Any):
         self.input_shape = self._input_shape(config, model)
         self.classes = getattr(model, "num_classes", None)  # a LoadedModel knows its class count
-        # and its input range (α, β): a δ wider than β − α would move an input off every image.
+        # and its input range (α, β). An unclamped SGD fit from Theorem 1's δ̃ (whose entries reach β − α)
+        # can step a little past β − α; twice that would move an input off every image, which no fit does.
         bounds = getattr(model, "input_range", None)
-        self.delta_bound = float((bounds[1] - bounds[0]).abs().max()) if bounds is not None else None
+        self.delta_bound = 2 * float((bounds[1] - bounds[0]).abs().max()) if bounds is not None else None
         params = config.get("params") or {}
         self.grid = self._grid_length(params) if {"grid_step", "t_max"} <= params.keys() else None
         # ODIR's cross-validation tables: one row per λ, one column per μ.
@@ -460,7 +461,7 @@ _TENSORS = ("delta_", "weight_", "bias_", "grid_", "ece_grid_")
 
 def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | None) -> None:
     """Refuse fitted numbers no fitter produces: non-finite, out of range, or of the wrong kind.
-    ``delta_bound``: the width of the model's input range, which no entry of δ may exceed."""
+    ``delta_bound``: twice the width of the model's input range, which no entry of δ may exceed."""
 
     path = folder / CONFIG_NAME
     missing = [k for k in _NEEDS.get(spec.cls, ()) if k not in fitted]
@@ -477,8 +478,8 @@ def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | No
     if delta_bound is not None and "delta_" in fitted:
         largest = float(torch.as_tensor(fitted["delta_"]).abs().max())
         if largest > delta_bound:
-            raise ValueError(f"The calibrator's δ moves inputs by up to {largest:.3g}, more than the model's whole "
-                             f"input range ({delta_bound:.3g}); no fit produces that. Fit and save it again.")
+            raise ValueError(f"The calibrator's δ moves inputs by up to {largest:.3g}, more than twice the model's "
+                             f"whole input range ({delta_bound / 2:.3g}); no fit produces that. Fit and save it again.")
     if "temperature_" in fitted:
         t = _number(fitted["temperature_"], "temperature T", path)
         if not T_MIN <= t <= T_MAX:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import start_app, stop_app  # noqa: E402
 
 SIZES = {"390": (390, 844), "1280": (1280, 720), "1400": (1400, 1000)}
-TABS = {"calibrate": "Calibrate", "try": "Try your own image", "learn": "Learn"}
+TABS = {"calibrate": "Calibrate", "gamma": "γ sweep", "init": "Initialisation", "try": "Try your own image", "learn": "Learn"}
 
 
 def small_png(png: bytes, path: Path) -> None:

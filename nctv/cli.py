@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from nctv import __version__
 from nctv.settings import (
+    CORRUPTION_NAMES,
     DEFAULT_BATCH_SIZE,
     DEFAULT_BINS,
     DEFAULT_CALIBRATION_SIZE,
@@ -33,6 +34,9 @@ from nctv.settings import (
     INITS,
     INTERVAL_STYLES,
     PRECISIONS,
+    SEVERITIES,
+    SHIFT_METHODS,
+    SHIFT_SEEDS,
     STUDY_BINS,
     SWEEP_GAMMAS,
     TEMPERATURE_RULES,
@@ -70,6 +74,7 @@ examples:
   nctv timing                                   Table 7: TS grid vs NC (Eff.) vs NC (FL), seconds
   nctv sweep-gamma --gammas 0 0.25 0.5 0.75 1   Figure 2: ECE, entropy, loss against gamma
   nctv init-study --seeds 5                     Figure 3: random vs data-driven delta init
+  nctv shift                                    calibration under noise, blur, contrast, JPEG, ... (5 severities)
   nctv train --dataset bloodmnist --epochs 5    train a classifier, then: nctv run --model local-dir:out/train
   nctv apply --calibrator out/ts IMAGE.png      calibrated top-5 classes of images with a saved calibrator
 
@@ -89,6 +94,9 @@ COMMAND_EXAMPLES = {
     "timing": ["nctv timing", "nctv timing --resolutions 0.1 0.01 0.001"],
     "sweep-gamma": ["nctv sweep-gamma", "nctv sweep-gamma --gammas 0 0.25 0.5 0.75 1 --calibration-size 2000"],
     "init-study": ["nctv init-study", "nctv init-study --seeds 10 --fitter paper"],
+    "shift": ["nctv shift", "nctv shift --corruptions contrast gaussian-noise --severities 1 3 5",
+              "nctv shift --calibrate-on contrast/3 --out out/shift-contrast",
+              "nctv shift --model fmnist-vit --methods ts ts-grid nc-fl --seeds 3"],
     "train": ["nctv train --epochs 3 --out out/my-resnet",
               "nctv train --dataset bloodmnist --arch resnet18 --epochs 5 --out out/blood",
               "nctv run --model local-dir:out/blood --dataset bloodmnist"],
@@ -197,7 +205,7 @@ def _nc_options(args: argparse.Namespace) -> NCOptions | None:
 
 
 def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bins: bool = True,
-                gamma: bool = True, init: bool = True) -> None:
+                gamma: bool = True, init: bool = True, default_seeds: int = DEFAULT_SEEDS) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, metavar="NAME",
                    help="zoo name, hf-hub:<org>/<name> or local-dir:<folder> (default: the embedded model; "
@@ -219,8 +227,8 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                         "measured pass shows it faster and agreeing with fp32), fp32 (forces full precision), bf16, fp16")
     g = p.add_argument_group("run")
     if seeds:
-        g.add_argument("--seeds", type=_positive_int, default=DEFAULT_SEEDS, metavar="N",
-                       help=f"runs of every stochastic method, seeds 0..N-1 (default {DEFAULT_SEEDS})")
+        g.add_argument("--seeds", type=_positive_int, default=default_seeds, metavar="N",
+                       help=f"runs of every stochastic method, seeds 0..N-1 (default {default_seeds})")
     if bins:
         g.add_argument("--bins", type=_positive_int, nargs="+", default=list(DEFAULT_BINS), metavar="M",
                        help=f"bin counts of ECE/AECE/SCE (default {' '.join(map(str, DEFAULT_BINS))})")
@@ -256,6 +264,17 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--quiet", action="store_true", help="no progress bars; only the summary line")
 
 
+def _add_intervals(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("intervals")
+    g.add_argument("--interval-level", type=_float, default=DEFAULT_LEVEL, metavar="L",
+                   help=f"coverage of every interval (default {DEFAULT_LEVEL})")
+    g.add_argument("--resamples", type=_positive_int, default=DEFAULT_RESAMPLES, metavar="N",
+                   help=f"resamples of the test split (default {DEFAULT_RESAMPLES}; at least 100)")
+    g.add_argument("--interval-seed", type=_seed, default=0, metavar="S", help="seed of the resamples (default 0)")
+    g.add_argument("--interval-style", choices=list(INTERVAL_STYLES), default="brackets",
+                   help="show intervals as 'value [low, high]' (brackets, the default) or 'value ± half-width' (pm)")
+
+
 class _TrainFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown in the option list; examples kept as written."""
 
@@ -287,14 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                    help="methods to run (full names in quotes, or short names: " + ", ".join(METHOD_ALIASES)
                         + "); default: all ten")
-    g = p.add_argument_group("intervals")
-    g.add_argument("--interval-level", type=_float, default=DEFAULT_LEVEL, metavar="L",
-                   help=f"coverage of every interval (default {DEFAULT_LEVEL})")
-    g.add_argument("--resamples", type=_positive_int, default=DEFAULT_RESAMPLES, metavar="N",
-                   help=f"resamples of the test split (default {DEFAULT_RESAMPLES}; at least 100)")
-    g.add_argument("--interval-seed", type=int, default=0, metavar="S", help="seed of the resamples (default 0)")
-    g.add_argument("--interval-style", choices=list(INTERVAL_STYLES), default="brackets",
-                   help="show intervals as 'value [low, high]' (brackets, the default) or 'value ± half-width' (pm)")
+    _add_intervals(p)
 
     p = _command(sub, "ablation", "NC (FL) against input-only and output-only parts (Table 4)",
                  "Neural Clamping (FL) against f(x + δ*) (input only), f(x)/T* (output only), temperature scaling "
@@ -324,6 +336,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, "init-study", bins=False, init=False)
     p.add_argument("--n-bins", type=_positive_int, default=STUDY_BINS, metavar="M",
                    help=f"bins of the metrics (default {STUDY_BINS})")
+
+    p = _command(sub, "shift", "calibration under distribution shift: noisy, blurred, faded test images",
+                 "Fit every method once on the clean calibration split (or, with --calibrate-on, on a corrupted "
+                 "one), then score it on the clean test split and on every corruption of it (noise, blur, contrast, "
+                 "brightness, JPEG, pixelation, rotation; ImageNet-C's definitions) at every severity, each figure "
+                 "with its paired interval. Writes the table of ECE and accuracy against severity, Neural Clamping "
+                 "against temperature scaling with a verdict per condition, and the figure of ECE against severity "
+                 "per corruption and averaged (Ovadia et al. 2019).")
+    _add_common(p, "shift", bins=False, default_seeds=SHIFT_SEEDS)
+    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                   help="methods (full or short names, as for run); default: " + ", ".join(SHIFT_METHODS))
+    p.add_argument("--corruptions", nargs="+", default=None, choices=list(CORRUPTION_NAMES) + ["all"], metavar="NAME",
+                   help=f"corruptions ({', '.join(CORRUPTION_NAMES)}, or all; default: all but rotation)")
+    p.add_argument("--severities", type=lambda t: _whole(t, 1, 5), nargs="+", default=list(SEVERITIES), metavar="S",
+                   help="severities from 1 to 5 (default all five; the clean test split is always scored)")
+    p.add_argument("--calibrate-on", default=None, metavar="NAME/S",
+                   help="fit the calibrators on the calibration split with this corruption, e.g. contrast/3 "
+                        "(calibrate for the conditions you deploy in; default: the clean split)")
+    p.add_argument("--corruption-seed", type=_seed, default=0, metavar="S",
+                   help="seed of the random corruptions (noise, rotation), per image (default 0)")
+    p.add_argument("--n-bins", type=_positive_int, default=STUDY_BINS, metavar="M",
+                   help=f"ECE bins (default {STUDY_BINS})")
+    _add_intervals(p)
 
     p = _command(sub, "train", "train a classifier for calibration experiments",
                  "Train a timm classifier from scratch (plain recipe, no calibration tricks) and save it as "
@@ -551,6 +586,36 @@ def cmd_init_study(args: argparse.Namespace, nc: NCOptions) -> str:
             f"{'; '.join(parts)} ({args.n_bins} bins, fitter {result.fitter}) -> {out}")
 
 
+def cmd_shift(args: argparse.Namespace, nc: NCOptions) -> str:
+    from nctv import experiment, plots, report, shift
+    from nctv.corruptions import CORRUPTIONS, DEFAULT_CORRUPTIONS
+    from nctv.intervals import IntervalSettings
+
+    methods = experiment.check_methods(resolve_methods(args.methods) or shift.SHIFT_METHODS)
+    names = list(CORRUPTIONS) if args.corruptions == ["all"] else (args.corruptions or list(DEFAULT_CORRUPTIONS))
+    # The plan is checked before the model and data load: a typo fails at once.
+    experiment._check_shift_plan(names, args.severities, args.calibrate_on)
+    options = _run_options(args, nc, seeds=args.seeds, cache_dir=_cache(args), dataset=args.dataset,
+                           intervals=IntervalSettings(args.interval_level, args.resamples, args.interval_seed))
+    loaded, cal, test = _load(args)
+    result = experiment.run_shift(loaded, cal, test, names, args.severities, methods, options,
+                                  corruption_seed=args.corruption_seed, calibrate_on=args.calibrate_on,
+                                  n_bins=args.n_bins)
+    out = args.out
+    if not _writes():
+        return ""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
+    shift.write_tables(result, out, args.interval_style)
+    _save({"shift": _both(plots.shift_figure, plots.shift_curve_data(result, "ece")),
+           "shift-accuracy": _both(plots.shift_figure, plots.shift_curve_data(result, "accuracy"))}, out)
+    table = report.to_markdown(shift.shift_table(result), args.interval_style)
+    lines = shift.summary_sentences(result)
+    return (table + "\n" + "\n".join(lines) + ("\n" if lines else "") +
+            f"\nshift: {len(result.methods)} methods on {result.model['name']} under {len(result.corruptions)} "
+            f"corruptions x {len(result.severities)} severities in {result.seconds:.1f} s -> {out}")
+
+
 def _write_study(result, out: Path, table, figures) -> bool:
     """A study's results.json, table (``table()``) and figures (``figures()``) in ``out``; False, with
     nothing written, on every process but the first of a distributed run."""
@@ -747,7 +812,7 @@ def _check_saved_for(config: dict, loaded, calibrator: str) -> None:
 
 COMMANDS = {
     "run": cmd_run, "ablation": cmd_ablation, "timing": cmd_timing, "sweep-gamma": cmd_sweep_gamma,
-    "init-study": cmd_init_study, "train": cmd_train, "models": cmd_models, "apply": cmd_apply,
+    "init-study": cmd_init_study, "shift": cmd_shift, "train": cmd_train, "models": cmd_models, "apply": cmd_apply,
 }
 
 

@@ -53,6 +53,10 @@ from nctv.results import (
 )
 from nctv.settings import (
     ABLATION_METHODS,
+    SEVERITIES,
+    SHIFT_CORRUPTIONS,
+    SHIFT_METHODS,
+    SHIFT_SEEDS,
     DEFAULT_BINS,
     DEFAULT_METHODS,
     DEFAULT_SEEDS,
@@ -417,19 +421,29 @@ def _fit_predict(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[torch.Tens
             return z, seconds, params, None, None
         params["temperature"] = 1.0
         return z, seconds, params, nc.delta_.detach().float().cpu(), None
-    spec = _registry()[plan.name]
-    if spec.needs_model:
-        nc, seconds = _nc_fit(ctx, plan, seed)
-        z = nc.predict_logits(ctx.test.loader(batch_size=ctx.options.batch_size))
-        delta = getattr(nc, "delta_", None)
-        return z, seconds, _learned_params(nc), (None if delta is None else delta.detach().float().cpu()), nc
+    m, seconds = _fit_method(ctx, plan, seed)
+    z = _calibrated(ctx, plan, m, ctx.test, ctx.test_z)
+    delta = getattr(m, "delta_", None) if _registry()[plan.name].needs_model else None
+    return z, seconds, _learned_params(m), (None if delta is None else delta.detach().float().cpu()), m
+
+
+def _fit_method(ctx: _Context, plan: MethodPlan, seed: int) -> tuple[Any, float]:
+    """One method of the run fitted on the calibration split for ``seed``, and its fit seconds."""
+    if _registry()[plan.name].needs_model:
+        return _nc_fit(ctx, plan, seed)
     _seed_everything(seed)
     m = _make(ctx, plan, seed)
     t0 = time.perf_counter()
     m.fit(ctx.cal_z, ctx.cal_y)
-    seconds = time.perf_counter() - t0
-    z = m.transform(ctx.test_z)
-    return z, seconds, _learned_params(m), None, m
+    return m, time.perf_counter() - t0
+
+
+def _calibrated(ctx: _Context, plan: MethodPlan, fitted: Any, split: Any, logits: torch.Tensor) -> torch.Tensor:
+    """Calibrated logits of ``split`` (whose unperturbed logits are ``logits``) by a fitted method: a
+    model-based one passes the split's inputs through the model again, a logit-space one maps ``logits``."""
+    if _registry()[plan.name].needs_model:
+        return fitted.predict_logits(split.loader(batch_size=ctx.options.batch_size))
+    return fitted.transform(logits)
 
 
 def _nc_fit(ctx: _Context, plan: MethodPlan, seed: int):
@@ -500,6 +514,19 @@ def _input_scale(model: Any, split: Any) -> dict[str, list[float]]:
     return {}
 
 
+def _split_pair_logits(module: torch.nn.Module, calibration: Any, test: Any, options: RunOptions, dev: torch.device,
+                       fingerprint: str, bar: _Progress):
+    """The unperturbed logits of both splits (cached), one progress step each."""
+    bar.message("logits of the calibration split")
+    cal = split_logits(module, calibration, options.cache_dir, options.batch_size, dev, fingerprint)
+    bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
+    tst = split_logits(module, test, options.cache_dir, options.batch_size, dev, fingerprint)
+    bar.step("test logits " + ("from cache" if tst.hit else "computed"))
+    if tst.logits.shape[1] != cal.logits.shape[1]:
+        raise ValueError("The calibration and test splits give different numbers of classes.")
+    return cal, tst
+
+
 def _run_plans(kind: str, model: Any, calibration: Any, test: Any, plans: Sequence[MethodPlan], options: RunOptions,
                recorded: dict[str, Any]) -> RunResult:
     """The engine: ``plans`` fitted on ``calibration`` and scored on ``test`` with ``options``;
@@ -516,14 +543,8 @@ def _run_plans(kind: str, model: Any, calibration: Any, test: Any, plans: Sequen
     bar = _Progress(total, kind, options.progress, options.callback)
     with _run_precision(options.precision, module, calibration, dev) as chosen:
         try:
-            bar.message("logits of the calibration split")
-            cal = split_logits(module, calibration, options.cache_dir, options.batch_size, dev, model_info["fingerprint"])
-            bar.step("calibration logits " + ("from cache" if cal.hit else "computed"))
-            tst = split_logits(module, test, options.cache_dir, options.batch_size, dev, model_info["fingerprint"])
-            bar.step("test logits " + ("from cache" if tst.hit else "computed"))
+            cal, tst = _split_pair_logits(module, calibration, test, options, dev, model_info["fingerprint"], bar)
             n_classes = int(cal.logits.shape[1])
-            if tst.logits.shape[1] != n_classes:
-                raise ValueError("The calibration and test splits give different numbers of classes.")
             ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, options, dev,
                            _input_range(model, options.input_range), bar)
             results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
@@ -745,3 +766,217 @@ def _n_classes(model: Any, module: torch.nn.Module, split: Any, batch_size: int)
             return len(names)
     x, _ = next(iter(split.loader(batch_size=min(batch_size, 8))))
     return int(model_logits(module, x).shape[1])
+
+
+# --------------------------------------------------------------------------- distribution shift
+
+
+def _check_shift_plan(corruptions: Sequence[str], severities: Sequence[int], calibrate_on: Any) -> tuple[
+        list[str], list[int], str | None]:
+    from nctv.corruptions import check_corruption, check_severity
+    from nctv.shift import condition_key
+
+    names = []
+    for c in corruptions:
+        c = check_corruption(c)
+        if c not in names:
+            names.append(c)
+    if not names:
+        raise ValueError("No corruptions given; name at least one, e.g. 'gaussian-noise'.")
+    levels = sorted({check_severity(s) for s in severities} - {0})
+    if not levels:
+        raise ValueError("No severities given; use some of 1 to 5 (the clean test split is always scored).")
+    on = None
+    if calibrate_on is not None:
+        if isinstance(calibrate_on, str):
+            name, _, level = calibrate_on.partition("/")
+            try:
+                level = int(level)
+            except ValueError:
+                raise ValueError(f"Calibrate on a corruption as 'name/severity', e.g. 'contrast/3'; got "
+                                 f"{calibrate_on[:80]!r}.") from None
+        else:
+            name, level = calibrate_on
+        on = condition_key(check_corruption(name), check_severity(level))
+        on = None if on == "clean" else on
+    return names, levels, on
+
+
+def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str] | None = None,
+              severities: Sequence[int] = SEVERITIES, methods: Sequence[str] | None = None,
+              options: RunOptions | None = None, *, corruption_seed: int = 0, calibrate_on: Any = None,
+              n_bins: int = STUDY_BINS, examples: int = 0, **keywords: Any) -> Any:
+    """Calibration under distribution shift: every method fitted once per seed on ``calibration``
+    (clean, or corrupted by ``calibrate_on`` = "contrast/3" or ("contrast", 3): "calibrate for the
+    conditions you deploy in"), then scored on the clean ``test`` split and on every corruption of it
+    (``nctv.corruptions``; default ``DEFAULT_CORRUPTIONS``) at every severity.
+
+    Each corrupted test split's unperturbed logits are computed once and cached (the cache key names
+    the corruption, severity and seed); logit-space methods map them, Neural Clamping passes the
+    corrupted inputs + its δ through the model. Every figure gets the interval of ``options.intervals``
+    from one set of resamples of the test images, shared by every method and condition (paired).
+    ``examples``: how many test images to keep, per condition, as uint8 pixels (the app's examples).
+    ``options``, ``keywords``: as in :func:`run_experiment`; seeds default to 1 here.
+    Returns a :class:`nctv.shift.ShiftResult`.
+    """
+    from nctv.corruptions import corrupt_split
+    from nctv.metrics import reliability_bins
+    from nctv.shift import ShiftResult
+
+    t_start = time.perf_counter()
+    names = check_methods(SHIFT_METHODS if methods is None else methods)
+    corruptions, severities, calibrate_on = _check_shift_plan(
+        SHIFT_CORRUPTIONS if corruptions is None else corruptions, severities, calibrate_on)
+    check_whole(examples, "examples", minimum=0)
+    if options is None and "seeds" not in keywords:
+        keywords["seeds"] = SHIFT_SEEDS
+    options = RunOptions.make(options, **keywords)
+    n_bins = _check_bins_list([n_bins])[0]
+    calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
+    corrupt_split(test, corruptions[0], 0)  # a split of tensors is refused here, before any model pass
+    if calibrate_on is not None:
+        name, level = calibrate_on.rsplit("/", 1)
+        calibration = corrupt_split(calibration, name, int(level), corruption_seed + 1)
+    if n_bins > len(test.labels):
+        raise ValueError(f"{n_bins} bins are more than the {len(test.labels)} test samples; use fewer bins.")
+    module, model_info, dev = _prepare_model_run(model, options.device)
+    plans = _plans(names)
+    seed_list = list(options.seeds)
+    runs = {p.label: seed_list if _registry()[p.name].stochastic else seed_list[:1] for p in plans}
+    conditions = [("clean", 0)] + [(c, s) for c in corruptions for s in severities]
+    bar = _Progress(2 + sum(map(len, runs.values())) + len(conditions), "shift", options.progress, options.callback)
+    intervals = options.intervals or IntervalSettings()
+    with _run_precision(options.precision, module, calibration, dev) as chosen:
+        try:
+            cal, tst = _split_pair_logits(module, calibration, test, options, dev, model_info["fingerprint"], bar)
+            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, options, dev,
+                           _input_range(model, options.input_range), bar)
+            fitted: dict[str, list[Any]] = {}
+            fit_seconds: dict[str, list[float]] = {}
+            params: dict[str, dict] = {}
+            for p in plans:
+                fitted[p.label], fit_seconds[p.label] = [], []
+                for s in runs[p.label]:
+                    bar.message(f"fitting {p.label} (seed {s})")
+                    m, sec = _fit_method(ctx, p, s)
+                    fitted[p.label].append(m)
+                    fit_seconds[p.label].append(sec)
+                    bar.step(f"{p.label} (seed {s}) fitted")
+                params[p.label] = _learned_params(fitted[p.label][0])
+            scored = _score_shift(ctx, plans, fitted, conditions, corrupt_split, corruption_seed, model_info,
+                                  n_bins, intervals, examples, reliability_bins)
+        finally:
+            bar.close()
+    figures, reliability, draws, cache_hits, example_pixels = scored
+    average, comparisons = _shift_summaries(plans, draws, conditions, corruptions, severities, intervals.level)
+    nc = options.nc
+    info = getattr(model, "class_names", None)
+    return ShiftResult(
+        model=model_info, calibration=_split_info(calibration), test=_split_info(test),
+        n_classes=int(tst.logits.shape[1]), class_names=list(info) if info is not None else None, n_bins=n_bins,
+        seeds=seed_list, fitter=nc.fitter, methods=[p.label for p in plans], corruptions=corruptions,
+        severities=severities, figures=figures, average=average, reliability=reliability, params=params,
+        fit_seconds=fit_seconds, comparisons=comparisons, cache_hits=cache_hits,
+        settings={"nc": nc.to_dict(), "batch_size": options.batch_size, "device": str(dev),
+                  "precision": chosen.to_dict(), "intervals": intervals.to_dict(), "corruption_seed": corruption_seed,
+                  **({"dataset": options.dataset} if options.dataset is not None else {}),
+                  **_input_scale(model, calibration)},
+        seconds=time.perf_counter() - t_start, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        calibrate_on=calibrate_on, examples=example_pixels,
+    )
+
+
+def _score_shift(ctx: _Context, plans: Sequence[MethodPlan], fitted: dict[str, list[Any]], conditions: list,
+                 corrupt_split: Callable, corruption_seed: int, model_info: dict, n_bins: int,
+                 intervals: IntervalSettings, examples: int, reliability_bins: Callable):
+    """Every fitted method scored under every condition: points, intervals, the diagram's bins."""
+    from nctv.shift import SHIFT_METRICS, condition_key
+
+    opts = ctx.options
+    counts = resample_counts(len(ctx.test_y), intervals.resamples, intervals.seed)
+    generator = torch.Generator().manual_seed(intervals.seed + 1)
+    seed_draws = {p.label: seed_counts(len(fitted[p.label]), intervals.resamples, generator)
+                  for p in plans if len(fitted[p.label]) > 1}
+    figures: dict = {p.label: {} for p in plans}
+    reliability: dict = {p.label: {} for p in plans}
+    draws: dict = {p.label: {} for p in plans}
+    cache_hits, pixels = {}, {}
+    picked = np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int) if examples else None
+    for corruption, severity in conditions:
+        key = condition_key(corruption, severity)
+        ctx.progress.message(f"scoring {key}")
+        split = ctx.test if severity == 0 else corrupt_split(ctx.test, corruption, severity, corruption_seed)
+        if severity == 0:
+            z, cache_hits[key] = ctx.test_z, True
+        else:
+            got = split_logits(ctx.model, split, opts.cache_dir, opts.batch_size, ctx.device, model_info["fingerprint"])
+            z, cache_hits[key] = got.logits, got.hit
+        if picked is not None:
+            pixels[key] = [_png(split.image(int(i))) for i in picked]
+        for p in plans:
+            per_seed = [_calibrated(ctx, p, m, split, z).detach().float().cpu() for m in fitted[p.label]]
+            points = [evaluate(zz, ctx.test_y, n_bins=n_bins) for zz in per_seed]
+            d = method_draws(per_seed, ctx.test_y, counts, n_bins, SHIFT_METRICS, seed_draws.get(p.label))
+            draws[p.label][key] = d
+            cell = {}
+            for metric in points[0]:
+                cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}
+                if metric in d:
+                    ci = interval(d[metric], metric, intervals.level)
+                    cell[metric]["ci_low"], cell[metric]["ci_high"] = ci.low, ci.high
+            figures[p.label][key] = cell
+            rb = reliability_bins(per_seed[0], ctx.test_y, n_bins)
+            reliability[p.label][key] = {
+                "count": rb.counts.astype(int).tolist(),
+                "confidence": [None if c != c else float(c) for c in rb.confidence],
+                "accuracy": [None if a != a else float(a) for a in rb.accuracy],
+            }
+        ctx.progress.step(f"{key} scored")
+    return figures, reliability, draws, cache_hits, ({"indices": picked.tolist(), "png": pixels} if examples else {})
+
+
+def _png(image: Any) -> str:
+    """A picture as base64 PNG text (the app's examples of a corrupted split)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _shift_summaries(plans: Sequence[MethodPlan], draws: dict, conditions: list, corruptions: list[str],
+                     severities: list[int], level: float):
+    """The mean over corruptions per severity (its draws: the mean of the conditions' draws, which share
+    their resamples) and the paired comparisons: every method against the condition's leader, and
+    Neural Clamping against temperature scaling (grid search and NLL)."""
+    from nctv.intervals import MethodDraws, difference
+    from nctv.shift import AVERAGE, SHIFT_METRICS, SHIFT_REFERENCES, ShiftComparison, condition_key
+
+    labels = [p.label for p in plans]
+    average: dict = {m: {} for m in labels}
+    for s in severities:
+        key = f"{AVERAGE}/{s}"
+        for m in labels:
+            parts = [draws[m][condition_key(c, s)] for c in corruptions]
+            draws[m][key] = {metric: MethodDraws(float(np.mean([p[metric].point for p in parts])),
+                                                 float(np.mean([p[metric].estimate for p in parts])),
+                                                 torch.stack([p[metric].draws for p in parts]).mean(0))
+                             for metric in SHIFT_METRICS}
+            average[m][key] = {}
+            for metric, d in draws[m][key].items():
+                ci = interval(d, metric, level)
+                average[m][key][metric] = {"value": d.point, "ci_low": ci.low, "ci_high": ci.high}
+    keys = [condition_key(c, s) for c, s in conditions] + [f"{AVERAGE}/{s}" for s in severities]
+    comparisons = []
+    for key in keys:
+        for metric in SHIFT_METRICS:
+            sign = -1.0 if metric == "accuracy" else 1.0
+            leader = min(labels, key=lambda m: sign * draws[m][key][metric].point)
+            pairs = [(m, leader, "leader") for m in labels if m != leader]
+            if COMPARED_METHOD in labels:
+                pairs += [(COMPARED_METHOD, r, "reference") for r in SHIFT_REFERENCES if r in labels]
+            for a, b, role in pairs:
+                dd = difference(draws[a][key][metric], draws[b][key][metric], level)
+                comparisons.append(ShiftComparison(key, metric, a, b, role, dd.estimate, dd.low, dd.high))
+    return average, comparisons

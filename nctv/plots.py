@@ -866,6 +866,120 @@ def _init_plotly(data: InitStudyData, inits: list[str]):
 # --------------------------------------------------------------------------- saving
 
 
+# --------------------------------------------------------------------------- distribution shift
+
+
+#: Colours of a shift study's methods (the app's page uses the same).
+SHIFT_COLOURS = {"Uncalibrated": GREY, "Temperature Scaling": "#ff7f0e", "TS by Grid Search": BLUE,
+                 "Vector Scaling": "#8c564b", "Dir-ODIR": "#9467bd", "Neural Clamping (FL)": RED}
+
+
+@dataclass(frozen=True)
+class ShiftCurveData:
+    """A metric against severity (0 = clean … 5), per method, for each corruption and for the mean over
+    corruptions (Ovadia et al., NeurIPS 2019): ``values[panel][method]`` arrays over ``severities``,
+    ``low``/``high`` the same shape (the interval), fractions. Panels: "average" first, then the corruptions."""
+
+    severities: np.ndarray
+    panels: tuple[str, ...]
+    titles: dict[str, str]
+    values: dict[str, dict[str, np.ndarray]]
+    low: dict[str, dict[str, np.ndarray]]
+    high: dict[str, dict[str, np.ndarray]]
+    metric: str = "ece"
+    n_classes: int = 10
+    n_bins: int = 15
+    level: float = 0.95
+    title: str = ""
+
+
+def shift_curve_data(result: Any, metric: str = "ece", methods: Sequence[str] | None = None) -> ShiftCurveData:
+    """Pack a ``nctv.shift.ShiftResult`` for :func:`shift_figure`: ``metric`` with its interval against
+    severity, severity 0 being the clean test split."""
+    from nctv.corruptions import CORRUPTIONS
+    from nctv.shift import AVERAGE, CLEAN, condition_key
+
+    shown = list(methods) if methods is not None else list(result.methods)
+    sev = np.asarray([0] + list(result.severities), dtype=np.float64)
+    panels = (AVERAGE,) + tuple(result.corruptions)
+    titles = {AVERAGE: "mean over corruptions", **{c: CORRUPTIONS[c].title for c in result.corruptions}}
+    values, low, high = {}, {}, {}
+    for panel in panels:
+        keys = [CLEAN] + [f"{AVERAGE}/{s}" if panel == AVERAGE else condition_key(panel, s) for s in result.severities]
+        values[panel], low[panel], high[panel] = {}, {}, {}
+        for m in shown:
+            figs = [result.figure(m, k, metric) for k in keys]
+            values[panel][m] = np.asarray([f["value"] for f in figs], dtype=np.float64)
+            low[panel][m] = np.asarray([np.nan if f["ci_low"] is None else f["ci_low"] for f in figs], dtype=np.float64)
+            high[panel][m] = np.asarray([np.nan if f["ci_high"] is None else f["ci_high"] for f in figs], dtype=np.float64)
+    on = "clean calibration split" if not result.calibrate_on else f"calibration split with {result.calibrate_on}"
+    col = metric_column(metric, result.n_classes)
+    return ShiftCurveData(sev, panels, titles, values, low, high, metric, result.n_classes, result.n_bins,
+                          float(result.settings.get("intervals", {}).get("level", 0.95)),
+                          f"{col.title} under distribution shift, {result.model.get('name')} (fitted on the {on})")
+
+
+def _shift_colour(method: str, i: int) -> str:
+    palette = [BLUE, "#ff7f0e", GREEN, RED, "#9467bd", "#8c564b", "#e377c2", GREY]
+    return SHIFT_COLOURS.get(method, palette[i % len(palette)])
+
+
+def shift_figure(data: ShiftCurveData, backend: str = "matplotlib", per_row: int = 3):
+    """One panel per corruption plus the mean over corruptions: the metric against severity, one line per
+    method with its interval as a band (Ovadia et al.'s figure, with intervals)."""
+    col = metric_column(data.metric, data.n_classes)
+    if _check_backend(backend) == "plotly":
+        return _shift_plotly(data, col, per_row)
+    rows, cols = _grid(len(data.panels), per_row)
+    fig = _new_figure(3.4 * cols, 2.7 * rows + 0.4)
+    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True)).ravel()
+    for ax, panel in zip(axes, data.panels):
+        for i, (m, v) in enumerate(data.values[panel].items()):
+            c = _shift_colour(m, i)
+            ax.plot(data.severities, v * col.scale, marker="o", ms=3, color=c, label=m, lw=1.8 if i else 1.2)
+            ax.fill_between(data.severities, data.low[panel][m] * col.scale, data.high[panel][m] * col.scale, color=c,
+                            alpha=0.15, linewidth=0)
+        ax.set_title(data.titles[panel], fontsize=10, fontweight="bold" if panel == data.panels[0] else "normal")
+        ax.set(ylabel=col.label().replace(" ↓", "").replace(" ↑", ""))
+        if ax.get_subplotspec().is_last_row() or panel in data.panels[-cols:]:
+            ax.set_xlabel("severity (0 = clean)")
+            ax.tick_params(labelbottom=True)
+        ax.set_xticks(data.severities)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(data.panels):]:
+        ax.set_visible(False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+    fig.suptitle(f"{data.title}; bands: {100 * data.level:g} % intervals", fontsize=11)
+    return fig
+
+
+def _shift_plotly(data: ShiftCurveData, col: Any, per_row: int):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows, cols = _grid(len(data.panels), per_row)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[data.titles[p] for p in data.panels],
+                        horizontal_spacing=0.07, vertical_spacing=0.12)
+    for j, panel in enumerate(data.panels):
+        r, c = j // cols + 1, j % cols + 1
+        for i, (m, v) in enumerate(data.values[panel].items()):
+            colour = _shift_colour(m, i)
+            lo, hi = data.low[panel][m] * col.scale, data.high[panel][m] * col.scale
+            fig.add_trace(go.Scatter(x=np.concatenate([data.severities, data.severities[::-1]]),
+                                     y=np.concatenate([hi, lo[::-1]]), fill="toself", fillcolor=colour, opacity=0.15,
+                                     line=dict(width=0), hoverinfo="skip", showlegend=False, legendgroup=m), row=r, col=c)
+            fig.add_trace(go.Scatter(
+                x=data.severities, y=v * col.scale, mode="lines+markers", name=m, legendgroup=m, showlegend=j == 0,
+                line=dict(color=colour), customdata=np.stack([lo, hi], 1),
+                hovertemplate=(f"{m}<br>severity %{{x:g}}<br>{col.title} %{{y:.2f}} [%{{customdata[0]:.2f}}, "
+                               f"%{{customdata[1]:.2f}}]<extra></extra>")), row=r, col=c)
+        fig.update_xaxes(title_text="severity", tickvals=list(data.severities), row=r, col=c)
+    fig.update_layout(title=data.title, template="plotly_white", height=300 * rows + 80, width=380 * cols,
+                      legend=_TOP_LEGEND)
+    return fig
+
+
 def save_figure(fig: Any, path: str | Path, dpi: int = 200, plotlyjs: str | bool = True) -> Path:
     """Write a figure by extension: matplotlib to .png/.pdf/.svg, plotly to .html.
 

@@ -163,6 +163,8 @@ class Table:
     # Columns whose best is tied (paired intervals hold 0), and whether ranks came from intervals.
     tied_columns: list[str] = field(default_factory=list)
     paired: bool = False
+    # What the marks mean where a table ranks otherwise than per column ("{bold}": the renderer's mark).
+    legend: str | None = None
 
 
 def _mark_ranks(cells: list[Cell], col: Column) -> None:
@@ -469,6 +471,8 @@ def _check_style(style: str) -> None:
 
 def _legend(table: Table, bold: str, second: str) -> str:
     """What the marks mean: on intervals, best only where the data separate it."""
+    if table.legend is not None:
+        return table.legend.format(bold=bold)
     seconds = any(c.rank == 2 for row in table.cells for c in row)
     if not table.paired:
         return f"Best per column in {bold}" + (f", second best in {second}." if seconds else ".")

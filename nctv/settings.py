@@ -74,6 +74,18 @@ APP_BINS = 15
 APP_SWEEP_GAMMAS = tuple(round(0.1 * i, 4) for i in range(11))
 #: The Initialisation tab's default runs per initialisation.
 APP_INIT_RUNS = 5
+#: Corruptions of a shift study (nctv.corruptions defines each), in table order; the default study
+#: leaves out rotation, which is not one of ImageNet-C's corruptions.
+CORRUPTION_NAMES = ("gaussian-noise", "shot-noise", "gaussian-blur", "defocus-blur", "contrast", "brightness", "jpeg",
+                    "pixelate", "rotation")
+SHIFT_CORRUPTIONS = CORRUPTION_NAMES[:-1]
+#: A corruption's severities (0, the clean image, is accepted besides them).
+SEVERITIES = (1, 2, 3, 4, 5)
+#: The rows of a shift study: the paper's simplest and strongest logit-space calibrators and Neural
+#: Clamping; fitted once (one seed) by default, as Neural Clamping's δ is fitted once per seed.
+SHIFT_METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling", "Dir-ODIR",
+                 "Neural Clamping (FL)")
+SHIFT_SEEDS = 1
 #: Intervals of a run's figures (nctv.intervals): coverage, resamples of the test split, and how a
 #: table shows them ("value [low, high]" or "value ± half-width").
 DEFAULT_LEVEL = 0.95

@@ -9,6 +9,10 @@ anything reproduces it — plus a few test images for the "Try your own image" t
     delta.safetensors         Neural Clamping's δ (normalised input space), keyed by method name
     calibrators/<method>/     every fitted calibrator (save_pretrained), for the download's calibrators.zip
     examples/*.png            one test image per class, as stored in the dataset (28 × 28 grey)
+    shift.json                the Shift tab's study: the default methods and corruptions at every severity,
+                              fitted on the clean calibration split, with 6 corrupted test images per condition
+
+``--only shift`` writes shift.json alone and leaves the rest as it is.
 
 Run from the repository root:  python scripts/make_precomputed.py
 """
@@ -22,13 +26,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nctv.data import assets_dir, get_splits  # noqa: E402
-from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep, run_init_study  # noqa: E402
+from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep, run_init_study, run_shift  # noqa: E402
 from nctv.inference import resolve_device  # noqa: E402
 from nctv.results import GAMMA_SWEEP_FILE, INIT_STUDY_FILE, method_slug  # noqa: E402
 from nctv.settings import (APP_BINS, APP_INIT_RUNS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_CALIBRATION_SIZE,  # noqa: E402
                            NCOptions)
 from nctv.zoo import DEFAULT_MODEL, load_model  # noqa: E402
 
+#: Corrupted test images kept per condition for the Shift tab.
+SHIFT_EXAMPLES = 6
 #: The page's Neural Clamping settings left at their defaults: γ = 1, the fast fitter, random δ₀.
 APP_NC = NCOptions(gamma=1.0, fitter="fast", init="random")
 
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-size", type=int, default=DEFAULT_CALIBRATION_SIZE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bins", type=int, default=APP_BINS)
+    ap.add_argument("--only", choices=["all", "shift"], default="all",
+                    help="shift: write shift.json alone, keeping every other file")
     args = ap.parse_args(argv)
 
     loaded = load_model(DEFAULT_MODEL, device=resolve_device(None))
@@ -61,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     def report(fraction: float, message: str) -> None:
         print(f"[{100 * fraction:5.1f}%] {message}", flush=True)
 
+    # The Shift tab's: every default corruption and severity, the default methods, one seed.
+    shift = run_shift(loaded, cal, test, options=RunOptions(seeds=[args.seed], nc=APP_NC, progress=False,
+                                                            callback=report),
+                      n_bins=args.bins, examples=SHIFT_EXAMPLES)
+    if args.only == "shift":
+        print(f"wrote {shift.save(args.out, indent=None)}")
+        return 0
     options = RunOptions(seeds=[args.seed], bins=[args.bins], nc=APP_NC, progress=False, callback=report)
     result = run_experiment(loaded, cal, test, APP_METHODS, options)
     # The γ sweep tab's first screen: its default grid, 0 to 1 by 0.1, with the page's other settings.
@@ -75,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, study_result in ((GAMMA_SWEEP_FILE, sweep), (INIT_STUDY_FILE, study)):
         (args.out / name).write_text(study_result.to_json(), encoding="utf-8")
         written.append(args.out / name)
+    written.append(shift.save(args.out, indent=None))
     written += write_examples(test, args.out / "examples")
     for p in written:
         print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KiB)")

@@ -26,11 +26,12 @@ import numpy as np
 
 from bench import panel
 from bench.cases import BASELINES, ODIR_METHODS
-from nctv.settings import SWEEP_GAMMAS
+from nctv.settings import DEFAULT_CALIBRATION_SIZE, SWEEP_GAMMAS
+from nctv.zoo import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("fmnist-resnet", "fmnist-vit", "fmnist-mixer")
-DEFAULT_MODEL = "fmnist-resnet-overconfident"
+
 SECTIONS = ("panel", "fidelity", "sweep", "grid", "baselines", "distributed", "gpu", "intervals")
 #: The intervals section: every metric's interval for ten sets of 10,000×10 logits at 1,000 resamples.
 INTERVALS_CASE = {"n": 10_000, "k": 10, "methods": 10, "resamples": 1000, "seed": 0}
@@ -38,7 +39,7 @@ INTERVALS_SECONDS_MAX = 3.0
 
 # Targets of the performance issue.
 DEFAULT_NC_SECONDS_MAX = 15.0
-DEFAULT_NC_CAL_SIZE = 5000
+DEFAULT_NC_CAL_SIZE = DEFAULT_CALIBRATION_SIZE
 SWEEP_FITS_MAX = 5.0
 GRID_SPEEDUP_MIN = 100.0
 BASELINES_SECONDS_MAX = 30.0

@@ -24,6 +24,10 @@ from typing import Any, Sequence
 from nctv import __version__
 from nctv.settings import (
     CORRUPTION_NAMES,
+    DEFAULT_GAMMA,
+    GAMMA_CANDIDATES,
+    RECIPE_EPOCHS,
+    RECIPE_LR,
     DEFAULT_BATCH_SIZE,
     DEFAULT_BINS,
     DEFAULT_CALIBRATION_SIZE,
@@ -237,11 +241,13 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                         "then δ fitted by L-BFGS at that T; about 10 passes), paper (the paper's SGD recipe with momentum 0.9) or "
                         "toolkit (the authors' released demo recipe); both recipes run 100 epochs exactly as published")
     g.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
-                   help="epochs of the paper and toolkit recipes (default 100; the fast fitter stops on convergence)")
+                   help=f"epochs of the paper and toolkit recipes (default {RECIPE_EPOCHS}; the fast fitter stops on "
+                        "convergence)")
     if gamma:
         g.add_argument("--gamma", type=_float_or("auto"), default=None, metavar="G",
-                       help="focal-loss gamma of Neural Clamping (FL) and TS (FL) (default 1, as in the paper); "
-                            "auto: Neural Clamping tries 0, 0.5, 1, 2, 3 and keeps the lowest calibration ECE")
+                       help=f"focal-loss gamma of Neural Clamping (FL) and TS (FL) (default {DEFAULT_GAMMA:g}, as in the "
+                            f"paper); auto: Neural Clamping tries {', '.join(f'{g:g}' for g in GAMMA_CANDIDATES)} and "
+                            "keeps the lowest calibration ECE")
     g.add_argument("--weight-decay", type=_float_or("auto", "strong"), default=None, metavar="L",
                    help="Neural Clamping's weight decay λ: a number, auto (0.1 × the unperturbed loss, the paper's "
                         "rule) or strong (1 × that loss) (default: the fitter's own; fast: auto)")
@@ -251,9 +257,10 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                         "(learned with δ, then re-chosen by calibration ECE) (default: the fitter's own)")
     if init:
         g.add_argument("--init", choices=list(INITS), default=None,
-                       help="δ initialisation: random (Gaussian) or data (Theorem 1) (default random)")
+                       help=f"δ initialisation: random (Gaussian) or data (Theorem 1) (default {INITS[0]})")
     g.add_argument("--lr", type=_float, default=None, metavar="LR",
-                   help="learning rate of the paper and toolkit recipes (default: the recipe's, 0.001 / 0.01)")
+                   help="learning rate of the paper and toolkit recipes (default: the recipe's, "
+                        + " / ".join(f"{v:g}" for v in RECIPE_LR.values()) + ")")
     g.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                    help=f"images per call of the model on the CPU; on a GPU the free memory sets it (default {DEFAULT_BATCH_SIZE})")
     g = p.add_argument_group("output")

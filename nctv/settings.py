@@ -23,6 +23,11 @@ INITS = ("random", "data")
 #: "strong" holds δ near 0 (docs/method.md: with T learned jointly, a δ fitted at the paper's λ lowers
 #: the calibration ECE more than the test's, and the T chosen after it is biased).
 WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
+#: The published recipes' epochs and learning rates (nctv.calibration.clamping.RECIPES holds the rest).
+RECIPE_EPOCHS = 100
+RECIPE_LR = {"paper": 1e-3, "toolkit": 1e-2}
+#: Neural Clamping's focal-loss γ by default (the paper's) and its δ initialisation.
+DEFAULT_GAMMA = 1.0
 #: γ values tried by ``gamma="auto"``.
 GAMMA_CANDIDATES = (0.0, 0.5, 1.0, 2.0, 3.0)
 #: The γ grid of the paper's Figure 2: 0 to 1 in steps of 0.05.
@@ -113,9 +118,9 @@ class NCOptions:
     nctv.calibration.clamping describes each rule.
     """
 
-    gamma: float | str = 1.0
+    gamma: float | str = DEFAULT_GAMMA
     weight_decay: float | str | None = None
-    init: str = "random"
+    init: str = INITS[0]
     fitter: str = "fast"
     epochs: int | None = None
     lr: float | None = None

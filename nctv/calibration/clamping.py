@@ -77,7 +77,8 @@ from nctv.calibration.clamping_fit import (
     theorem1_delta,
 )
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
-from nctv.settings import FITTERS, GAMMA_CANDIDATES, SWEEP_GAMMAS, WEIGHT_DECAY_RULES, NCOptions
+from nctv.settings import (FITTERS, GAMMA_CANDIDATES, RECIPE_EPOCHS, RECIPE_LR, SWEEP_GAMMAS, WEIGHT_DECAY_RULES,
+                           NCOptions)
 
 __all__ = [
     "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NCOptions", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
@@ -109,10 +110,12 @@ class Recipe:
 #: The two published recipes, exactly (docs/method.md gives their sources).
 RECIPES = {
     # The paper's text (section 4, appendix A) with the optimiser of the authors' code (momentum 0.9).
-    "paper": Recipe(SGDSettings(epochs=100, lr=1e-3, momentum=0.9, batch_size=512), init_std=INIT_STD,
+    "paper": Recipe(SGDSettings(epochs=RECIPE_EPOCHS, lr=RECIPE_LR["paper"], momentum=0.9, batch_size=512),
+                    init_std=INIT_STD,
                     weight_decay="auto", penalty="squared", prob_floor=0.0),
     # The authors' demo.py with NCWrapper.train_NC: λ₁‖δ‖₂ not squared, FocalLoss's 1e-7 clamp.
-    "toolkit": Recipe(SGDSettings(epochs=100, lr=1e-2, momentum=0.9, batch_size=1000), init_std=1e-3,
+    "toolkit": Recipe(SGDSettings(epochs=RECIPE_EPOCHS, lr=RECIPE_LR["toolkit"], momentum=0.9, batch_size=1000),
+                      init_std=1e-3,
                       weight_decay=0.01, penalty="norm", prob_floor=1e-7),
 }
 assert FITTERS == ("fast", *RECIPES), "nctv.settings.FITTERS must list the fast fitter and every recipe"

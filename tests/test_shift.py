@@ -186,3 +186,19 @@ def test_the_command_writes_the_table_and_figures(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "nctv", "shift", "--corruptions", "fog"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_bench_counts_the_verdicts_it_reports(study):
+    from bench import shift as bench_shift
+
+    result, _ = study
+    d = json.loads(json.dumps(bench_shift._compact(result)))
+    summary = bench_shift.model_summary(d)
+    for other in bench_shift.REFERENCES:
+        verdicts = [result.comparison("Neural Clamping (FL)", other, k).verdict for k in result.conditions[1:]]
+        assert [summary[other][v] for v in ("lower", "tied", "higher")] == [verdicts.count(v) for v in
+                                                                            ("lower", "tied", "higher")]
+    text = bench_shift.render({"command": "x", "started": "now", "minutes": 1.0, "commit": "abc", "machine": "m",
+                               "models": ["toy"], "missing": {}, "studies": {"toy": d}})
+    f = result.figure("TS by Grid Search", "contrast/4")
+    assert f"{100 * f['value']:.2f} [{100 * f['ci_low']:.2f}, {100 * f['ci_high']:.2f}]" in text

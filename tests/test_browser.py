@@ -281,7 +281,7 @@ def test_phone_shows_every_tab_at_the_top(browser, server):
     try:
         tabs = pg.get_by_role("tab")
         names = [tabs.nth(i).inner_text().strip() for i in range(tabs.count())]
-        assert names == ["Calibrate", "γ sweep", "Initialisation", "Try your own image", "Learn"]
+        assert names == ["Calibrate", "γ sweep", "Initialisation", "Try your own image", "Learn", "Shift"]
         for i in range(tabs.count()):
             box = tabs.nth(i).bounding_box()
             assert box["y"] + box["height"] <= 844 / 2 and box["x"] + box["width"] <= 390  # in the first half-screen

@@ -1,4 +1,4 @@
-"""The Gradio app: a shared "model and data" panel above five tabs, wired to the handlers of the
+"""The Gradio app: a shared "model and data" panel above six tabs, wired to the handlers of the
 tab modules, and the launch settings (queue, upload limits, host and port from the environment).
 
 Public API endpoints (``gradio_client``): ``/calibrate``, ``/gamma_sweep``, ``/init_study``,
@@ -21,6 +21,7 @@ from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
+from nctv.ui import shift as shift_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.hub import max_model_bytes
@@ -62,7 +63,7 @@ APP_CSS = f"""
 @media (max-width: {PHONE_WIDTH}px) {{
   #try-row {{ flex-direction: column; }}
   #try-inputs {{ display: contents; }}
-  #try-sources {{ order: 0; }}
+  #try-sources, #try-corrupt {{ order: 0; }}
   #try-results {{ order: 1; }}
   #try-more {{ order: 2; }}
 }}
@@ -360,6 +361,13 @@ def _try_tab(state: gr.State):
                                                              default_color="#ffffff", default_size=14),
                                               height=320, elem_id="try-sketch")
                     draw_btn = gr.Button("Classify the drawing", variant="primary")
+            with gr.Group(elem_id="try-corrupt"):
+                corruption = CheckedDropdown(try_tab.corruption_choices(), value=try_tab.DEFAULT_CORRUPTION,
+                                             label="Corrupt the picture", elem_id="try-corruption",
+                                             info="as a camera in the rain or a scanner out of focus would give it; "
+                                                  "the Shift tab shows how each method holds on the test split")
+                severity = CheckedSlider(0, try_tab.MAX_SEVERITY, 0, step=1, label="Severity",
+                                         info="0: the picture as it is; 1 mild … 5 strong", elem_id="try-severity")
             with gr.Column(elem_id="try-more"):
                 shipped = gr.Examples([[p] for p in examples], inputs=[image], label="Or pick a shipped example",
                                       examples_per_page=12, cache_examples=False,
@@ -378,17 +386,27 @@ def _try_tab(state: gr.State):
             note = gr.Markdown(elem_id="try-note")
     outputs = [verdict, chart, delta, note]
     light = dict(concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+    shift = [corruption, severity]
+    # Which of the picture and the drawing a new corruption applies to: the one classified last.
+    last = gr.State(try_tab.PICTURE)
     # "input", not "change": the picture's change event fires twice per upload, which doubled both the
     # work and the error message. A failed picture leaves no earlier result behind, nor a broken preview.
-    image.input(try_tab.classify, [image, state], outputs, api_name="classify", **light).failure(
+    image.input(try_tab.classify, [image, state] + shift, outputs, api_name="classify", **light).failure(
         lambda: (None,) + try_tab.cleared(), None, [image] + outputs, queue=False, api_visibility="private")
     if shipped is not None:
-        shipped.load_input_event.then(try_tab.classify, [image, state], outputs, api_visibility="private", **light)
-    draw_btn.click(try_tab.classify_drawing, [sketch, state], outputs, api_name="classify_drawing", **light).failure(
-        try_tab.cleared, None, outputs, queue=False, api_visibility="private")
+        shipped.load_input_event.then(try_tab.classify, [image, state] + shift, outputs, api_visibility="private",
+                                      **light)
+    draw_btn.click(try_tab.classify_drawing, [sketch, state] + shift, outputs, api_name="classify_drawing",
+                   **light).failure(try_tab.cleared, None, outputs, queue=False, api_visibility="private")
+    for done, source in [(image.input, try_tab.PICTURE), (draw_btn.click, try_tab.DRAWING)] + (
+            [(shipped.load_input_event.then, try_tab.PICTURE)] if shipped is not None else []):
+        done(lambda source=source: source, None, last, queue=False, api_visibility="private")
+    # A new corruption or severity: the latest one counts (a drag sends several).
+    gr.on([corruption.input, severity.input], try_tab.reclassify, [last, image, sketch, state] + shift, outputs,
+          trigger_mode="always_last", api_visibility="private", **light)
     loaded = upload.upload(load_calibrators, [upload, state], [state, loaded_note], api_visibility="private",
                            concurrency_limit=LIGHT_CONCURRENCY)
-    loaded.success(try_tab.classify, [image, state], outputs, api_visibility="private", **light)
+    loaded.success(try_tab.classify, [image, state] + shift, outputs, api_visibility="private", **light)
     return image, outputs, loaded
 
 
@@ -430,6 +448,21 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
           api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
 
 
+def _shift_tab() -> None:
+    status0, table0, versus0, files0 = shift_tab.shipped_view()
+    # Controls, pictures, verdict, curves and diagrams live in the page, which draws every condition from
+    # the study's numbers: they go to the page on its first view of the tab, never with a move.
+    view = shift_tab.page_view()
+    gr.Markdown(status0, elem_id="shift-status")
+    gr.Markdown(table0, elem_id="shift-table", elem_classes="result-table")
+    with gr.Accordion("Neural Clamping against temperature scaling, every condition", open=False):
+        gr.Markdown(versus0, elem_id="shift-versus", elem_classes="result-table")
+    gr.File(files0 or None, label="Download this study (shift.json, table.csv)", file_count="multiple",
+            interactive=False, elem_id="shift-files")
+    view.first_view(shift_tab.first_view, None, [view], show_progress="hidden",
+                    concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+
+
 def _initial_learn() -> tuple[str, str]:
     try:
         return learn_tab.explain(1.0, APP_BINS, None)
@@ -455,6 +488,8 @@ def build_app() -> gr.Blocks:
                 try_image, try_outputs, loaded = _try_tab(state)
             with gr.Tab("Learn", id="learn"):
                 _learn_tab(state, run_event, loaded)
+            with gr.Tab("Shift", id="shift"):
+                _shift_tab()
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
                   show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)

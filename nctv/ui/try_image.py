@@ -11,6 +11,9 @@ What the tab shows, top to bottom (one column, so that a phone reads it as well 
 * δ made visible: the picture, picture + δ and the change, drawn in the page on canvases from the
   pixel arrays the server sends once (:data:`DELTA_JS`), so that amplifying δ or blending it in
   needs no round trip;
+* with a corruption chosen (``nctv.corruptions``, severity 1–5), the picture is corrupted before the
+  model's preprocessing, as a camera in the rain would give it: the chart then shows the corrupted
+  picture and, on every bar, where the clean picture's confidence was;
 * the details: the classes the model knows, the calibration in use, how the picture was resized.
 """
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
+from nctv.corruptions import CORRUPTIONS, check_corruption, corrupt_image
 from nctv.inference import model_logits
-from nctv.ui.common import redact, user_errors
+from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
 from nctv.ui.caches import get_model, get_ood_detector
 from nctv.ui.session import Calibration
@@ -47,6 +52,14 @@ MEANS_LITTLE = "This picture does not look like the data the model knows: its an
 HINT = "Upload, paste or take a picture, pick an example, or draw one."
 #: The amplifications of δ the page offers (×1 is δ's true size).
 AMPLIFICATIONS = (1, 10, 50)
+#: The corruption the menu opens on (at severity 0: the picture as it is), and the strongest severity.
+DEFAULT_CORRUPTION = "gaussian-noise"
+MAX_SEVERITY = 5
+#: A picture with more pixels is shrunk to this many before it is corrupted: the corruptions work on a
+#: float64 copy (8 bytes a value, several copies for a blur), and the model shrinks the picture anyway.
+MAX_CORRUPTED_PIXELS = 1024 * 1024
+#: The corrupted picture is shown at most this many pixels on its longer side.
+SHOWN_PX = 320
 
 
 def example_images() -> list[str]:
@@ -128,6 +141,88 @@ def verdict_html(verdict: Verdict | None) -> str:
             f'{html.escape(verdict.headline)}</span>{measured}</div>')
 
 
+# --------------------------------------------------------------------------- a corrupted picture
+
+
+def corruption_choices() -> list[tuple[str, str]]:
+    """(title, name) of every corruption of the registry: the menu's entries."""
+    return [(c.title, c.name) for c in CORRUPTIONS.values()]
+
+
+def checked_corruption(corruption: Any, severity: Any) -> tuple[str, int]:
+    """A corruption of the registry and a severity, a whole number from 0 (the picture as it is) to
+    5, or a ValueError in the visitor's words (the values may come through the API: anything goes)."""
+    if isinstance(severity, bool):
+        raise ValueError(f"The corruption's severity must be a whole number from 0 to {MAX_SEVERITY}; "
+                         f"got {severity!r}.")
+    severity = parse_whole(severity, "The corruption's severity", 0, MAX_SEVERITY)
+    return check_corruption(corruption), severity
+
+
+def corrupted(img: Image.Image, name: str, severity: int) -> tuple[Image.Image, str]:
+    """The picture with corruption ``name`` at ``severity`` (checked; 0: the picture itself), and
+    what the details say of it. A picture of more than :data:`MAX_CORRUPTED_PIXELS` is shrunk first."""
+    if severity == 0:
+        return img, ""
+    from nctv.ui.shift import in_words
+
+    spec, shrunk = CORRUPTIONS[name], ""
+    if img.width * img.height > MAX_CORRUPTED_PIXELS:
+        scale = (MAX_CORRUPTED_PIXELS / (img.width * img.height)) ** 0.5
+        img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))), Image.Resampling.BOX)
+        shrunk = (f" It was first shrunk to {img.width} × {img.height} pixels: larger pictures are not corrupted "
+                  "at their full size.")
+    value = spec.value(severity, min(img.size))
+    return corrupt_image(img, name, severity), (
+        f"Corruption: {in_words(spec.title)} at severity {severity} ({spec.parameter} {value}), applied to your "
+        f"picture before the model's own preprocessing, as in the Shift tab's study.{shrunk}")
+
+
+@dataclass(frozen=True)
+class Shift:
+    """A corrupted picture's part of the chart: the picture the model got, the corruption, and the
+    clean picture's probabilities per method (``clean``)."""
+
+    picture: Image.Image
+    name: str
+    severity: int
+    clean: dict[str, np.ndarray]
+
+    @property
+    def words(self) -> str:
+        from nctv.ui.shift import in_words
+
+        return f"{in_words(CORRUPTIONS[self.name].title)} at severity {self.severity}"
+
+    def figure(self) -> str:
+        """The corrupted picture (a PNG, at most :data:`SHOWN_PX` on its longer side; a small one enlarged
+        pixel by pixel) with its caption."""
+        import base64
+        import io
+
+        img = self.picture.copy()
+        small = max(img.size) <= SHOWN_PX // 4
+        img.thumbnail((SHOWN_PX, SHOWN_PX))
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        src = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        crisp = ' class="nctv-pixelated"' if small else ""
+        return (f'<figure class="nctv-shifted" data-corruption="{html.escape(self.name)}" data-severity="{self.severity}">'
+                f'<img src="{src}" alt="Your picture with {html.escape(self.words)}"{crisp}><figcaption>Your picture with '
+                f'{html.escape(self.words)}, as the model got it; the bars below are its confidences.</figcaption></figure>')
+
+    def moves(self, class_names: list[str], probs: dict[str, np.ndarray], methods: list[tuple[str, str, str]]) -> str:
+        """How the corruption moved each method's confidence in the clean picture's answer (HTML)."""
+        first = int(np.argmax(self.clean["raw"]))
+        moved = ", ".join(f"{name} {html.escape(percent(float(self.clean[key][first])))} → "
+                          f"{html.escape(percent(float(probs[key][first])))}" for key, _, name in methods)
+        now = int(np.argmax(probs["raw"]))
+        answer = (f"; the answer becomes <b>{html.escape(str(class_names[now]))}</b>" if now != first
+                  else "")
+        return (f"With {html.escape(self.words)}, the confidence in the clean picture's answer, "
+                f"<b>{html.escape(str(class_names[first]))}</b>, moves: {moved}{answer}.")
+
+
 # --------------------------------------------------------------------------- the confidence chart
 
 
@@ -145,23 +240,36 @@ def shown_classes(probs: dict[str, np.ndarray], k: int = TOP_CLASSES) -> list[in
     return sorted(keep, key=lambda i: (-first[i], i))
 
 
-def _bar(key: str, tag: str, name: str, colour: str, p: float) -> str:
-    return (f'<div class="nctv-bar" data-method="{key}" data-confidence="{p!r}" title="{name}">'
+def _bar(key: str, tag: str, name: str, colour: str, p: float, clean: float | None = None) -> str:
+    # With a corruption, a mark on the track where the clean picture's confidence was.
+    mark = ("" if clean is None else f'<i class="nctv-clean" style="left:{100 * clean:.2f}%" '
+                                     f'title="clean picture: {html.escape(percent(clean))}"></i>')
+    data = "" if clean is None else f' data-clean="{clean!r}"'
+    return (f'<div class="nctv-bar" data-method="{key}" data-confidence="{p!r}"{data} title="{name}">'
             f'<span class="nctv-tag">{tag}</span>'
             f'<span class="nctv-track"><span class="nctv-fill" style="width:{100 * p:.2f}%;background:{colour}">'
-            f'</span></span><span class="nctv-value">{html.escape(percent(p))}</span></div>')
+            f'</span>{mark}</span><span class="nctv-value">{html.escape(percent(p))}</span></div>')
 
 
-def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagged: bool | None = False) -> str:
-    """One chart of the classes' confidences: per class its name on a line of its own and a bar
-    per method in ``probs`` ({"raw"|"ts"|"nc": (K,) probabilities}), with one-decimal percentages.
-    Each row carries ``data-class``, each bar ``data-method`` and ``data-confidence``. A
-    ``flagged`` picture's chart is dimmed (class ``nctv-dim``)."""
-    if not probs:
-        return ""
+def _check_probabilities(class_names: list[str], probs: dict[str, np.ndarray]) -> None:
     for p in probs.values():
         if len(p) != len(class_names) or not ((p >= 0) & (p <= 1)).all():
             raise ValueError("Confidences must be probabilities from 0 to 1, one per class.")
+
+
+def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagged: bool | None = False,
+                     shift: "Shift | None" = None) -> str:
+    """One chart of the classes' confidences: per class its name on a line of its own and a bar
+    per method in ``probs`` ({"raw"|"ts"|"nc": (K,) probabilities}), with one-decimal percentages.
+    Each row carries ``data-class``, each bar ``data-method`` and ``data-confidence``. A
+    ``flagged`` picture's chart is dimmed (class ``nctv-dim``). With ``shift`` (a corrupted picture)
+    the chart opens on that picture and says how the answer's confidences moved from the clean
+    picture's (``shift.clean``), each bar marked where the clean one was (``data-clean``)."""
+    if not probs:
+        return ""
+    _check_probabilities(class_names, probs)
+    if shift is not None:
+        _check_probabilities(class_names, shift.clean)
     methods = [m for m in METHODS if m[0] in probs]
     legend = "".join(f'<span class="nctv-key"><i style="background:{colour}"></i>{tag} = {name}</span>'
                      for key, tag, name, colour in methods)
@@ -170,15 +278,21 @@ def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagg
     rows = []
     for i in shown_classes(probs):
         name = html.escape(str(class_names[i]), quote=True)
-        bars = "".join(_bar(key, tag, name_, colour, float(probs[key][i])) for key, tag, name_, colour in methods)
+        bars = "".join(_bar(key, tag, name_, colour, float(probs[key][i]),
+                            None if shift is None else float(shift.clean[key][i])) for key, tag, name_, colour in methods)
         rows.append(f'<div class="nctv-class" data-class="{name}"><div class="nctv-class-name">{name}</div>{bars}</div>')
     answer = class_names[int(np.argmax(probs["raw"]))]
     line = f"The model's answer: <b>{html.escape(str(answer))}</b>"
     if "nc" in probs and int(np.argmax(probs["nc"])) != int(np.argmax(probs["raw"])):
         line += f" (with Neural Clamping: <b>{html.escape(str(class_names[int(np.argmax(probs['nc']))]))}</b>)"
     dim = " nctv-dim" if flagged else ""
-    return (f'<div class="nctv-chart{dim}" data-flagged="{str(bool(flagged)).lower()}">'
-            f'<div class="nctv-title">How sure the model is, per class</div><div class="nctv-legend">{legend}</div><div class="nctv-dimmed"><p class="nctv-answer">{line}</p>'
+    top = moved = ""
+    if shift is not None:
+        top = shift.figure()
+        moved = f'<p class="nctv-moved">{shift.moves(class_names, probs, [m[:3] for m in methods])}</p>'
+        legend += '<span class="nctv-key"><i class="nctv-clean-swatch"></i>the clean picture\'s confidence</span>'
+    return (f'<div class="nctv-chart{dim}" data-flagged="{str(bool(flagged)).lower()}">{top}'
+            f'<div class="nctv-title">How sure the model is, per class</div><div class="nctv-legend">{legend}</div><div class="nctv-dimmed"><p class="nctv-answer">{line}</p>{moved}'
             f'<div class="nctv-rows" role="list">{"".join(rows)}</div></div></div>')
 
 
@@ -194,8 +308,16 @@ CHART_CSS = """
 .nctv-bar { display:grid; grid-template-columns:3.6em minmax(0, 1fr) 5.6em; align-items:center; gap:8px;
             line-height:1.3; font-size:0.92em; }
 .nctv-tag { opacity:0.8; }
-.nctv-track { height:10px; border-radius:4px; overflow:hidden; background:rgba(128,128,128,0.22); }
+.nctv-track { position:relative; height:10px; border-radius:4px; overflow:hidden; background:rgba(128,128,128,0.22); }
 .nctv-fill { display:block; height:100%; border-radius:4px; }
+.nctv-clean { position:absolute; top:0; bottom:0; width:3px; margin-left:-1px; background:var(--body-text-color); }
+.nctv-key i.nctv-clean-swatch { width:3px; border-radius:0; background:var(--body-text-color); }
+.nctv-shifted { display:flex; flex-wrap:wrap; gap:8px 14px; align-items:center; margin:0 0 10px 0; }
+.nctv-shifted img { width:112px; height:auto; max-height:160px; object-fit:contain; background:#000;
+                    border:1px solid rgba(128,128,128,0.4); }
+.nctv-shifted img.nctv-pixelated { image-rendering:pixelated; }
+.nctv-shifted figcaption { flex:1 1 12em; line-height:1.35; }
+.nctv-moved { margin:0 0 10px 0; line-height:1.4; }
 .nctv-value { text-align:right; white-space:nowrap; font-variant-numeric:tabular-nums; }
 .nctv-dim .nctv-dimmed { opacity:0.35; filter:grayscale(1); }
 """
@@ -346,31 +468,43 @@ def _calibration_line(cal: Calibration) -> str:
                else "; Neural Clamping was not part of this run, so it has no bars."))
 
 
-def classify_image(image: Any, state: Calibration | None) -> tuple[str, str, str, str]:
-    """(verdict, confidence chart, δ view, details) for one picture."""
+def _scores(loaded: Any, cal: Calibration, x: torch.Tensor) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+    """({"raw", "ts"[, "nc"]: probabilities} of one preprocessed picture, its logits)."""
+    z = model_logits(loaded.model, x[None])
+    probs = {"raw": probabilities(z), "ts": probabilities(z / cal.ts_temperature)}
+    if cal.delta is not None:
+        probs["nc"] = probabilities(model_logits(loaded.model, x[None], delta=cal.delta) / cal.nc_temperature)
+    return probs, z
+
+
+def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFAULT_CORRUPTION,
+                   severity: Any = 0) -> tuple[str, str, str, str]:
+    """(verdict, confidence chart, δ view, details) for one picture, corrupted by ``corruption`` at
+    ``severity`` (0: as it is) before the model's preprocessing."""
     from nctv import plots
 
+    name, severity = checked_corruption(corruption, severity)
     cal = current_calibration(state)
     loaded = get_model(cal.model)
     channels = int(loaded.data_config["input_size"][0])
     img, channel_note = match_channels(to_pil(image), channels)
-    x = loaded.preprocess(img)
+    picture, corruption_note = corrupted(img, name, severity)
+    x = loaded.preprocess(picture)
     if cal.delta is not None and tuple(cal.delta.shape) != tuple(x.shape):
         raise ImageError(f"The calibration's δ has shape {tuple(cal.delta.shape)} but the model input is "
                          f"{tuple(x.shape)}.")
-    z = model_logits(loaded.model, x[None])
-    probs = {"raw": probabilities(z), "ts": probabilities(z / cal.ts_temperature)}
+    probs, z = _scores(loaded, cal, x)
+    shift = Shift(picture, name, severity, _scores(loaded, cal, loaded.preprocess(img))[0]) if severity else None
     view = "<p>Neural Clamping was not part of this run, so there is no δ to show.</p>"
     if cal.delta is not None:
-        probs["nc"] = probabilities(model_logits(loaded.model, x[None], delta=cal.delta) / cal.nc_temperature)
         mean, std = loaded.data_config["mean"], loaded.data_config["std"]
         view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}"),
                           delta_effect(loaded.class_names, probabilities(z / cal.nc_temperature), probs["nc"]))
     verdict = ood_verdict(cal, x)
-    lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal),
+    lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), corruption_note,
              f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "
              f"{tuple(x.shape)} (channels, height, width)."] + ([channel_note] if channel_note else [])
-    return (verdict_html(verdict), confidence_chart(loaded.class_names, probs, verdict.flagged), view,
+    return (verdict_html(verdict), confidence_chart(loaded.class_names, probs, verdict.flagged, shift), view,
             "\n\n".join(line for line in lines if line))
 
 
@@ -380,18 +514,33 @@ def cleared() -> tuple[str, str, str, str]:
 
 
 @user_errors
-def classify(image: Any, state: Calibration | None = None):
-    """An uploaded, pasted, webcam or example picture (a file path); nothing yet gives the hint."""
+def classify(image: Any, state: Calibration | None = None, corruption: Any = DEFAULT_CORRUPTION, severity: Any = 0):
+    """An uploaded, pasted, webcam or example picture (a file path), corrupted by ``corruption`` at
+    ``severity`` (0: as it is); nothing yet gives the hint."""
     if image is None:
+        checked_corruption(corruption, severity)  # a bad value is refused with or without a picture
         return cleared()
-    return classify_image(image, state)
+    return classify_image(image, state, corruption, severity)
 
 
 @user_errors
-def classify_drawing(drawing: Any, state: Calibration | None = None):
-    """A drawing from the sketchpad (an editor value: background, layers, composite)."""
+def classify_drawing(drawing: Any, state: Calibration | None = None, corruption: Any = DEFAULT_CORRUPTION,
+                     severity: Any = 0):
+    """A drawing from the sketchpad (an editor value: background, layers, composite), corrupted as in
+    :func:`classify`."""
     if isinstance(drawing, dict) and drawing.get("composite") is not None:
         arr = np.asarray(drawing["composite"])
         if arr.size and (arr == arr.reshape(-1, *arr.shape[2:])[0]).all():
             raise ImageError("The drawing is empty: draw something on the canvas first.")
-    return classify_image(drawing, state)
+    return classify_image(drawing, state, corruption, severity)
+
+
+#: What a change of the corruption applies to: the picture or the drawing, whichever was classified last.
+PICTURE, DRAWING = "picture", "drawing"
+
+
+def reclassify(last: Any, image: Any, drawing: Any, state: Calibration | None, corruption: Any, severity: Any):
+    """A new corruption or severity, applied to what was classified last (``last``: PICTURE or DRAWING)."""
+    if last == DRAWING:
+        return classify_drawing(drawing, state, corruption, severity)
+    return classify(image, state, corruption, severity)

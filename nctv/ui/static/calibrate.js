@@ -10,19 +10,12 @@ const REFERENCE = "Uncalibrated";
 // The opened group: {method, bin}, or null.
 let opened = null;
 
-// The key, once: one small swatch per mark, in the diagrams' own classes (so it follows the theme).
+// The key, once: one small swatch per mark.
 function legend() {
-  const f = 14, swatch = (inner) => `<svg width="${f * 1.8}" height="${f}" aria-hidden="true">${inner}</svg>`;
-  const line = (cls) => `<line x1="1" y1="${f / 2}" x2="${f * 1.8 - 1}" y2="${f / 2}" class="${cls}"/>`;
-  const box = (cls) => `<rect x="1" y="1" width="${f * 1.8 - 2}" height="${f - 2}" class="${cls}"/>`;
-  const whisker = `<line x1="${f * 0.9}" y1="1" x2="${f * 0.9}" y2="${f - 1}" class="nd-whisker"/>` +
-    `<line x1="${f * 0.6}" y1="1" x2="${f * 1.2}" y2="1" class="nd-whisker"/>` +
-    `<line x1="${f * 0.6}" y1="${f - 1}" x2="${f * 1.2}" y2="${f - 1}" class="nd-whisker"/>`;
-  const entries = [[box("nd-acc"), "Share correct"], [box("nd-gap"), "Gap: surer than right"],
-    [box("nd-gap nd-gap-under"), "Gap: right more often than sure"], [whisker, "95% interval"],
-    [line("nd-diag"), "Honest model"], [line("nd-curve"), "Share correct, smoothed"], [box("nd-band"), "95% band"],
-    [box("nd-hist"), "Share of the pictures"]];
-  pick("#calibrate-legend").innerHTML = entries.map(([mark, words]) => `<span>${swatch(mark)}${words}</span>`).join("");
+  pick("#calibrate-legend").innerHTML = diagramKey([["box", "nd-acc", "Share correct"],
+    ["box", "nd-gap", "Gap: surer than right"], ["box", "nd-gap nd-gap-under", "Gap: right more often than sure"],
+    ["whisker", "nd-whisker", "95% interval"], ["line", "nd-diag", "Honest model"],
+    ["line", "nd-curve", "Share correct, smoothed"], ["box", "nd-band", "95% band"], ["box", "nd-hist", "Share of the pictures"]]);
 }
 
 function readout(name, metric, value) {

@@ -257,7 +257,7 @@ const SMOOTH_LEGEND = [["nd-curve", "Share correct, smoothed"], ["nd-band", "95%
 
 // The binned reliability diagram. b: {m, n, counts, confidence, accuracy (bin means), low, high (the
 // accuracy's interval per bin, or null)}; o: {width, height, font, label, legend, opened (a bin or -1),
-// groupLabel(b) for the clickable targets}.
+// groupLabel(b) for the clickable targets, or none}.
 function binnedSvg(b, o) {
   const {width, height, font} = o;
   const c = svgCanvas();
@@ -303,8 +303,9 @@ function binnedSvg(b, o) {
     }
   }
   c.line(x(0), y(0), x(1), y(1), "nd-diag");
-  // One focusable target per non-empty group over its whole column: click, tap or Enter opens it.
-  for (let k = 0; k < m; k++) {
+  // One focusable target per non-empty group over its whole column: click, tap or Enter opens it
+  // (none where the groups have no pictures to open: no groupLabel).
+  for (let k = 0; o.groupLabel && k < m; k++) {
     if (!b.counts[k]) continue;
     const open = o.opened === k ? " nd-hit--open" : "";
     c.rect(x(k / m) + 1, top, w, hy(0) - top, `nd-hit${open}`,
@@ -363,6 +364,37 @@ function smoothSvg(s, o) {
   xAxis(c, font, x, inner, hy0 + histH, height);
   legendRows(c, legend, font, left, inner, true);
   return c.svg(width, height, o.label);
+}
+
+// Presenter mode on a widget's root (the whole screen in large type: diagram.css's nd-present and the
+// widget's own class cls), toggled by its button; redraw draws the figures at their new size. Returns
+// set(on), for the widget's own Escape.
+function presenterMode(root, button, cls, redraw) {
+  const set = (on) => {
+    root.classList.toggle("nd-present", on);
+    root.classList.toggle(cls, on);
+    root.dataset.presenter = on ? "on" : "off";
+    button.setAttribute("aria-pressed", String(on));
+    button.textContent = on ? "Leave presenter mode" : "Presenter mode";
+    redraw();
+  };
+  button.addEventListener("click", () => set(!root.classList.contains(cls)));
+  return set;
+}
+
+// A key of the diagrams' marks: one small swatch per entry, in the diagrams' own classes (so it follows
+// the theme). entries: [kind ("box", "line" or "whisker"), class, words].
+function diagramKey(entries) {
+  const f = 14, w = f * 1.8;
+  const mark = {
+    box: (cls) => `<rect x="1" y="1" width="${w - 2}" height="${f - 2}" class="${cls}"/>`,
+    line: (cls) => `<line x1="1" y1="${f / 2}" x2="${w - 1}" y2="${f / 2}" class="${cls}"/>`,
+    whisker: (cls) => `<line x1="${f * 0.9}" y1="1" x2="${f * 0.9}" y2="${f - 1}" class="${cls}"/>` +
+      `<line x1="${f * 0.6}" y1="1" x2="${f * 1.2}" y2="1" class="${cls}"/>` +
+      `<line x1="${f * 0.6}" y1="${f - 1}" x2="${f * 1.2}" y2="${f - 1}" class="${cls}"/>`,
+  };
+  return entries.map(([kind, cls, words]) => `<span><svg width="${w}" height="${f}" aria-hidden="true">` +
+    `${mark[kind](cls)}</svg>${words}</span>`).join("");
 }
 
 // ----------------------------------------------------------------------------- an opened group

@@ -297,15 +297,10 @@ fitButton.addEventListener("click", () => {
   settle();
 });
 
-function setPresenter(on) {
-  root.classList.toggle("nl--present", on);
-  root.dataset.presenter = on ? "on" : "off";
-  presenter.setAttribute("aria-pressed", String(on));
-  presenter.textContent = on ? "Leave presenter mode" : "Presenter mode";
+const setPresenter = presenterMode(root, presenter, "nl--present", () => {
   draw();
   drawSmooth();
-}
-presenter.addEventListener("click", () => setPresenter(!root.classList.contains("nl--present")));
+});
 // Escape closes an opened group first, then leaves presenter mode.
 document.addEventListener("keydown", (e) => {
   if (e.key !== "Escape") return;

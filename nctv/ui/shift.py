@@ -1,0 +1,138 @@
+"""The Shift tab: does a calibration fitted on clean pictures hold when the test pictures are noisy,
+blurred or faded? A visitor picks a corruption and drags its severity; the page
+(``static/shift.{html,css,js}``) shows the corrupted example pictures, every method's reliability
+diagram and ECE with its interval, the curves of ECE against severity with the current severity
+marked, and the verdict of Neural Clamping against temperature scaling from their paired interval.
+
+Every number comes from the shift study shipped beside the pre-computed result
+(``assets/precomputed/shift.json``, a :class:`nctv.shift.ShiftResult` of the embedded default). It
+travels to the page once, when the tab is first shown (:func:`page_data`); moving the severity or
+changing the corruption costs no request.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import gradio as gr
+
+from nctv.corruptions import CORRUPTIONS
+from nctv.plots import _shift_colour
+from nctv.report import to_markdown
+from nctv.results import COMPARED_METHOD
+from nctv.shift import (AVERAGE, SHIFT_FILE, SHIFT_REFERENCES, ShiftResult, comparison_table, condition_title,
+                        shift_table, summary_sentences, to_csv)
+from nctv.ui.common import export_dir, user_errors
+from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir
+
+#: The metrics each method's card shows, with their interval.
+CARD_METRICS = ("ece", "accuracy")
+#: Digits kept of the diagrams' bin means (drawn only; the read-outs keep every digit).
+BIN_DIGITS = 6
+#: Adjectives that keep their capital inside a sentence ("under Gaussian noise").
+PROPER_WORDS = ("Gaussian",)
+NO_STUDY = ("No shift study is shipped with this copy of the app (assets/precomputed/shift.json); "
+            "`nctv shift` makes one.")
+
+@lru_cache(maxsize=1)
+def shipped_shift() -> ShiftResult | None:
+    """The shift study shipped beside the pre-computed result, read and checked once (None when absent)."""
+    path = precomputed_dir() / SHIFT_FILE
+    return ShiftResult.load(path) if path.is_file() else None
+
+
+def in_words(title: str) -> str:
+    """A corruption's title inside a sentence: "contrast", "Gaussian noise", "JPEG compression"."""
+    first = title.split(" ", 1)[0]
+    keep = first in PROPER_WORDS or any(ch.isupper() for ch in first[1:])
+    return title if keep else title[:1].lower() + title[1:]
+
+
+def _triple(f: dict[str, Any]) -> list[float | None]:
+    return [float(f["value"]), f.get("ci_low"), f.get("ci_high")]
+
+
+def _bins(rel: dict[str, list]) -> dict[str, list]:
+    def kept(values: list) -> list:
+        return [None if v is None else round(float(v), BIN_DIGITS) for v in values]
+    return {"count": [int(c) for c in rel["count"]], "confidence": kept(rel["confidence"]),
+            "accuracy": kept(rel["accuracy"])}
+
+
+def page_data(result: ShiftResult) -> dict[str, Any]:
+    """What the page needs to draw every condition on its own, sent once: per condition (``clean``,
+    ``<corruption>/<severity>``, ``average/<severity>``) each method's ECE and accuracy as [value, low,
+    high] (fractions), its reliability bins (not for the means), Neural Clamping − each reference as
+    [difference, low, high], the leaders of ECE, the condition's title, and its example pictures
+    (base64 PNG)."""
+    methods = list(result.methods)
+    keys = result.conditions + [f"{AVERAGE}/{s}" for s in result.severities]
+    intervals = result.settings.get("intervals", {})
+    refs = [r for r in SHIFT_REFERENCES if r in methods] if COMPARED_METHOD in methods else []
+    conditions = {}
+    for key in keys:
+        entry = {"title": condition_title(key),
+                 "figures": {m: {k: _triple(result.figure(m, key, k)) for k in CARD_METRICS} for m in methods},
+                 "leaders": result.leaders(key, "ece")}
+        if not key.startswith(AVERAGE + "/"):
+            entry["bins"] = {m: _bins(result.reliability[m][key]) for m in methods}
+        found = {r: result.comparison(COMPARED_METHOD, r, key, "ece") for r in refs}
+        entry["versus"] = {r: [c.difference, c.low, c.high] for r, c in found.items() if c is not None}
+        conditions[key] = entry
+    examples = result.examples.get("png", {}) if result.examples else {}
+    return {
+        "model": result.model.get("name"), "n_test": int(result.test.get("size", 0)), "n_bins": result.n_bins,
+        "level": float(intervals.get("level", 0.95)), "resamples": intervals.get("resamples"),
+        "seeds": len(result.seeds), "fitter": result.fitter, "compared": COMPARED_METHOD if refs else None,
+        "methods": [{"name": m, "colour": _shift_colour(m, i)} for i, m in enumerate(methods)],
+        "corruptions": [{"name": c, "title": CORRUPTIONS[c].title, "words": in_words(CORRUPTIONS[c].title),
+                         "what": CORRUPTIONS[c].describe()} for c in result.corruptions],
+        "severities": list(result.severities), "conditions": conditions,
+        "examples": {k: v for k, v in examples.items() if k in conditions},
+    }
+
+
+@lru_cache(maxsize=1)
+def _shipped_page() -> dict[str, Any]:
+    result = shipped_shift()
+    return page_data(result) if result is not None else {"message": NO_STUDY}
+
+
+@user_errors
+def first_view() -> dict[str, Any]:
+    """The page's "first_view" event: the shipped study's numbers (computed once per server)."""
+    return _shipped_page()
+
+
+@lru_cache(maxsize=1)
+def _table_csv() -> str:
+    """table.csv of the shipped study, written once per server beside the other downloads."""
+    path = export_dir("shift") / "table.csv"
+    path.write_text(to_csv(shipped_shift()), encoding="utf-8")
+    return str(path)
+
+
+def shipped_view() -> tuple[str, str, str, list[str]]:
+    """(what is shown, the ECE table, Neural Clamping against temperature scaling, files) of the
+    shipped study; with none shipped, a sentence saying so."""
+    result = shipped_shift()
+    if result is None:
+        return NO_STUDY, "", "", []
+    calibrated = "the clean calibration split" if not result.calibrate_on else condition_title(result.calibrate_on)
+    status = (f"Showing the study *{PRECOMPUTED_LABEL}*: model {result.model.get('name')}, every method fitted once "
+              f"on {calibrated} ({result.calibration.get('size', '?'):,} pictures), then scored on the "
+              f"{result.test.get('size', 0):,} test pictures, clean and under {len(result.corruptions)} corruptions at "
+              f"severities {result.severities[0]}–{result.severities[-1]}. `nctv shift` runs the same study on "
+              "your model.")
+    lines = "\n".join(f"- {s}" for s in summary_sentences(result))
+    table = to_markdown(shift_table(result, "ece"))
+    versus = to_markdown(comparison_table(result)) if COMPARED_METHOD in result.methods else ""
+    return status + ("\n\n" + lines if lines else ""), table, versus, [str(precomputed_dir() / SHIFT_FILE), _table_csv()]
+
+
+def page_view() -> gr.HTML:
+    """The page's controls and figures (``static/shift.{html,css,js}``, after the shared diagram
+    drawing); its value, empty at first, becomes :func:`page_data` when the tab is first shown."""
+    from nctv.ui.learn import diagram_widget
+
+    return diagram_widget("shift", elem_id="shift-view")

@@ -1,6 +1,6 @@
 """The Learn tab in headless Chromium, against the launched app: the page's own read-outs equal
 ``nctv.metrics`` on the shipped logits file, a move of T redraws without a request, a typed T out of
-range is clamped with a message, presenter mode is large and legible on a 1280 × 720 projector, the
+range is clamped with a message (these three on a phone, a projector and a desktop), presenter mode is large and legible on a 1280 × 720 projector, the
 dark theme darkens the plot, and nothing overlaps on a phone. Screenshots go to test-artifacts/."""
 import io
 import json
@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 from test_browser import ARTIFACTS, CHROMIUM, browser, open_app, open_panel, wait_for_status  # noqa: F401 - browser: the shared fixture
+from test_try_browser import by_size, page_per_size
 
 from nctv import metrics
 from nctv.ui import learn
@@ -37,18 +38,21 @@ def shipped():
     return tensors["Uncalibrated"].double(), tensors["labels"]
 
 
-def open_learn(browser, url, width, height, theme=""):  # noqa: F811 - the fixture's value
-    pg = open_app(browser, url + (f"?__theme={theme}" if theme else ""), width, height)
+def open_learn(browser, url, width, height, theme="", phone=False):  # noqa: F811 - the fixture's value
+    pg = open_app(browser, url + (f"?__theme={theme}" if theme else ""), width, height, phone=phone)
     pg.get_by_role("tab", name="Learn").click()
     pg.wait_for_selector("#learn-plot svg")
     return pg
 
 
-@pytest.fixture(scope="module")
-def page(browser, server):  # noqa: F811
-    pg = open_learn(browser, server, 1400, 1000)
-    yield pg
-    pg.context.close()
+#: A phone, a projector, a desktop: (width, height).
+SIZES = [(390, 844), (1280, 720), (1400, 1000)]
+
+
+# The Learn tab at one size, shared by the tests of that size in their order in this file.
+page = page_per_size("page", lambda browser, url, width, height: open_learn(browser, url, width, height,
+                                                                           phone=width < 500))
+EVERY_SIZE, DESKTOP = by_size("page", SIZES), by_size("page", SIZES[-1:])
 
 
 def set_range(page, selector: str, value) -> None:
@@ -74,6 +78,7 @@ def check_readouts(page, z, y, t, bins) -> None:
         assert got[key][1] == f"{100 * value:.2f}%", (key, t, bins)
 
 
+@EVERY_SIZE
 def test_readouts_equal_the_library_metrics(page, shipped):
     z, y = shipped
     for bins in (15, 10, 37):
@@ -93,6 +98,7 @@ def test_readouts_equal_the_library_metrics(page, shipped):
     assert f"{100 * metrics.ece(z / 2.345, y, 15):.2f}%" in page.locator("#learn-text").inner_text()
 
 
+@DESKTOP
 def test_smooth_ece_equals_the_library(page, shipped):
     """The page's smooth ECE, its bandwidth and, once T settles, its band of resamples: the read-out
     equals nctv.metrics.smooth_ece to 1e-6 at several T, the bandwidth that of smooth_reliability."""
@@ -113,9 +119,10 @@ def test_smooth_ece_equals_the_library(page, shipped):
     assert page.locator("#learn-smooth svg path.nd-band").count() == 1
 
 
+@EVERY_SIZE
 def test_dragging_redraws_in_the_page_without_a_request(page):
     """20 moves of a mouse drag: each redraws the diagram, none sends a request; the median time from
-    the input event to the updated page is recorded (bench/browser.py reports it too)."""
+    the input event to the updated page is recorded per size (bench/browser.py reports it too)."""
     requests = []
 
     def sent(request):
@@ -143,8 +150,9 @@ def test_dragging_redraws_in_the_page_without_a_request(page):
     assert len(set(temperatures)) == 20 and temperatures == sorted(temperatures)
     assert all(f"T = {learn_t(t)}" in label for t, label in zip(temperatures, labels))
     ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / "learn-redraw.json").write_text(json.dumps({"median_ms": statistics.median(times), "ms": times}))
-    print(f"\nLearn redraw, median of 20 drag moves: {statistics.median(times):.1f} ms")
+    size = "{width}x{height}".format(**page.viewport_size)
+    (ARTIFACTS / f"learn-redraw-{size}.json").write_text(json.dumps({"median_ms": statistics.median(times), "ms": times}))
+    print(f"\nLearn redraw at {size}, median of 20 drag moves: {statistics.median(times):.1f} ms")
     # Releasing the slider asks the server once for the table and the explanations.
     page.wait_for_function(f"document.querySelector('#learn-table').innerText.includes('T = {temperatures[-1]:.2f} (slider)')")
 
@@ -153,6 +161,7 @@ def learn_t(t: float) -> str:
     return f"{t:.2f}"
 
 
+@EVERY_SIZE
 def test_typed_temperature_out_of_range_is_clamped_with_a_message(page, shipped):
     z, y = shipped
     errors = []
@@ -175,6 +184,7 @@ def test_typed_temperature_out_of_range_is_clamped_with_a_message(page, shipped)
     assert not errors
 
 
+@DESKTOP
 def test_fit_button_and_bins_follow_in_the_page(page, shipped):
     z, y = shipped
     fitted = load_precomputed().calibration.ts_temperature
@@ -328,6 +338,7 @@ def test_phone_layout_has_nothing_overlapping(browser, server):  # noqa: F811
         pg.context.close()
 
 
+@DESKTOP
 def test_wide_screen_labels_stay_apart(page):
     set_range(page, "#learn-bins", learn.APP_BINS)
     set_range(page, "#learn-t", 1.0)

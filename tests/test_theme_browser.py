@@ -29,9 +29,10 @@ def test_plotly_figures_take_the_theme(browser, server, theme):  # noqa: F811
     pg = context.new_page()
     try:
         pg.goto(f"{server}?__theme={theme}")
-        pg.locator("#delta-plot .js-plotly-plot .main-svg").first.wait_for(timeout=120_000)
+        pg.get_by_role("tab", name="γ sweep").click()  # the shipped sweep's figure
+        pg.locator("#gamma-plot .js-plotly-plot .main-svg").first.wait_for(timeout=120_000)
         assert pg.evaluate("document.body.classList.contains('dark')") == (theme == "dark")
-        c = pg.evaluate(COLOURS, "#delta-plot .js-plotly-plot")
+        c = pg.evaluate(COLOURS, "#gamma-plot .js-plotly-plot")
         behind = c["behind"]
         assert len(c["texts"]) >= 3
         if theme == "dark":
@@ -40,6 +41,6 @@ def test_plotly_figures_take_the_theme(browser, server, theme):  # noqa: F811
                 assert "rgba" in colour and colour.replace(" ", "").endswith(",0)"), colour
         for text, fill in c["texts"]:
             assert contrast(fill, behind) >= 4.5, (text, fill, behind)
-        pg.locator("#delta-plot").screenshot(path=str(ARTIFACTS / f"delta-plot-{theme}.png"))
+        pg.locator("#gamma-plot").screenshot(path=str(ARTIFACTS / f"gamma-plot-{theme}.png"))
     finally:
         context.close()

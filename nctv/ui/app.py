@@ -286,11 +286,9 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             table = gr.Markdown(table0, elem_id="results-table", elem_classes="result-table")
             # Drawn in the page from the numbers the server computes once per result.
             diagrams = cal_tab.diagram_view(diagrams0)
-            with gr.Row():  # side by side where both fit, else one above the other
-                with gr.Column(min_width=320):
-                    params = gr.Markdown(params0)
-                with gr.Column(min_width=320):
-                    delta = gr.Plot(fit_width(delta0), label="Learned δ (in pixel units)", elem_id="delta-plot")
+            # The learned parameters, then δ made visible on a test picture: amplified and blended in the page.
+            params = gr.Markdown(params0, elem_id="calibrate-params")
+            delta = cal_tab.delta_viewer(delta0)
             # No height cap: every file in view, calibrators.zip (the one to reuse) first.
             files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
                                           "figures, δ)", file_count="multiple", interactive=False,

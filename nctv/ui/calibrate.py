@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 
 import gradio as gr
 import numpy as np
-import torch
 
 from nctv.results import CALIBRATORS_FOLDER
 from nctv.settings import NCOptions
@@ -259,16 +258,49 @@ def diagram_view(value: dict | None) -> gr.HTML:
     return diagram_widget("calibrate", value, elem_id="calibrate-view", bin=None)
 
 
-def delta_plot(result: Any, calibration: Calibration, backend: str = "plotly", example: torch.Tensor | None = None,
-               title: str | None = None):
+def delta_plot(result: Any, calibration: Calibration):
+    """δ as a matplotlib figure (the input, input + δ, the change, δ per channel), for ``delta.png``."""
     from nctv import plots
 
     if calibration.delta is None:
         return None
     s = result.settings
-    data = plots.delta_image_data(calibration.delta, s["mean"], s["std"], example=example,
-                                  title=title or f"δ of {calibration.nc_method}")
-    return plots.delta_figure(data, backend=backend)
+    data = plots.delta_image_data(calibration.delta, s["mean"], s["std"], title=f"δ of {calibration.nc_method}")
+    return plots.delta_figure(data, backend="matplotlib")
+
+
+#: The test picture the Learned-parameters panel shows δ on: the split's first.
+EXAMPLE_ROW = 0
+NO_DELTA = "<p>Neural Clamping was not part of this run, so there is no δ to show.</p>"
+
+
+def delta_panel(result: Any, calibration: Calibration) -> str:
+    """The learned δ made visible in the page (:mod:`nctv.ui.delta`, amplified and blended there) on the
+    first test picture, with what δ does to that picture's answer, read off the run's own test logits
+    (no model pass). The Learned-parameters text above it says what δ is and how large."""
+    from nctv import plots
+    from nctv.ui.delta import delta_view
+    from nctv.ui.try_image import delta_effect, probabilities
+
+    if calibration.delta is None:
+        return NO_DELTA
+    test = get_splits(calibration.split)[1]
+    row = slice(EXAMPLE_ROW, EXAMPLE_ROW + 1)
+    s = result.settings
+    data = plots.delta_image_data(calibration.delta, s["mean"], s["std"],
+                                  example=test.preprocess(test.image(EXAMPLE_ROW)))
+    effect = delta_effect(test.class_names,
+                          probabilities(result.methods[REFERENCE].test_logits[row] / calibration.nc_temperature),
+                          probabilities(result.methods[calibration.nc_method].test_logits[row]))
+    return delta_view(data, picture="A test picture", effect=effect, group="calibrate-amplify",
+                      sentence=False)
+
+
+def delta_viewer(value: str | None) -> gr.HTML:
+    """The view of :func:`delta_panel`'s δ, repainted in the page as it is amplified or blended."""
+    from nctv.ui.delta import delta_widget
+
+    return delta_widget(value, elem_id="calibrate-delta")
 
 
 def params_markdown(result: Any, calibration: Calibration) -> str:
@@ -327,7 +359,7 @@ def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str
     (out / "results.json").write_text(result.to_json(), encoding="utf-8")
     paths = [out / "results.json"] + report.write_tables(result, out)
     paths.append(plots.save_figure(reliability_plot(result, n_bins), out / "reliability.png", dpi=120))
-    fig = delta_plot(result, calibration, "matplotlib")
+    fig = delta_plot(result, calibration)
     if fig is not None:
         paths.append(plots.save_figure(fig, out / "delta.png", dpi=120))
         save_file({"delta": calibration.delta.contiguous()}, str(out / "delta.safetensors"),
@@ -342,9 +374,9 @@ def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str
 
 
 def show(result: Any, calibration: Calibration, n_bins: int) -> tuple:
-    """(table, the diagrams' numbers, parameters, δ image, what an opened group needs) for a result."""
+    """(table, the diagrams' numbers, parameters, δ made visible, what an opened group needs) for a result."""
     return (table_markdown(result, n_bins, calibration.source), diagram_data(result, n_bins),
-            params_markdown(result, calibration), delta_plot(result, calibration),
+            params_markdown(result, calibration), delta_panel(result, calibration),
             shown_run(result, calibration.split, n_bins))
 
 

@@ -601,3 +601,23 @@ def test_each_fit_gets_a_problem_built_with_its_loss(problem):
         prepared.problem.gamma = 1.0
     with pytest.raises(AttributeError):
         prepared.problem.split.passes = 0.0
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0, 2.0])
+def test_focal_loss_of_a_saturated_sample_has_a_zero_gradient_on_every_torch(gamma):
+    """A correct sample whose p_y rounds to 1 in float32 adds nothing, and its gradient is the limit, 0:
+    torch 2.2's power rule gave NaN for γ < 1 (0^(γ−1) · 0), which stopped a recipe's SGD."""
+    from nctv.calibration.base import focal_loss
+
+    z = torch.tensor([[40.0, 0.0, -3.0], [0.5, 0.2, 0.1]], requires_grad=True)
+    y = torch.tensor([0, 1])
+    loss = focal_loss(z, y, gamma, reduction="sum")
+    (g,) = torch.autograd.grad(loss, z)
+    assert torch.isfinite(g).all() and torch.count_nonzero(g[0]) == 0
+    # The unsaturated row: the value and gradient of −(1 − p)^γ log p, computed independently.
+    zz = z[1].detach().double().requires_grad_(True)
+    p = torch.softmax(zz, 0)[1]
+    ref = -((1 - p) ** gamma) * torch.log(p)
+    (g_ref,) = torch.autograd.grad(ref, zz)
+    torch.testing.assert_close(g[1].double(), g_ref, rtol=1e-5, atol=1e-7)
+    assert float(loss) == pytest.approx(float(ref), rel=1e-6)

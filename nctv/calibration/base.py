@@ -22,7 +22,16 @@ def focal_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float = 0.0, r
     Differentiable; computed from ``log_softmax`` for stability. ``reduction``: "mean", "sum" or "none".
     """
     logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.view(-1, 1)).squeeze(-1)
-    loss = -logp if gamma == 0 else -((1.0 - logp.exp()).clamp_min(0.0) ** gamma) * logp
+    if gamma == 0:
+        loss = -logp
+    else:
+        # (1 − p)^γ where p_y rounds to 1: the weight is 0 and so is its gradient (the limit). The power is
+        # taken of 1 there: torch 2.2 (the oldest admitted) gives 0·∞ = NaN for the gradient of 0^γ, γ < 1.
+        rest = (1.0 - logp.exp()).clamp_min(0.0)
+        positive = rest > 0
+        weight = torch.where(positive, torch.where(positive, rest, torch.ones_like(rest)) ** gamma,
+                             torch.zeros_like(rest))
+        loss = -weight * logp
     if reduction == "mean":
         return loss.mean()
     if reduction == "sum":

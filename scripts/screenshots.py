@@ -1,6 +1,7 @@
 """Take the screenshots of docs/app.md: every tab of the launched app at a phone's, a projector's and a
-desktop's size, the Calibrate tab's diagrams, a group opened in Calibrate and in Learn, the Learn tab
-in presenter mode and the dark theme, with Debian's Chromium (never a downloaded one).
+desktop's size, the Calibrate tab's diagrams, a group opened in Calibrate and in Learn, the Learn and
+Shift tabs in presenter mode, the Try tab with a corrupted picture, and the dark theme, with Debian's
+Chromium (never a downloaded one).
 
     python scripts/screenshots.py                # into docs/img/
     python scripts/screenshots.py --out /tmp/s   # elsewhere
@@ -30,6 +31,42 @@ def small_png(png: bytes, path: Path) -> None:
     img = Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=128)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path, optimize=True)
+
+
+def shift_shots(page, size: str, save) -> None:
+    """The Shift tab as it opens (contrast, severity 3): the view alone on a phone (the table below it is
+    long), the screen elsewhere; its diagrams at a desk; presenter mode on a projector."""
+    page.get_by_role("tab", name="Shift").click()
+    page.wait_for_selector("#shift-diagrams .ns-card svg", timeout=60_000)
+    page.wait_for_timeout(500)
+    save(page.locator("#shift-view").screenshot() if size == "390" else page.screenshot(), f"shift-{size}.png")
+    if size == "1400":
+        page.locator("#shift-diagrams-title").scroll_into_view_if_needed()
+        save(page.locator("#shift-diagrams").screenshot(), "shift-diagrams-1400.png")
+    if size == "1280":
+        page.click("#shift-presenter")
+        page.wait_for_timeout(500)
+        save(page.screenshot(), "shift-presenter-1280.png")
+        page.keyboard.press("Escape")
+
+
+def try_corrupted(page, size: str, save) -> None:
+    """The Try tab's first example with contrast at severity 3."""
+    page.get_by_role("tab", name="Try your own image").click()
+    page.locator("#try-corruption input").click()
+    page.get_by_role("option", name="Contrast").click()
+    slider = page.locator("#try-severity input[type=range]")
+    slider.focus()
+    for _ in range(3):
+        slider.press("ArrowRight")
+    page.wait_for_selector('#try-chart .nctv-shifted[data-severity="3"]', timeout=60_000)
+    page.wait_for_timeout(500)
+    page.evaluate("document.activeElement.blur()")
+    if size == "390":
+        save(page.locator("#try-results").screenshot(), "try-corrupt-390.png")
+    else:
+        page.evaluate("document.querySelector('#try-row').scrollIntoView({block: 'start'})")
+        save(page.screenshot(), f"try-corrupt-{size}.png")
 
 
 def shoot(url: str, out: Path) -> list[Path]:
@@ -68,6 +105,9 @@ def shoot(url: str, out: Path) -> list[Path]:
                 page.click("#learn-presenter")
                 page.wait_for_timeout(1500)  # the band of the settled T follows the first drawing
                 save(page.screenshot(), "learn-presenter-1280.png")
+                page.keyboard.press("Escape")
+            shift_shots(page, size, save)
+            try_corrupted(page, size, save)
             page.close()
         # The dark theme, where the diagrams follow it.
         page = browser.new_page(viewport={"width": 1280, "height": 720})
@@ -78,6 +118,10 @@ def shoot(url: str, out: Path) -> list[Path]:
         page.get_by_role("tab", name="Learn").click()
         page.wait_for_timeout(2500)
         save(page.screenshot(), "learn-dark-1280.png")
+        page.get_by_role("tab", name="Shift").click()
+        page.wait_for_selector("#shift-diagrams .ns-card svg", timeout=60_000)
+        page.wait_for_timeout(500)
+        save(page.screenshot(), "shift-dark-1280.png")
         page.close()
         browser.close()
     return written

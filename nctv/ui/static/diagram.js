@@ -273,6 +273,9 @@ function binnedSvg(b, o) {
   const m = b.m, w = inner / m - 2;
   let largest = 0;
   for (let k = 1; k < m; k++) if (b.counts[k] > b.counts[largest]) largest = k;
+  // The count strip's title, top left (about 0.55 em a character).
+  const stripTitle = inner >= font * 17 ? "Share of the pictures in each group" : "Share of pictures";
+  const titleEnd = x(0) + font * 0.4 + stripTitle.length * 0.55 * font;
   for (let k = 0; k < m; k++) {
     if (!b.counts[k]) continue;
     const x0 = x(k / m) + 1, acc = b.accuracy[k], conf = b.confidence[k];
@@ -287,9 +290,16 @@ function binnedSvg(b, o) {
       const inside = hy(0) - hy(share) > font * 1.6;
       c.text(x0 + w / 2, inside ? hy(share) + font * 1.15 : hy(share) - font * 0.3, pct(share, 0),
              `text-anchor="middle"${inside ? ' class="nd-on-bar"' : ""}`);
-    } else if (k === largest && share >= 0.05 && x0 - x(0) > font * 8) {
-      // Bars too narrow to write on: the largest group's share beside its bar.
-      c.text(x0 - font * 0.3, Math.max(hy(share), hy(1) + font * 2.4) + font * 0.9, pct(share, 0), 'text-anchor="end"');
+    } else if (k === largest && share >= 0.05) {
+      // Bars too narrow to write on: the largest group's share just above its bar, ending at its right
+      // edge (every other bar is lower), where that clears the strip's title; else beside the bar.
+      const words = pct(share, 0), base = hy(share) - font * 0.3, textTop = base - font;
+      const clearOfTitle = x0 + w - words.length * 0.6 * font > titleEnd || textTop > hy(1) + font * 1.4;
+      if (textTop >= hy(1) + font * 0.2 && clearOfTitle) {
+        c.text(x0 + w, base, words, 'text-anchor="end"');
+      } else if (x0 - x(0) > font * 8) {
+        c.text(x0 - font * 0.3, Math.max(hy(share), hy(1) + font * 2.4) + font * 0.9, words, 'text-anchor="end"');
+      }
     }
   }
   // The accuracy's interval per group: a whisker with caps at the group's centre.
@@ -316,7 +326,7 @@ function binnedSvg(b, o) {
   // The count panel's scale is fixed (0 to 100% of the pictures), so it reads the same after every move.
   c.text(x(0) - font * 0.4, hy(1) + font * 0.8, "100%", 'text-anchor="end"');
   c.text(x(0) - font * 0.4, hy(0) - font * 0.1, "0%", 'text-anchor="end"');
-  c.text(x(0) + font * 0.4, hy(1) + font * 1.1, inner >= font * 17 ? "Share of the pictures in each group" : "Share of pictures");
+  c.text(x(0) + font * 0.4, hy(1) + font * 1.1, stripTitle);
   xAxis(c, font, x, inner, hy(0), height);
   legendRows(c, legend, font, left, inner, true);
   return c.svg(width, height, o.label);

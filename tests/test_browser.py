@@ -115,13 +115,13 @@ def test_stop_ends_a_run(page):
     open_panel(page)
     page.locator("#calibration-size input").fill("300")
     page.locator("#test-size input").fill("1000")
-    page.get_by_label("paper recipe (SGD + momentum").check()
+    page.get_by_label("paper recipe", exact=True).check()
     page.get_by_role("button", name="Run calibration").click()
     page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Running')")
     page.get_by_role("button", name="Stop").first.click()
     page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Stopped')")
     assert "pre-computed, shipped with the app" in page.locator("#results-table").inner_text()
-    page.get_by_label("fast (default").check()
+    page.get_by_label("fast (default)", exact=True).check()
 
 
 def test_a_live_calibration_run(page):

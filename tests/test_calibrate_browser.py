@@ -27,6 +27,7 @@ from test_try_browser import TEXT_BOXES, assert_delta_painted, by_size, delta_se
 from nctv import metrics
 from nctv.data import FASHION_MNIST_CLASSES, assets_dir
 from nctv.intervals import wilson_interval
+from nctv.ui.calibrate import FITTER_CHOICES
 from nctv.ui.shipped import precomputed_dir
 from nctv.ui.try_image import percent
 
@@ -166,6 +167,18 @@ def test_first_screen_reads_at_every_size(page, shipped):
     page.locator("#calibrate-view").screenshot(path=str(ARTIFACTS / f"calibrate-{width}-diagrams.png"))
 
 
+#: {text: its number of lines} of every radio button's choice in ``root`` (the distinct tops of its text's boxes).
+CHOICE_LINES = """root => Object.fromEntries([...root.querySelectorAll('label:has(input[type=radio])')].map(label => {
+    const tops = new Set(), walker = document.createTreeWalker(label, NodeFilter.SHOW_TEXT);
+    let node;
+    while ((node = walker.nextNode())) {
+        const range = document.createRange(); range.selectNodeContents(node);
+        for (const r of range.getClientRects()) if (r.width > 0) tops.add(Math.round(r.top));
+    }
+    return [label.innerText.trim(), tops.size];
+}))"""
+
+
 #: The study tabs: name, Run button, status line, figure.
 STUDY_TABS = (("γ sweep", "Run γ sweep", "#gamma-status", "#gamma-plot"),
               ("Initialisation", "Run initialisation study", "#init-status", "#init-plot"))
@@ -174,8 +187,8 @@ STUDY_TABS = (("γ sweep", "Run γ sweep", "#gamma-status", "#gamma-plot"),
 @EVERY_SIZE
 def test_study_tabs_read_at_every_size(page):
     """The γ sweep and Initialisation tabs on their shipped studies: Run and the status line on the first
-    screen, above the settings; no two pieces of text drawn over each other, no number broken over two
-    lines (in text or table), nothing wider than the screen; the figure, once scrolled to, fits the screen's
+    screen, above the settings; every choice of a setting on one line; no two pieces of text drawn over each
+    other, no number broken over two lines (in text or table), nothing wider than the screen; the figure, once scrolled to, fits the screen's
     height and, where it is wider than a phone, scrolls sideways in its own box."""
     width, height, phone = calibrate_tab(page)
     for tab, button, status, plot in STUDY_TABS:
@@ -187,6 +200,11 @@ def test_study_tabs_read_at_every_size(page):
         print(f"\n{width} × {height}: {button} at y = {run['y']:.0f} px")
         assert run["y"] + run["height"] <= height and page.locator(status).bounding_box()["y"] < height
         assert run["y"] < page.locator(panel).get_by_text("Fitter", exact=True).bounding_box()["y"]
+        # Every choice (the Fitter's, and the δ initialisation's where the tab has it) on one line: beside
+        # another setting on a phone, the Fitter's choices once wrapped word by word.
+        choices = page.locator(panel).evaluate(CHOICE_LINES)
+        assert {name for name, _ in FITTER_CHOICES} <= set(choices), choices
+        assert all(n == 1 for n in choices.values()), f"choices of {tab} wrap at {width} px: {choices}"
         assert page.evaluate("document.documentElement.scrollWidth") <= width, f"{tab} is wider than the screen"
         boxes = page.locator(panel).evaluate(TEXT_BOXES)
         assert len(boxes) > 60

@@ -216,10 +216,6 @@ def assert_delta_painted(pg, root: str, shots: str = "") -> None:
 
 
 @by_size("try_page", SIZES)
-@pytest.mark.xfail(strict=True, reason="the Try tab's script (try_image.DELTA_JS) keeps the arrays it parsed per "
-                   "element, and Gradio updates the element in place: after a new picture its canvases keep the "
-                   "first picture. nctv.ui.delta's script, the Calibrate tab's, reads them afresh; the Try tab "
-                   "should use it (and this mark go)")
 def test_amplifying_and_blending_delta_redraws_the_canvases_exactly(try_page):
     pg = try_page
     cal = load_precomputed().calibration
@@ -233,6 +229,12 @@ def test_amplifying_and_blending_delta_redraws_the_canvases_exactly(try_page):
     assert_delta_painted(pg, "#try-delta", f"try-delta-x50-{pg.viewport_size['width']}")
     assert "δ" in pg.locator("#try-delta .nctv-delta-sentence").inner_text()
     assert "grey levels" in pg.locator("#try-delta .nctv-delta-sentence").inner_text()
+    # The shared viewer (nctv.ui.delta) names the visitor's picture, and its buttons form a group of their own.
+    h, w = (view.get_attribute(f"data-{a}") for a in ("height", "width"))
+    assert pg.locator("#try-delta figcaption").first.inner_text().replace("\xa0", " ") == \
+        f"Your picture as the model gets it ({w} × {h})"
+    names = pg.locator("#try-delta .nctv-amplify input").evaluate_all("rs => rs.map(r => r.name)")
+    assert names == [try_image.DELTA_GROUP] * 3
 
 
 @by_size("try_page", SIZES)

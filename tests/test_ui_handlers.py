@@ -761,6 +761,9 @@ def test_the_delta_view_carries_the_calibrations_delta_in_pixel_levels(default_m
     mean = torch.tensor(default_model.data_config["mean"], dtype=torch.float64).reshape(-1, 1, 1)
     x = default_model.preprocess(Image.open(example)).double()
     assert (attrs["channels"], attrs["height"], attrs["width"]) == ("1", "28", "28")
+    # The shared viewer (nctv.ui.delta), on the visitor's picture, its buttons named apart from Calibrate's.
+    assert "Your picture as the model gets it (28\u00a0×\u00a028)" in view
+    assert view.count(f'name="{try_image.DELTA_GROUP}"') == 3 and 'name="calibrate-amplify"' not in view
     np.testing.assert_allclose(json.loads(attrs["delta"]), (255 * cal.delta.double() * std).numpy().ravel(), atol=1e-4)
     np.testing.assert_allclose(json.loads(attrs["input"]), (255 * (x * std + mean).clamp(0, 1)).numpy().ravel(),
                                atol=1e-3)
@@ -1069,3 +1072,45 @@ def test_first_screen_is_the_shipped_result():
     pre = load_precomputed().calibration
     assert "Loaded **Neural Clamping (FL)**" in line and torch.equal(loaded.delta, pre.delta)
     assert loaded.nc_temperature == pre.nc_temperature and loaded.ts_temperature == pre.ts_temperature
+
+
+def test_the_downloaded_reliability_diagrams_are_drawn_as_nctv_run_draws_them(monkeypatch):
+    """reliability.png holds, per method, the binned diagram and the smoothed one with its band, as
+    ``nctv run`` draws it: the figure's numbers are each method's bins and nctv.intervals.smooth_band of the
+    shipped test logits (read from their file here) at the run's interval settings."""
+    from safetensors.torch import load_file
+
+    from nctv import plots
+    from nctv.intervals import smooth_band
+
+    drawn, draw = [], plots.reliability_figure
+
+    def spy(data, *args, **kwargs):
+        fig = draw(data, *args, **kwargs)
+        drawn.append((data, fig))
+        return fig
+
+    monkeypatch.setattr(plots, "reliability_figure", spy)
+    pre = load_precomputed()
+    files = cal_tab.export_files(pre.result, pre.calibration, 15)
+    assert any(Path(f).name == "reliability.png" for f in files) and len(drawn) == 1
+    data, fig = drawn[0]
+    saved = json.loads((precomputed_dir() / "results.json").read_text())
+    how = saved["settings"]["intervals"]
+    tensors = load_file(str(precomputed_dir() / "test_logits.safetensors"))
+    labels = tensors.pop("labels").numpy()
+    assert [d.method for d in data] == list(saved["methods"])
+    for d in data:
+        z = tensors[d.method]
+        np.testing.assert_array_equal(d.counts, metrics.reliability_bins(z, labels, 15).counts)
+        assert d.ece == pytest.approx(metrics.ece(z, labels, 15), abs=1e-12)
+        conf, pred = metrics.confidences_and_predictions(z)
+        band = smooth_band(conf, pred == labels, level=how["level"], resamples=how["resamples"], seed=how["seed"])
+        assert d.smooth is not None and (d.smooth.level, d.smooth.resamples) == (0.95, 1000), d.method
+        for field in ("confidence", "accuracy", "density", "low", "high"):
+            np.testing.assert_allclose(getattr(d.smooth, field), getattr(band, field), atol=1e-12, err_msg=d.method)
+        assert d.smooth.smooth_ece == pytest.approx(band.smooth_ece, abs=1e-12)
+        assert (d.smooth.high - d.smooth.low).max() > 0.01  # a band, not a line
+    # Drawn: a smoothed diagram under each binned one.
+    titles = [ax.get_title().replace("\n", " ") for ax in fig.axes]
+    assert [t for t in titles if t.endswith("(smoothed)")] == [f"{d.method} (smoothed)" for d in data]

@@ -27,6 +27,7 @@ from nctv.plots import MIN_PLOT_WIDTH
 from nctv.hub import max_model_bytes
 from nctv.settings import APP_BINS, APP_INIT_RUNS, APP_METHODS, DEFAULT_CALIBRATION_SIZE
 from nctv.ui.common import HEAVY, on_gpu
+from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
 from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
@@ -197,6 +198,11 @@ def _shared_panel() -> Shared:
     return Shared(model, hub_id, dataset, size, test_size, seed, bins)
 
 
+#: The Fitter's least width (px): on a phone's screen it then takes a row of its own, where each choice
+#: fits on one line (beside another setting, they wrapped word by word).
+FITTER_MIN_WIDTH = 280
+
+
 def _nc_controls(gamma: bool = True, init: bool = True):
     """γ, λ, initialisation, fitter and epochs inputs (some tabs fix γ or the initialisation)."""
     out = {}
@@ -213,7 +219,8 @@ def _nc_controls(gamma: bool = True, init: bool = True):
     with gr.Row():
         if init:
             out["init"] = CheckedRadio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
-        out["fitter"] = CheckedRadio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter")
+        out["fitter"] = CheckedRadio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter", info=cal_tab.FITTER_INFO,
+                                     min_width=FITTER_MIN_WIDTH)
         out["epochs"] = CheckedNumber(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
         out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
                                info="default = the recipe's own (paper 0.001, toolkit 0.01); or above 0, at most 10")
@@ -380,7 +387,7 @@ def _try_tab(state: gr.State):
                               elem_id="try-verdict")
             # HTML bars, not gr.Label, which rounds to whole percent and so hides calibration's effect.
             chart = gr.HTML(css_template=try_tab.CHART_CSS, js_on_load=None, elem_id="try-chart")
-            delta = gr.HTML(css_template=try_tab.DELTA_CSS, js_on_load=try_tab.DELTA_JS, elem_id="try-delta")
+            delta = delta_widget(elem_id="try-delta")
             note = gr.Markdown(elem_id="try-note")
     outputs = [verdict, chart, delta, note]
     light = dict(concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")

@@ -28,9 +28,10 @@ from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
 from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir, test_metrics
 
 REFERENCE = "Uncalibrated"
-FITTER_CHOICES = [("fast (default: T by calibration ECE, then δ by L-BFGS at that T; about 10 passes)", "fast"),
-                  ("paper recipe (SGD + momentum, lr 0.001, batch 512, 100 epochs)", "paper"),
-                  ("authors' toolkit recipe (SGD + momentum, lr 0.01, batch 1000, 100 epochs)", "toolkit")]
+#: The fitters by short names, each on one line even on a phone; what each does is said below them (FITTER_INFO).
+FITTER_CHOICES = [("fast (default)", "fast"), ("paper recipe", "paper"), ("authors' toolkit recipe", "toolkit")]
+FITTER_INFO = ("fast: T by calibration ECE, then δ by L-BFGS at that T, about 10 passes; paper: SGD + momentum, "
+               "lr 0.001, batch 512, 100 epochs; toolkit: SGD + momentum, lr 0.01, batch 1000, 100 epochs")
 INIT_CHOICES = [("random (Gaussian, std 0.1)", "random"), ("data-driven (Theorem 1)", "data")]
 GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
 WEIGHT_DECAY_CHOICES = ["default", "strong", "auto", "0", "0.001", "0.01", "0.1", "1"]
@@ -130,10 +131,13 @@ def table_markdown(result: Any, n_bins: int, source: str) -> str:
 
 
 def reliability_plot(result: Any, n_bins: int):
-    """The run's reliability diagrams as one matplotlib figure in a row, for the downloads."""
+    """The run's reliability diagrams as one matplotlib figure, for the downloads, drawn as ``nctv run``
+    draws its own: per method the binned diagram and, below it, the smoothed one with its band at the
+    run's interval settings (level, resamples, seed)."""
     from nctv import plots
 
-    return plots.reliability_figure(plots.reliability_data_from_result(result, n_bins), backend="matplotlib")
+    return plots.reliability_figure(plots.reliability_data_from_result(result, n_bins, smooth=True),
+                                    backend="matplotlib")
 
 
 def _numbers(values: Any, digits: int | None = None) -> list[float | None]:

@@ -1,7 +1,8 @@
-"""δ made visible in the page, for every tab that shows a learned δ: a picture as the model gets it,
-picture + δ × k blended in by a slider, and the change δ × k around mid-grey, each on a canvas of the
-model's input size. The pixel arrays travel once, in the view's HTML; ``static/delta.js`` paints them
-and repaints in the page when the amplification k (:data:`AMPLIFICATIONS`) or the blend moves.
+"""δ made visible in the page, for every tab that shows a learned δ (Calibrate on a test picture, Try
+on the visitor's): a picture as the model gets it, picture + δ × k blended in by a slider, and the
+change δ × k around mid-grey, each on a canvas of the model's input size. The pixel arrays travel
+once, in the view's HTML; ``static/delta.js`` paints them and repaints in the page when the
+amplification k (:data:`AMPLIFICATIONS`) or the blend moves.
 """
 from __future__ import annotations
 
@@ -31,8 +32,7 @@ def delta_widget(value: str | None = None, **props: Any) -> gr.HTML:
     return gr.HTML(value, css_template=DELTA_CSS, js_on_load=DELTA_JS, **props)
 
 
-def delta_view(data: Any, *, picture: str = "Your picture", effect: str = "", group: str = "nctv-amplify",
-               sentence: bool = True) -> str:
+def delta_view(data: Any, *, picture: str, group: str, effect: str = "", sentence: bool = True) -> str:
     """The view of ``data``, a :class:`nctv.plots.DeltaImageData` with an example: its pixels as JSON in
     ``data-input`` (0–255) and δ in ``data-delta`` (0–255 levels), channel-major. ``picture`` names the
     example in its caption; ``effect`` says what δ does to the example's answer; ``group`` names the

@@ -8,9 +8,9 @@ What the tab shows, top to bottom (one column, so that a phone reads it as well 
   calibration split): whether the picture looks like the model's images at all;
 * one chart, a row per class with three bars (uncalibrated, temperature scaling, Neural Clamping)
   and one-decimal percentages; dimmed when the check flags the picture;
-* δ made visible: the picture, picture + δ and the change, drawn in the page on canvases from the
-  pixel arrays the server sends once (:data:`DELTA_JS`), so that amplifying δ or blending it in
-  needs no round trip;
+* δ made visible on the picture by :mod:`nctv.ui.delta`, the viewer the Calibrate tab shows too: the
+  picture, picture + δ and the change, drawn in the page from arrays the server sends once, so that
+  amplifying δ or blending it in needs no round trip;
 * with a corruption chosen (``nctv.corruptions``, severity 1–5), the picture is corrupted before the
   model's preprocessing, as a camera in the rain would give it: the chart then shows the corrupted
   picture and, on every bar, where the clean picture's confidence was;
@@ -19,7 +19,6 @@ What the tab shows, top to bottom (one column, so that a phone reads it as well 
 from __future__ import annotations
 
 import html
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from nctv.inference import model_logits
 from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
 from nctv.ui.caches import get_model, get_ood_detector
+from nctv.ui.delta import delta_view
 from nctv.ui.session import Calibration
 from nctv.ui.shipped import examples_dir, load_precomputed
 
@@ -50,8 +50,8 @@ METHODS = (("raw", "uncal.", "uncalibrated", "#94a3b8"),
 #: What a flagged picture's result is shown under.
 MEANS_LITTLE = "This picture does not look like the data the model knows: its answer means little."
 HINT = "Upload, paste or take a picture, pick an example, or draw one."
-#: The amplifications of δ the page offers (×1 is δ's true size).
-AMPLIFICATIONS = (1, 10, 50)
+#: The name of the δ view's amplification buttons: its own, apart from the Calibrate tab's view on the page.
+DELTA_GROUP = "try-amplify"
 #: The corruption the menu opens on (at severity 0: the picture as it is), and the strongest severity.
 DEFAULT_CORRUPTION = "gaussian-noise"
 MAX_SEVERITY = 5
@@ -333,114 +333,6 @@ VERDICT_CSS = """
 # --------------------------------------------------------------------------- δ made visible
 
 
-def delta_view(data: Any, effect: str = "") -> str:
-    """δ made visible in the page: the picture, picture + δ × k blended in by a slider, and the
-    change δ × k around mid-grey, each on a canvas of the model's input size. ``data`` is a
-    :class:`nctv.plots.DeltaImageData` with an example; its pixel arrays travel once, as JSON in
-    ``data-input`` (0–255) and ``data-delta`` (0–255 levels), channel-major; :data:`DELTA_JS` draws.
-    ``effect`` says what δ does to this picture's answer."""
-    from nctv.plots import delta_sentence
-
-    c, h, w = data.delta.shape
-    names = data.channel_names
-    what, reading = (("Brightness", "lighter = brighter, darker = dimmer") if names == ("brightness",) else
-                     ("Colour", "lighter = brighter, a tint = more of that colour"))
-    channels = "" if len(names) == 1 else f" Channels: {', '.join(names)}."
-    radios = "".join(f'<label><input type="radio" name="nctv-amplify" value="{k}"{" checked" if k == 1 else ""}>'
-                     f'×{k}{" (true size)" if k == 1 else ""}</label>' for k in AMPLIFICATIONS)
-    pixels = json.dumps(np.round(255 * data.example, 3).ravel().tolist())
-    delta = json.dumps(np.round(data.delta, 4).ravel().tolist())
-    largest = float(np.abs(data.delta).max())
-    return (f'<div class="nctv-delta" data-channels="{c}" data-height="{h}" data-width="{w}" data-largest="{largest!r}" '
-            f'data-input="{pixels}" data-delta="{delta}">'
-            f'<div class="nctv-title">δ, the change Neural Clamping learned, made visible</div>'
-            f'<p class="nctv-delta-sentence">{html.escape(delta_sentence(data))}{channels}</p>'
-            f'<div class="nctv-controls"><fieldset class="nctv-amplify"><legend>Make δ larger to see it</legend>'
-            f'{radios}</fieldset><label class="nctv-blend">Blend from the picture (0) to picture + δ (1) '
-            f'<input type="range" min="0" max="1" step="0.05" value="1"></label></div>'
-            f'<div class="nctv-panels">'
-            f'<figure><figcaption>Your picture as the model gets it ({w} × {h})</figcaption>'
-            f'<canvas data-panel="input" width="{w}" height="{h}"></canvas></figure>'
-            f'<figure><figcaption data-caption="blend">Picture + δ × 1</figcaption>'
-            f'<canvas data-panel="blend" width="{w}" height="{h}"></canvas></figure>'
-            f'<figure><figcaption data-caption="change">{what} change δ × 1</figcaption>'
-            f'<canvas data-panel="change" width="{w}" height="{h}"></canvas></figure></div>'
-            f'<p class="nctv-delta-reading">{what} change: mid-grey = no change; {reading}.</p>'
-            f'<p class="nctv-delta-scale">At ×1 the largest change is {largest:.1f} of 255 levels.</p>'
-            + (f'<p class="nctv-delta-effect">{html.escape(effect)}</p>' if effect else "") + '</div>')
-
-
-#: Draws the δ view from its data attributes; re-draws at once when the amplification or the blend
-#: moves, and when the server sends a new picture. Values are rounded and clipped to 0–255 as a
-#: picture's pixels are.
-DELTA_JS = """
-const state = { k: 1, t: 1 };
-const parsed = new WeakMap();
-function numbers(root) {
-  if (!parsed.has(root)) parsed.set(root, { x: JSON.parse(root.dataset.input), d: JSON.parse(root.dataset.delta) });
-  return parsed.get(root);
-}
-function paint(canvas, c, h, w, value) {
-  const ctx = canvas.getContext('2d', { willReadFrequently: true });
-  const img = ctx.createImageData(w, h);
-  for (let p = 0; p < h * w; p++) {
-    for (let rgb = 0; rgb < 3; rgb++) {
-      const v = Math.round(value((c === 1 ? 0 : rgb) * h * w + p));
-      img.data[4 * p + rgb] = Math.min(255, Math.max(0, v));
-    }
-    img.data[4 * p + 3] = 255;
-  }
-  ctx.putImageData(img, 0, 0);
-}
-function draw() {
-  const root = element.querySelector('.nctv-delta');
-  if (!root) return;
-  const c = +root.dataset.channels, h = +root.dataset.height, w = +root.dataset.width;
-  const { x, d } = numbers(root);
-  const k = state.k, t = state.t;
-  root.querySelectorAll('input[name=nctv-amplify]').forEach(r => { r.checked = +r.value === k; });
-  root.querySelector('.nctv-blend input').value = t;
-  paint(root.querySelector('canvas[data-panel=input]'), c, h, w, i => x[i]);
-  paint(root.querySelector('canvas[data-panel=blend]'), c, h, w, i => x[i] + t * k * d[i]);
-  paint(root.querySelector('canvas[data-panel=change]'), c, h, w, i => 128 + k * d[i]);
-  const blend = root.querySelector('[data-caption=blend]');
-  blend.textContent = t === 1 ? `Picture + δ × ${k}` : t === 0 ? 'Picture (δ blended out)' : `Picture + ${t} × δ × ${k}`;
-  const change = root.querySelector('[data-caption=change]');
-  change.textContent = change.textContent.replace(/δ × \\d+/, `δ × ${k}`);
-  const largest = +root.dataset.largest;
-  root.querySelector('.nctv-delta-scale').textContent =
-    `At ×${k} the largest change is ${(k * largest).toFixed(1)} of 255 levels` +
-    (k * largest > 127 ? ' (beyond the range where it is shown: clipped).' : '.');
-}
-function pick(event) {
-  const target = event.target;
-  if (target.name === 'nctv-amplify') state.k = +target.value;
-  else if (target.closest && target.closest('.nctv-blend')) state.t = +target.value;
-  else return;
-  draw();
-}
-element.addEventListener('input', pick);
-element.addEventListener('change', pick);
-watch('value', draw);
-draw();
-"""
-DELTA_CSS = """
-.nctv-title { font-weight:600; font-size:1.1em; margin-bottom:6px; }
-.nctv-delta-sentence { margin:0 0 8px 0; line-height:1.4; }
-.nctv-controls { display:flex; flex-wrap:wrap; gap:8px 18px; align-items:center; margin-bottom:8px; }
-.nctv-amplify { display:flex; flex-wrap:wrap; gap:4px 12px; border:none; padding:0; margin:0; }
-.nctv-amplify legend { padding:0; margin-bottom:2px; }
-.nctv-amplify label, .nctv-blend { display:inline-flex; align-items:center; gap:6px; }
-.nctv-blend { flex-wrap:wrap; }
-.nctv-blend input { width:160px; }
-.nctv-panels { display:flex; flex-wrap:wrap; gap:12px; }
-.nctv-panels figure { flex:0 0 auto; width:calc((100% - 24px) / 3); min-width:130px; max-width:240px; margin:0; }
-.nctv-panels figcaption { font-size:0.9em; line-height:1.3; margin-bottom:4px; min-height:2.6em; }
-.nctv-panels canvas { width:100%; height:auto; image-rendering:pixelated; border:1px solid rgba(128,128,128,0.4); }
-.nctv-delta-reading, .nctv-delta-scale, .nctv-delta-effect { margin:6px 0 0 0; font-size:0.9em; }
-"""
-
-
 def delta_effect(class_names: list[str], without: np.ndarray, with_delta: np.ndarray) -> str:
     """What δ alone does to one picture: the top class's confidence at Neural Clamping's T, without
     and with δ (a δ that looks like noise may still move it, or may not)."""
@@ -499,7 +391,8 @@ def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFA
     if cal.delta is not None:
         mean, std = loaded.data_config["mean"], loaded.data_config["std"]
         view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}"),
-                          delta_effect(loaded.class_names, probabilities(z / cal.nc_temperature), probs["nc"]))
+                          picture="Your picture", group=DELTA_GROUP,
+                          effect=delta_effect(loaded.class_names, probabilities(z / cal.nc_temperature), probs["nc"]))
     verdict = ood_verdict(cal, x)
     lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), corruption_note,
              f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "

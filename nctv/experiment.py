@@ -340,6 +340,17 @@ def _make(ctx: _Context, plan: MethodPlan, seed: int):
     return _class(spec)(ctx.model, options, seed=seed, callback=_nc_callback(ctx, plan.label, seed), **kw)
 
 
+def _seeded(plan: MethodPlan, options: RunOptions) -> bool:
+    """Whether ``plan``'s fit depends on its seed, so that the run fits it once per seed: a stochastic
+    method whose options draw something random (the default Neural Clamping, from δ₀ = 0, does not)."""
+    spec = _registry()[plan.name]
+    if not spec.stochastic:
+        return False
+    own = {} if plan.name == COMPARED_METHOD else dict(spec.defaults)
+    changes = {**own, **{k: v for k, v in plan.overrides if k in NCOptions.names()}}
+    return options.nc.changed(**changes).seeded
+
+
 def _class(spec: Any) -> Any:
     from nctv.calibration.registry import calibration_class
 
@@ -480,10 +491,11 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
         ctx.progress.step(f"{plan.label} (seed {s}) done")
     spec = _registry()[plan.name]
     stats = {b: {k: MetricStats.from_runs(v) for k, v in per.items()} for b, per in per_bin.items()}
+    seeded = _seeded(plan, ctx.options)
     if ctx.options.intervals is not None:
         _add_intervals(ctx, plan.label, per_seed, stats)
     return MethodResult(
-        plan.label, bool(spec.stochastic), bool(spec.needs_model), list(seeds), stats,
+        plan.label, seeded, bool(spec.needs_model), list(seeds), stats,
         seconds, first[1], first[0], first[2], calibrator=first[3],
     )
 
@@ -538,7 +550,7 @@ def _run_plans(kind: str, model: Any, calibration: Any, test: Any, plans: Sequen
     if max(bins) > n_test:
         raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
     module, model_info, dev = _prepare_model_run(model, options.device)
-    stochastic = {p.label: bool(_registry()[p.name].stochastic) for p in plans}
+    stochastic = {p.label: _seeded(p, options) for p in plans}
     total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
     bar = _Progress(total, kind, options.progress, options.callback)
     with _run_precision(options.precision, module, calibration, dev) as chosen:
@@ -842,7 +854,7 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
     module, model_info, dev = _prepare_model_run(model, options.device)
     plans = _plans(names)
     seed_list = list(options.seeds)
-    runs = {p.label: seed_list if _registry()[p.name].stochastic else seed_list[:1] for p in plans}
+    runs = {p.label: seed_list if _seeded(p, options) else seed_list[:1] for p in plans}
     conditions = [("clean", 0)] + [(c, s) for c in corruptions for s in severities]
     bar = _Progress(2 + sum(map(len, runs.values())) + len(conditions), "shift", options.progress, options.callback)
     intervals = options.intervals or IntervalSettings()

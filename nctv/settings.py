@@ -26,6 +26,13 @@ WEIGHT_DECAY_RULES = {"auto": 0.1, "strong": 1.0}
 #: The published recipes' epochs and learning rates (nctv.calibration.clamping.RECIPES holds the rest).
 RECIPE_EPOCHS = 100
 RECIPE_LR = {"paper": 1e-3, "toolkit": 1e-2}
+#: The spread σ of a random δ₀ ~ N(0, σ²) per fitter, where NCOptions.init_std is None: the fast fitter
+#: starts at δ₀ = 0 (docs/method.md: on every panel model tied with a random start or better, cheaper,
+#: and the same on every seed), the paper's recipe at σ = 0.1, the authors' demo at σ = 0.001.
+INIT_STDS = {"fast": 0.0, "paper": 0.1, "toolkit": 1e-3}
+#: The random δ₀ that the initialisation study (Figure 3) compares with Theorem 1's where the fitter's
+#: own start is δ₀ = 0: the paper's, σ = 0.1.
+STUDY_RANDOM_INIT_STD = 0.1
 #: Neural Clamping's focal-loss γ by default (the paper's) and its δ initialisation.
 DEFAULT_GAMMA = 1.0
 #: γ values tried by ``gamma="auto"``.
@@ -182,6 +189,19 @@ class NCOptions:
                 raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
             return cands
         return [check_gamma(self.gamma)]
+
+    def init_spread(self) -> float:
+        """σ of a random δ₀: ``init_std``, else the fitter's own (``INIT_STDS``)."""
+        return float(self.init_std) if self.init_std is not None else INIT_STDS[self.fitter]
+
+    @property
+    def seeded(self) -> bool:
+        """Whether a fit with these options depends on its seed. A recipe shuffles its batches; the fast
+        fitter draws nothing but a random δ₀, and none when δ₀ = 0 (its default), when δ starts from
+        Theorem 1's δ̃ or when δ is frozen: such a fit is deterministic, one fit is its whole result."""
+        if self.fitter != "fast":
+            return True
+        return self.learn_delta and self.init == "random" and self.init_spread() > 0
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

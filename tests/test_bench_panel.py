@@ -200,7 +200,7 @@ def tiny_panel(tmp_path_factory):
         patch.setattr(panel, "PANEL_BASELINES", ("Temperature Scaling", "TS by Grid Search"))
         warnings.simplefilter("ignore")  # 200 images for a δ of 784 values: the library warns, rightly
         nc = [panel.case_panel_nc(dict(base, row=label, seed=seed, **panel.NC_ROWS[label].params(3)), cpu)
-              for label in ("NC default", panel.ZERO_INIT_ROW) for seed in (0, 1)]
+              for label in ("NC default", panel.RANDOM_INIT_ROW) for seed in (0, 1)]
         return {"panel_baselines": [panel.case_panel_baselines(base, cpu)], "panel_nc": nc}
 
 
@@ -233,19 +233,22 @@ def test_the_panel_verdict_is_the_engines_paired_interval_with_seeds_pooled(tiny
         assert m["intervals"][row] == pytest.approx([100 * stats.ci_low, 100 * stats.ci_high], abs=1e-9)
 
 
-def test_the_zero_start_row_is_deterministic_and_paired_against_the_default(tiny_panel):
+def test_the_default_starts_at_zero_and_is_paired_against_a_random_start(tiny_panel):
     from safetensors.torch import load_file
 
-    runs = [r for r in tiny_panel["panel_nc"] if r["row"] == panel.ZERO_INIT_ROW]
+    runs = [r for r in tiny_panel["panel_nc"] if r["row"] == "NC default"]
     first, second = (load_file(str(panel._resolve(r["logits"])))["logits"] for r in runs)
-    assert torch.equal(first, second)                      # δ₀ = 0: the seed draws nothing
-    default = [r for r in tiny_panel["panel_nc"] if r["row"] == "NC default"]
-    assert default[0]["delta_norm"] != default[1]["delta_norm"]   # while the default's δ₀ is the seed's draw
-    assert runs[0]["settings"] == {"init_std": 0.0} and default[0]["settings"] == {}
+    assert torch.equal(first, second)                      # δ₀ = 0, the default: the seed draws nothing
+    random = [r for r in tiny_panel["panel_nc"] if r["row"] == panel.RANDOM_INIT_ROW]
+    assert random[0]["delta_norm"] != random[1]["delta_norm"]   # while a random δ₀ is the seed's draw
+    assert random[0]["settings"] == {"init_std": 0.1} and runs[0]["settings"] == {}
+    assert panel.NC_ROWS["NC default"].deterministic and not panel.NC_ROWS[panel.RANDOM_INIT_ROW].deterministic
 
     m = panel.summarise(tiny_panel)["panel"][0]
     z = m["zero_init"]
-    assert z["means"] == pytest.approx([100 * runs[0]["test_ece"], 50 * (default[0]["test_ece"] + default[1]["test_ece"])])
+    assert z["rows"] == ["NC default", panel.RANDOM_INIT_ROW]
+    assert z["means"] == pytest.approx([50 * (runs[0]["test_ece"] + runs[1]["test_ece"]),
+                                        50 * (random[0]["test_ece"] + random[1]["test_ece"])])
     c = z["against_default"]
     assert c["low"] <= c["difference"] <= c["high"]
     assert z["ece_target"]["rule"] == "paired"

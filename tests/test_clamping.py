@@ -185,13 +185,26 @@ def test_model_weights_untouched(fitter):
 # ---- repeatability ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fitter", ["fast", "paper"])
-def test_seeded_runs_repeat_and_seeds_differ(problem, fitter):
+@pytest.mark.parametrize("fitter, start", [("fast", {"init_std": 0.1}), ("paper", {})])
+def test_seeded_runs_repeat_and_seeds_differ(problem, fitter, start):
     model, x, y, *_ = problem
-    fit = lambda seed: NeuralClamping(model, fitter=fitter, epochs=3, seed=seed, **quiet()).fit(x, y)
+    fit = lambda seed: NeuralClamping(model, fitter=fitter, epochs=3, seed=seed, **start, **quiet()).fit(x, y)
     a, b, c = fit(3), fit(3), fit(4)
     assert torch.equal(a.delta_, b.delta_) and a.temperature_ == b.temperature_
     assert not torch.equal(a.delta_, c.delta_)
+    assert NeuralClamping(model, fitter=fitter, **start).options.seeded
+
+
+def test_the_default_starts_at_zero_and_is_the_same_on_every_seed(problem):
+    model, x, y, *_ = problem
+    fits = [NeuralClamping(model, seed=s, **quiet()).fit(x, y) for s in (0, 1, 7)]
+    assert all(torch.equal(f.delta_, fits[0].delta_) and f.temperature_ == fits[0].temperature_ for f in fits)
+    assert not fits[0].options.seeded
+    # Started from δ₀ = 0 exactly: a frozen δ stays 0, and a fit of no steps gives δ₀ itself.
+    frozen = NeuralClamping(model, learn_delta=False, **quiet()).fit(x, y)
+    assert torch.count_nonzero(frozen.delta_) == 0
+    assert NeuralClamping(model, init="data").options.seeded is False
+    assert NeuralClamping(model, fitter="toolkit").options.seeded is True
 
 
 # ---- the paper recipe ---------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     seen = []
     r = experiment.run_experiment(model, cal, test, methods=["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"],
                                   seeds=2, bins=(10, 15), cache_dir=tmp_path, progress=False,
-                                  callback=lambda f, m: seen.append((f, m)))
+                                  callback=lambda f, m: seen.append((f, m)), init_std=0.1)
     assert r.fitter == "fast" and r.bins == [10, 15] and r.seeds == [0, 1]
     assert r.cache_hits == {"calibration": False, "test": False}
     fractions = [f for f, _ in seen]
@@ -169,6 +169,16 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     again = experiment.run_experiment(model, cal, test, methods=["Uncalibrated"], seeds=1, bins=(15,), cache_dir=tmp_path,
                                       progress=False)
     assert again.cache_hits == {"calibration": True, "test": True}
+
+    # The default Neural Clamping starts at δ₀ = 0 and draws nothing: one fit, whatever the seed count,
+    # no seed spread, and its interval is the test split's alone.
+    default = experiment.run_experiment(model, cal, test, methods=["Neural Clamping (FL)"], seeds=3, bins=(15,),
+                                        cache_dir=tmp_path, progress=False)
+    one = default.methods["Neural Clamping (FL)"]
+    assert not one.stochastic and one.seeds == [0] and len(one.fit_seconds) == 1 and one.metrics[15]["ece"].std == 0
+    d = iv.method_draws([one.test_logits], y_test, counts, 15, ["ece"])
+    ci = iv.interval(d["ece"], "ece")
+    assert (one.metrics[15]["ece"].ci_low, one.metrics[15]["ece"].ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 
 def test_saved_results(splits, tmp_path):

@@ -18,6 +18,10 @@ Decisions where the paper leaves room (they hold for every class and function he
 * **fitter="paper"** and **fitter="toolkit"** run the published recipes exactly (``RECIPES``):
   mini-batch SGD with momentum 0.9 on (δ, T), random δ₀ drawn first from
   ``torch.Generator().manual_seed(seed)``, then one ``randperm`` per epoch from the same generator.
+* **δ₀**: the fast fitter starts at δ₀ = 0 (``INIT_STDS``), so a default fit draws nothing random
+  and is the same on every seed (on every panel model it is tied with a random start or better,
+  and cheaper: docs/method.md); ``init_std=σ`` starts it at δ₀ ~ N(0, σ²) instead. The recipes keep
+  their published random starts.
 * **fitter="fast"** (default) minimises the objective with full-batch L-BFGS, gradients
   accumulated over the pieces of each pass and a strong-Wolfe line search; it stops on a relative
   objective change below ``tol`` or at ``max_passes``. Its default temperature rule is "anchored":
@@ -77,16 +81,14 @@ from nctv.calibration.clamping_fit import (
     theorem1_delta,
 )
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
-from nctv.settings import (FITTERS, GAMMA_CANDIDATES, RECIPE_EPOCHS, RECIPE_LR, SWEEP_GAMMAS, WEIGHT_DECAY_RULES,
-                           NCOptions)
+from nctv.settings import (FITTERS, GAMMA_CANDIDATES, INIT_STDS, RECIPE_EPOCHS, RECIPE_LR, SWEEP_GAMMAS,
+                           WEIGHT_DECAY_RULES, NCOptions)
 
 __all__ = [
     "GAMMA_CANDIDATES", "SWEEP_GAMMAS", "NCOptions", "NeuralClamping", "EfficientNeuralClamping", "StopFitting",
     "data_driven_delta", "GammaFit", "PreparedSplit",
 ]
 
-#: Standard deviation of the random initial δ (the paper's variance 0.01).
-INIT_STD = 0.1
 #: Temperature rules: "fitted" keeps the objective's T; "selected" re-chooses T on the calibration
 #: logits f(x + δ) by the mean ECE over SELECTION_BINS, on the grid SELECTION_STEP … SELECTION_T_MAX;
 #: "anchored" (the default, fast fitter only) chooses T that way on the unperturbed logits f(x) before
@@ -111,11 +113,11 @@ class Recipe:
 RECIPES = {
     # The paper's text (section 4, appendix A) with the optimiser of the authors' code (momentum 0.9).
     "paper": Recipe(SGDSettings(epochs=RECIPE_EPOCHS, lr=RECIPE_LR["paper"], momentum=0.9, batch_size=512),
-                    init_std=INIT_STD,
+                    init_std=INIT_STDS["paper"],
                     weight_decay="auto", penalty="squared", prob_floor=0.0),
     # The authors' demo.py with NCWrapper.train_NC: λ₁‖δ‖₂ not squared, FocalLoss's 1e-7 clamp.
     "toolkit": Recipe(SGDSettings(epochs=RECIPE_EPOCHS, lr=RECIPE_LR["toolkit"], momentum=0.9, batch_size=1000),
-                      init_std=1e-3,
+                      init_std=INIT_STDS["toolkit"],
                       weight_decay=0.01, penalty="norm", prob_floor=1e-7),
 }
 assert FITTERS == ("fast", *RECIPES), "nctv.settings.FITTERS must list the fast fitter and every recipe"
@@ -332,7 +334,8 @@ class NeuralClamping(_InputCalibrator):
         paper's; at the anchored T under temperature="anchored"), "strong" = 1.0 × it; None = the
         fitter's own ("auto" for "fast" with the anchored T, "strong" for "fast" with another
         temperature rule, "auto" for "paper", 0.01 on the unsquared ‖δ‖₂ for "toolkit").
-    init: "random" (δ₀ ~ N(0, σ²), seeded; σ = ``init_std``) or "data" (Theorem 1's δ̃; needs ``input_range``).
+    init: "random" (δ₀ ~ N(0, σ²), seeded; σ = ``init_std``, by default the fitter's own: 0 for the fast
+        fitter, so δ₀ = 0) or "data" (Theorem 1's δ̃; needs ``input_range``).
     fitter: "fast" (L-BFGS, the default), "paper" (the paper's SGD recipe with momentum 0.9) or
         "toolkit" (the authors' released demo); ``RECIPES`` holds the recipes' settings.
     epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings; None = the recipe's own.
@@ -425,7 +428,7 @@ class NeuralClamping(_InputCalibrator):
                 return DEFAULT_BATCH_SIZE if name == "batch_size" else None
             return getattr(recipe.sgd, name)
         if name == "init_std":
-            return INIT_STD if recipe is None else recipe.init_std
+            return INIT_STDS["fast"] if recipe is None else recipe.init_std
         if name == "weight_decay":
             if recipe is not None:
                 return recipe.weight_decay

@@ -19,7 +19,7 @@ from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
 from nctv.intervals import (RESAMPLED, IntervalSettings, difference, interval, method_draws, resample_counts,
                             seed_counts)
-from nctv.settings import SWEEP_GAMMAS, NCOptions
+from nctv.settings import STUDY_RANDOM_INIT_STD, SWEEP_GAMMAS, NCOptions
 
 __all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "sweep_options", "InitStudy", "init_study",
            "init_study_passes"]
@@ -272,6 +272,14 @@ def init_study_passes(model: torch.nn.Module | None, n_runs: int, options: NCOpt
     return 1.0 + _init_fits(n_runs, nc.fitter) * nc.expected_passes(1)
 
 
+def _study_start(options: NCOptions, init: str) -> NCOptions:
+    """The options of one arm of the study: a random start is a random one even where the fitter's own
+    δ₀ is 0 (the fast fitter's default): then the paper's σ (``STUDY_RANDOM_INIT_STD``)."""
+    if init == "random" and options.init_std is None and options.changed(init="random").init_spread() == 0:
+        return options.changed(init="random", init_std=STUDY_RANDOM_INIT_STD)
+    return options.changed(init=init)
+
+
 def _init_fits(n_runs: int, fitter: str) -> int:
     """Fits of an initialisation study: ``n_runs`` random ones, and one data-driven fit (the fast
     fitter from δ̃ draws nothing random) or ``n_runs`` of them (a recipe)."""
@@ -328,7 +336,7 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         budget = NeuralClamping(model, options).expected_passes(1)
         plan = _FitPlan(_init_fits(n_runs, options.fitter), budget, rest["callback"])
         rest = {**rest, "callback": plan.report}
-    ncs = {init: NeuralClamping(model, options.changed(init=init), seed=seed, **rest) for init in ("random", "data")}
+    ncs = {init: NeuralClamping(model, _study_start(options, init), seed=seed, **rest) for init in ("random", "data")}
     nc = ncs["data"]
     prepared = nc.prepare(*_pair(cal, "cal"))  # init="data": this pass also gives δ̃, and every fit shares it
     seeds = [int(seed) + r for r in range(n_runs)]

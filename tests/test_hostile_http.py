@@ -19,6 +19,8 @@ import pytest
 
 from conftest import start_app, stop_app
 
+from nctv.ui.try_image import DEFAULT_CORRUPTION
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's memory from /proc")
 
 #: The server may grow by at most this much while refusing a crafted request.
@@ -94,7 +96,10 @@ class Server:
         return r.json()[0]
 
     def call(self, api: str, data: list) -> tuple[str, object]:
-        """("complete", outputs) or ("error", message) of one API call; an HTTP refusal raises."""
+        """("complete", outputs) or ("error", message) of one API call; an HTTP refusal raises. A picture
+        alone is sent with the Try tab's other two inputs at their defaults (no corruption: severity 0)."""
+        if api in ("classify", "classify_drawing") and len(data) == 1:
+            data = data + [DEFAULT_CORRUPTION, 0]
         r = self.http.post(f"/gradio_api/call/{api}", json={"data": data})
         r.raise_for_status()
         with self.http.stream("GET", f"/gradio_api/call/{api}/{r.json()['event_id']}") as s:

@@ -278,7 +278,10 @@ def test_gamma_sweep_and_init_study_carry_test_split_intervals():
 
 
 def _random_logits(model, x, y, xt, runs):
-    """The init study's random runs fitted one by one (seeds 0, 1, …)."""
+    """The init study's random runs fitted one by one (seeds 0, 1, …), from the paper's random start
+    (σ = 0.1, the study's random arm; the fast fitter's own start is δ₀ = 0)."""
     from nctv.calibration.clamping import NeuralClamping
+    from nctv.settings import STUDY_RANDOM_INIT_STD
 
-    return [NeuralClamping(model, init="random", seed=s, progress=False).fit(x, y).predict_logits(xt) for s in range(runs)]
+    return [NeuralClamping(model, init="random", init_std=STUDY_RANDOM_INIT_STD, seed=s, progress=False).fit(x, y)
+            .predict_logits(xt) for s in range(runs)]

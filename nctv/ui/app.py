@@ -393,7 +393,7 @@ def _try_tab(state: gr.State):
     light = dict(concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
     shift = [corruption, severity]
     # Which of the picture and the drawing a new corruption applies to: the one classified last.
-    last = gr.State(try_tab.PICTURE)
+    last = gr.State(try_tab.PICTURE, time_to_live=CALIBRATION_TTL_S)
     # "input", not "change": the picture's change event fires twice per upload, which doubled both the
     # work and the error message. A failed picture leaves no earlier result behind, nor a broken preview.
     image.input(try_tab.classify, [image, state] + shift, outputs, api_name="classify", **light).failure(

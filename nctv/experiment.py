@@ -879,7 +879,7 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
                                   n_bins, intervals, examples, reliability_bins)
         finally:
             bar.close()
-    figures, reliability, draws, cache_hits, example_pixels = scored
+    figures, reliability, draws, cache_hits, example_pixels, timing = scored
     average, comparisons = _shift_summaries(plans, draws, conditions, corruptions, severities, intervals.level)
     nc = options.nc
     info = getattr(model, "class_names", None)
@@ -895,6 +895,7 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
                   **_input_scale(model, calibration)},
         seconds=time.perf_counter() - t_start, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         calibrate_on=calibrate_on, examples=example_pixels,
+        timing={"fitting": sum(map(sum, fit_seconds.values())), **timing},
     )
 
 
@@ -913,20 +914,31 @@ def _score_shift(ctx: _Context, plans: Sequence[MethodPlan], fitted: dict[str, l
     reliability: dict = {p.label: {} for p in plans}
     draws: dict = {p.label: {} for p in plans}
     cache_hits, pixels = {}, {}
+    # Where the time goes: corrupting the pictures, the model's passes (the unperturbed logits of each
+    # corrupted split, and Neural Clamping's f(x + δ)), and the rest (logit-space maps, metrics, intervals).
+    timing = dict.fromkeys(("corrupting", "unperturbed logits", "model-based methods", "scoring"), 0.0)
+    model_based = {p.label for p in plans if _registry()[p.name].needs_model}
     picked = np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int) if examples else None
     for corruption, severity in conditions:
         key = condition_key(corruption, severity)
         ctx.progress.message(f"scoring {key}")
+        t0 = time.perf_counter()
         split = ctx.test if severity == 0 else corrupt_split(ctx.test, corruption, severity, corruption_seed)
+        t1 = time.perf_counter()
         if severity == 0:
             z, cache_hits[key] = ctx.test_z, True
         else:
             got = split_logits(ctx.model, split, opts.cache_dir, opts.batch_size, ctx.device, model_info["fingerprint"])
             z, cache_hits[key] = got.logits, got.hit
+        timing["corrupting"] += t1 - t0
+        timing["unperturbed logits"] += time.perf_counter() - t1
         if picked is not None:
             pixels[key] = [_png(split.image(int(i))) for i in picked]
         for p in plans:
+            t0 = time.perf_counter()
             per_seed = [_calibrated(ctx, p, m, split, z).detach().float().cpu() for m in fitted[p.label]]
+            timing["model-based methods" if p.label in model_based else "scoring"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             points = [evaluate(zz, ctx.test_y, n_bins=n_bins) for zz in per_seed]
             d = method_draws(per_seed, ctx.test_y, counts, n_bins, SHIFT_METRICS, seed_draws.get(p.label))
             draws[p.label][key] = d
@@ -943,8 +955,10 @@ def _score_shift(ctx: _Context, plans: Sequence[MethodPlan], fitted: dict[str, l
                 "confidence": [None if c != c else float(c) for c in rb.confidence],
                 "accuracy": [None if a != a else float(a) for a in rb.accuracy],
             }
+            timing["scoring"] += time.perf_counter() - t0
         ctx.progress.step(f"{key} scored")
-    return figures, reliability, draws, cache_hits, ({"indices": picked.tolist(), "png": pixels} if examples else {})
+    examples_out = {"indices": picked.tolist(), "png": pixels} if examples else {}
+    return figures, reliability, draws, cache_hits, examples_out, timing
 
 
 def _png(image: Any) -> str:

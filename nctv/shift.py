@@ -105,6 +105,8 @@ class ShiftResult(_JSON):
     created: str
     calibrate_on: str | None = None
     examples: dict[str, Any] = field(default_factory=dict)
+    #: Seconds by part of the study: fitting, corrupting, unperturbed logits, model-based methods, scoring.
+    timing: dict[str, float] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- reading
 
@@ -161,6 +163,7 @@ class ShiftResult(_JSON):
             "fit_seconds": _jsonable(self.fit_seconds),
             "comparisons": [_jsonable(vars(c)) for c in self.comparisons],
             "cache_hits": dict(self.cache_hits), "examples": _jsonable(self.examples),
+            "timing": _jsonable(self.timing),
         }
 
     @classmethod
@@ -183,6 +186,7 @@ class ShiftResult(_JSON):
                 cache_hits=dict(data["cache_hits"]), settings=dict(data["settings"]), seconds=float(data["seconds"]),
                 created=str(data["created"]), calibrate_on=data.get("calibrate_on"),
                 examples=dict(data.get("examples") or {}),
+                timing={str(k): float(v) for k, v in (data.get("timing") or {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"The shift study is incomplete or malformed ({type(e).__name__}: {e}).") from None

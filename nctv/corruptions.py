@@ -339,6 +339,14 @@ class CorruptedImages:
         return hashlib.sha256(_tag(self.name, self.severity, self.seed) + self.source.digest(indices)).digest()
 
 
+def check_corruptible(split: Any) -> None:
+    """Refuse a split that holds no pictures (preprocessed tensors cannot be corrupted in pixel space)."""
+    if not isinstance(split, Split):
+        raise ValueError("Corruptions act on images before the model's preprocessing, and this split holds "
+                         "preprocessed tensors; draw the splits with nctv.data.get_splits (embedded, folder: or "
+                         "hf-dataset: data).")
+
+
 def corrupt_split(split: Any, name: str, severity: int, seed: int = 0) -> Any:
     """``split`` with every image corrupted (severity 0: the split itself).
 
@@ -350,10 +358,7 @@ def corrupt_split(split: Any, name: str, severity: int, seed: int = 0) -> Any:
     name, severity = check_corruption(name), check_severity(severity)
     if severity == 0:
         return split
-    if not isinstance(split, Split):
-        raise ValueError("Corruptions act on images before the model's preprocessing, and this split holds "
-                         "preprocessed tensors; draw the splits with nctv.data.get_splits (embedded, folder: or "
-                         "hf-dataset: data).")
+    check_corruptible(split)
     title = CORRUPTIONS[name].title.lower()
     label = f"{split.name}, {title} {severity}"
     if isinstance(split.source, ArrayImages):

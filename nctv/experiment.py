@@ -831,7 +831,7 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
     ``options``, ``keywords``: as in :func:`run_experiment`; seeds default to 1 here.
     Returns a :class:`nctv.shift.ShiftResult`.
     """
-    from nctv.corruptions import corrupt_split
+    from nctv.corruptions import check_corruptible, corrupt_split
     from nctv.metrics import reliability_bins
     from nctv.shift import ShiftResult
 
@@ -845,7 +845,7 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
     options = RunOptions.make(options, **keywords)
     n_bins = _check_bins_list([n_bins])[0]
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
-    corrupt_split(test, corruptions[0], 0)  # a split of tensors is refused here, before any model pass
+    check_corruptible(test)  # a split of tensors is refused here, before any model pass
     if calibrate_on is not None:
         name, level = calibrate_on.rsplit("/", 1)
         calibration = corrupt_split(calibration, name, int(level), corruption_seed + 1)

@@ -148,6 +148,10 @@ def test_a_saved_study_reads_back_whole_and_a_crafted_one_is_refused(study, tmp_
 
 def test_a_bad_plan_is_refused_before_any_model_pass(small):
     model, cal, test = small
+    x, y = test.tensors()
+    with pytest.raises(ValueError, match="preprocessed tensors"):  # refused before the calibration pass
+        experiment.run_shift(model, cal, (x, y), ["contrast"], [1], ["Temperature Scaling"], progress=False,
+                             cache_dir=False)
     for kw, message in [({"corruptions": ["fog"]}, "Unknown corruption"), ({"severities": [0]}, "No severities"),
                         ({"severities": [7]}, "severity"), ({"calibrate_on": "contrast"}, "name/severity"),
                         ({"methods": ["Neural Clamping (FL)"], "gamma": 50}, "γ|gamma")]:

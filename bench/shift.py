@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.panel import MILD, OVERCONFIDENT, model_id  # noqa: E402
+from nctv.shift import ShiftComparison, signed_points  # noqa: E402
 
 MODELS = OVERCONFIDENT + MILD
 METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Neural Clamping (FL)")
@@ -101,11 +102,6 @@ def cost(cal_size: int, log) -> dict:
 # --------------------------------------------------------------------------- report
 
 
-def _pt(v: float) -> str:
-    s = f"{100 * v:+.2f}"
-    return "0.00" if s in ("+0.00", "-0.00") else s.replace("-", "−")
-
-
 def _ci(f: dict) -> str:
     return f"{100 * f['value']:.2f} [{100 * f['ci_low']:.2f}, {100 * f['ci_high']:.2f}]"
 
@@ -116,7 +112,7 @@ def _cmp(d: dict, key: str, other: str) -> dict | None:
 
 
 def _verdict(c: dict) -> str:
-    return "tied" if c["low"] <= 0 <= c["high"] else ("lower" if c["high"] < 0 else "higher")
+    return ShiftComparison(**c).verdict
 
 
 def model_summary(d: dict) -> dict:
@@ -169,7 +165,7 @@ def render(report: dict) -> str:
         for other in REFERENCES:
             m = s[other]["mean"][top]
             cells += [f"{s[other]['lower']} / {s[other]['tied']} / {s[other]['higher']}",
-                      f"{_pt(m['difference'])} [{_pt(m['low'])}, {_pt(m['high'])}] {_verdict(m)}"]
+                      f"{signed_points(m['difference'])} [{signed_points(m['low'])}, {signed_points(m['high'])}] {_verdict(m)}"]
         unc = d["figures"]["Uncalibrated"]["clean"]["ece"]["value"]
         lines.append(f"| {name} | {100 * unc:.2f} | " + " | ".join(cells) + " |")
     lines.append("")
@@ -191,7 +187,7 @@ def render(report: dict) -> str:
             row += [_ci(table[m][key]["ece"]) for m in METHODS]
             for other in REFERENCES:
                 cm = _cmp(d, key, other)
-                row.append(f"{_pt(cm['difference'])} [{_pt(cm['low'])}, {_pt(cm['high'])}] {_verdict(cm)}")
+                row.append(f"{signed_points(cm['difference'])} [{signed_points(cm['low'])}, {signed_points(cm['high'])}] {_verdict(cm)}")
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     return "\n".join(lines)

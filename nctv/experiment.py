@@ -40,7 +40,7 @@ from nctv.checks import check_whole
 from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.intervals import RESAMPLED, IntervalSettings, interval, method_draws, resample_counts, seed_counts
-from nctv.metrics import METRIC_NAMES, evaluate
+from nctv.metrics import HIGHER_IS_BETTER, METRIC_NAMES, evaluate
 from nctv.results import (
     COMPARED_METHOD,
     GammaSweepResult,
@@ -832,7 +832,6 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
     Returns a :class:`nctv.shift.ShiftResult`.
     """
     from nctv.corruptions import check_corruptible, corrupt_split
-    from nctv.metrics import reliability_bins
     from nctv.shift import ShiftResult
 
     t_start = time.perf_counter()
@@ -875,8 +874,8 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
                     fit_seconds[p.label].append(sec)
                     bar.step(f"{p.label} (seed {s}) fitted")
                 params[p.label] = _learned_params(fitted[p.label][0])
-            scored = _score_shift(ctx, plans, fitted, conditions, corrupt_split, corruption_seed, model_info,
-                                  n_bins, intervals, examples, reliability_bins)
+            scored = _score_shift(ctx, plans, fitted, conditions, corruption_seed, model_info, n_bins, intervals,
+                                  examples)
         finally:
             bar.close()
     figures, reliability, draws, cache_hits, example_pixels, timing = scored
@@ -900,9 +899,10 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
 
 
 def _score_shift(ctx: _Context, plans: Sequence[MethodPlan], fitted: dict[str, list[Any]], conditions: list,
-                 corrupt_split: Callable, corruption_seed: int, model_info: dict, n_bins: int,
-                 intervals: IntervalSettings, examples: int, reliability_bins: Callable):
+                 corruption_seed: int, model_info: dict, n_bins: int, intervals: IntervalSettings, examples: int):
     """Every fitted method scored under every condition: points, intervals, the diagram's bins."""
+    from nctv.corruptions import corrupt_split
+    from nctv.metrics import reliability_bins
     from nctv.shift import SHIFT_METRICS, condition_key
 
     opts = ctx.options
@@ -997,7 +997,7 @@ def _shift_summaries(plans: Sequence[MethodPlan], draws: dict, conditions: list,
     comparisons = []
     for key in keys:
         for metric in SHIFT_METRICS:
-            sign = -1.0 if metric == "accuracy" else 1.0
+            sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
             leader = min(labels, key=lambda m: sign * draws[m][key][metric].point)
             pairs = [(m, leader, "leader") for m in labels if m != leader]
             if COMPARED_METHOD in labels:

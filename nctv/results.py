@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -138,8 +138,46 @@ class WelchTest:
     note: str = ""
 
 
+class PairedDifference:
+    """What every paired interval of ``method`` − ``other`` (fields ``difference``, ``low``, ``high``,
+    fractions) says: whether it holds 0, where it lies, and its mirror (``other`` − ``method``)."""
+
+    method: str
+    other: str
+    difference: float
+    low: float
+    high: float
+
+    @property
+    def tied(self) -> bool:
+        """The interval holds 0: the data cannot tell the two apart."""
+        return self.low <= 0 <= self.high
+
+    @property
+    def verdict(self) -> str:
+        """"lower", "higher" or "tied": where the interval of the difference lies."""
+        return "tied" if self.tied else ("lower" if self.high < 0 else "higher")
+
+    def mirrored(self):
+        """The same comparison read the other way round: ``other`` − ``method``."""
+        return replace(self, method=self.other, other=self.method, difference=-self.difference, low=-self.high,
+                       high=-self.low)
+
+
+def find_comparison(comparisons: Iterable[PairedDifference], method: str, other: str, **where: Any):
+    """The comparison of ``method`` − ``other`` among ``comparisons`` whose fields equal ``where``, or its
+    mirror read the right way round; None when there is neither."""
+    for c in comparisons:
+        if all(getattr(c, k) == v for k, v in where.items()):
+            if (c.method, c.other) == (method, other):
+                return c
+            if (c.method, c.other) == (other, method):
+                return c.mirrored()
+    return None
+
+
 @dataclass
-class Comparison:
+class Comparison(PairedDifference):
     """The paired interval of ``method`` − ``other`` on one metric at one bin count (fractions).
 
     ``role`` says why the pair is compared: "leader" (``other`` has the column's best value),
@@ -155,11 +193,6 @@ class Comparison:
     difference: float
     low: float
     high: float
-
-    @property
-    def tied(self) -> bool:
-        """The interval holds 0: the data cannot tell the two apart."""
-        return self.low <= 0 <= self.high
 
 
 @dataclass
@@ -186,13 +219,7 @@ class RunResult(_JSON):
 
     def comparison(self, method: str, other: str, metric: str, n_bins: int = 15) -> Comparison | None:
         """The paired interval of ``method`` − ``other`` (or its mirror), None when the run has none."""
-        for c in self.comparisons:
-            if c.metric == metric and c.n_bins == n_bins:
-                if (c.method, c.other) == (method, other):
-                    return c
-                if (c.method, c.other) == (other, method):
-                    return Comparison(metric, n_bins, method, other, c.role, -c.difference, -c.high, -c.low)
-        return None
+        return find_comparison(self.comparisons, method, other, metric=metric, n_bins=n_bins)
 
     def stats(self, method: str, metric: str, n_bins: int = 15) -> MetricStats:
         if method not in self.methods:

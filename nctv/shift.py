@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv.corruptions import CORRUPTIONS
+from nctv.metrics import HIGHER_IS_BETTER
+from nctv.results import (COMPARED_METHOD, GRID_SEARCH_METHOD, RESULTS_SCHEMA_VERSION, PairedDifference, _header, _JSON,
+                          _jsonable, find_comparison)
 from nctv.settings import SHIFT_METHODS  # noqa: F401 - the study's rows, named here too
-from nctv.results import COMPARED_METHOD, GRID_SEARCH_METHOD, RESULTS_SCHEMA_VERSION, _header, _JSON, _jsonable
 
 #: Metrics every condition reports with an interval (the others of ``nctv.metrics.evaluate`` as points).
 SHIFT_METRICS = ("accuracy", "ece", "nll", "smooth_ece")
@@ -50,7 +52,7 @@ def condition_title(key: str) -> str:
 
 
 @dataclass
-class ShiftComparison:
+class ShiftComparison(PairedDifference):
     """The paired interval of ``method`` − ``other`` on ``metric`` under one condition (fractions);
     ``role``: "leader" (``other`` has the condition's lowest value) or "reference" (Neural
     Clamping against temperature scaling, by grid search or by NLL)."""
@@ -63,15 +65,6 @@ class ShiftComparison:
     difference: float
     low: float
     high: float
-
-    @property
-    def tied(self) -> bool:
-        return self.low <= 0 <= self.high
-
-    @property
-    def verdict(self) -> str:
-        """"lower", "higher" or "tied": where the interval of the difference lies."""
-        return "tied" if self.tied else ("lower" if self.high < 0 else "higher")
 
 
 @dataclass
@@ -132,18 +125,12 @@ class ShiftResult(_JSON):
 
     def comparison(self, method: str, other: str, condition: str, metric: str = "ece") -> ShiftComparison | None:
         """The paired interval of ``method`` − ``other`` (or its mirror) under ``condition``."""
-        for c in self.comparisons:
-            if c.condition == condition and c.metric == metric:
-                if (c.method, c.other) == (method, other):
-                    return c
-                if (c.method, c.other) == (other, method):
-                    return ShiftComparison(condition, metric, method, other, c.role, -c.difference, -c.high, -c.low)
-        return None
+        return find_comparison(self.comparisons, method, other, condition=condition, metric=metric)
 
     def leaders(self, condition: str, metric: str = "ece") -> list[str]:
         """The methods with the lowest ``metric`` under ``condition`` (highest for accuracy): the leader
         and every method whose paired interval against it holds 0 (tied)."""
-        sign = -1.0 if metric == "accuracy" else 1.0
+        sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
         best = min(self.methods, key=lambda m: sign * self.value(m, condition, metric))
         tied = [m for m in self.methods if m != best and (c := self.comparison(m, best, condition, metric)) is not None
                 and c.tied]
@@ -247,14 +234,16 @@ def _check_figures(per_metric: Any, where: str) -> None:
 # --------------------------------------------------------------------------- verdicts
 
 
-def _pt(v: float) -> str:
+def signed_points(v: float) -> str:
+    """A difference of fractions in signed percentage points, with a real minus sign: "−0.31"."""
     s = f"{v * 100:+.2f}"
     return "0.00" if s in ("+0.00", "-0.00") else s.replace("-", "−")
 
 
 def verdict_text(c: ShiftComparison) -> str:
     """"Neural Clamping (FL) − TS by Grid Search: −0.31 [−0.75, +0.20] point, tied"."""
-    return (f"{c.method} − {c.other}: {_pt(c.difference)} [{_pt(c.low)}, {_pt(c.high)}] point, "
+    return (f"{c.method} − {c.other}: {signed_points(c.difference)} [{signed_points(c.low)}, "
+            f"{signed_points(c.high)}] point, "
             f"{'tied' if c.tied else c.verdict}")
 
 

@@ -105,7 +105,7 @@ def _disk(radius: float, alias_sigma: float) -> np.ndarray:
     g = np.arange(size, dtype=np.float64) - size // 2
     g = np.exp(-0.5 * (g / alias_sigma) ** 2)
     g /= g.sum()
-    kernel = _filter(disk[None, :, :, None], np.outer(g, g), "reflect")[0, :, :, 0]
+    kernel = _separable(disk[None, :, :, None], g, "reflect")[0, :, :, 0]
     rows, cols = np.nonzero(kernel)
     kernel = kernel[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
     # Where the disk reaches the grid's edge (radius 8 and beyond) the mirrored smoothing adds weight;
@@ -113,31 +113,39 @@ def _disk(radius: float, alias_sigma: float) -> np.ndarray:
     return kernel / kernel.sum()
 
 
+def _pad(x: np.ndarray, ph: int, pw: int, mode: str) -> np.ndarray:
+    """``x`` (N, H, W, C) padded by ``ph`` rows and ``pw`` columns ("edge": replicate, "reflect": mirror
+    without repeating the edge; an image smaller than the reach mirrors with the edge repeated)."""
+    if mode == "reflect" and (ph >= x.shape[1] or pw >= x.shape[2]):
+        mode = "symmetric"
+    return np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), mode=mode)
+
+
 def _filter(x: np.ndarray, kernel: np.ndarray, mode: str) -> np.ndarray:
-    """Correlate every channel of ``x`` (N, H, W, C) with a 2-D ``kernel`` (odd sides), edges padded
-    by ``mode`` ("edge": replicate, "reflect": mirror without repeating the edge)."""
+    """Correlate every channel of ``x`` (N, H, W, C) with a 2-D ``kernel`` (odd sides), edges padded by
+    ``mode`` (see :func:`_pad`)."""
     kh, kw = kernel.shape
-    ph, pw = kh // 2, kw // 2
     h, w = x.shape[1], x.shape[2]
-    if mode == "reflect" and (ph >= h or pw >= w):
-        mode = "symmetric"  # an image smaller than the kernel's reach: mirror with the edge repeated
-    padded = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), mode=mode)
-    if min(kh, kw) == 1 or np.linalg.matrix_rank(kernel) > 1:
-        out = np.zeros_like(x)
-        for i in range(kh):
-            for j in range(kw):
-                if kernel[i, j] != 0.0:
-                    out += kernel[i, j] * padded[:, i:i + h, j:j + w]
-        return out
-    # A separable kernel (the Gaussian): two 1-D passes.
-    u, s, vt = np.linalg.svd(kernel)
-    col, row = u[:, 0] * math.sqrt(s[0]), vt[0] * math.sqrt(s[0])
-    tmp = np.zeros((x.shape[0], h + 2 * ph, w) + x.shape[3:])
-    for j in range(kw):
-        tmp += row[j] * padded[:, :, j:j + w]
+    padded = _pad(x, kh // 2, kw // 2, mode)
     out = np.zeros_like(x)
     for i in range(kh):
-        out += col[i] * tmp[:, i:i + h]
+        for j in range(kw):
+            if kernel[i, j] != 0.0:
+                out += kernel[i, j] * padded[:, i:i + h, j:j + w]
+    return out
+
+
+def _separable(x: np.ndarray, taps: np.ndarray, mode: str) -> np.ndarray:
+    """The 2-D filter ``outer(taps, taps)`` as two 1-D passes: along the columns, then the rows."""
+    k = len(taps)
+    h, w = x.shape[1], x.shape[2]
+    padded = _pad(x, k // 2, k // 2, mode)
+    tmp = np.zeros((x.shape[0], h + 2 * (k // 2), w) + x.shape[3:])
+    for j in range(k):
+        tmp += taps[j] * padded[:, :, j:j + w]
+    out = np.zeros_like(x)
+    for i in range(k):
+        out += taps[i] * tmp[:, i:i + h]
     return out
 
 
@@ -153,8 +161,7 @@ def _shot_noise(x: np.ndarray, photons: float, rngs: Sequence[np.random.Generato
 
 
 def _gaussian_blur(x: np.ndarray, sigma: float, rngs: Any = None) -> np.ndarray:
-    taps = _gaussian_taps(sigma)
-    return _filter(x, np.outer(taps, taps), "edge")
+    return _separable(x, _gaussian_taps(sigma), "edge")
 
 
 def _defocus_blur(x: np.ndarray, value: tuple[float, float], rngs: Any = None) -> np.ndarray:

@@ -143,7 +143,9 @@ def check_at_most(value: Any, name: str, maximum: float, why: str = "") -> float
 
 
 def check_gamma(value: Any, name: str = "gamma") -> float:
-    """A focal-loss γ in [0, :data:`GAMMA_MAX`]."""
+    """A focal-loss γ in [0, :data:`GAMMA_MAX`] (not a bool: True is no exponent anyone typed)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number; got {value!r}.")
     return check_at_most(value, name, GAMMA_MAX, "the paper uses 0 to 5")
 
 

@@ -185,7 +185,7 @@ def _gamma(text: str) -> float:
 
 
 def _float_or(*words: str):
-    """A number ≥ 0, or one of ``words`` (γ takes "auto"; λ takes its rules)."""
+    """A number ≥ 0, or one of ``words`` (λ takes its rules)."""
     def parse(text: str) -> float | str:
         from nctv.checks import number_or_word  # at parse time: `nctv --help` imports no torch
 
@@ -244,7 +244,8 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                    help=f"epochs of the paper and toolkit recipes (default {RECIPE_EPOCHS}; the fast fitter stops on "
                         "convergence)")
     if gamma:
-        g.add_argument("--gamma", type=_float_or("auto"), default=None, metavar="G",
+        # Kept as typed: NCOptions reads it (one parser and one message for the app and the command line).
+        g.add_argument("--gamma", default=None, metavar="G",
                        help=f"focal-loss gamma of Neural Clamping (FL) and TS (FL) (default {DEFAULT_GAMMA:g}, as in the "
                             f"paper); auto: Neural Clamping tries {', '.join(f'{g:g}' for g in GAMMA_CANDIDATES)} and "
                             "keeps the lowest calibration ECE")

@@ -114,7 +114,9 @@ class NCOptions:
     options)`` and ``NeuralClamping(model, gamma=..., ...)`` build the same one.
 
     gamma: focal-loss γ in [0, 10] (0 = cross entropy), or "auto" (the lowest calibration ECE of
-        ``gamma_candidates``, default ``GAMMA_CANDIDATES``).
+        ``gamma_candidates``, default ``GAMMA_CANDIDATES``). Text as typed ("0.5", " Auto ") is read here,
+        once: the app and ``nctv --gamma`` hand it over as it came. ``gamma_values`` (not a setting) holds
+        the γ values a fit tries, in order: ``(gamma,)``, or the sorted candidates of "auto".
     weight_decay: λ ≥ 0 or a rule of ``WEIGHT_DECAY_RULES``; None = the fitter's own.
     init: "random" or "data" (Theorem 1's δ̃; the fit then needs the model's input range).
     fitter: one of ``FITTERS``. epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings,
@@ -142,10 +144,26 @@ class NCOptions:
     tol: float = 1e-3
 
     def __post_init__(self) -> None:
-        from nctv.checks import (EPOCHS_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_nonnegative,
-                                 check_positive, check_whole)
+        from nctv.checks import (EPOCHS_MAX, GAMMA_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_gamma,
+                                 check_nonnegative, check_positive, check_text, check_whole, number_or_word, shown)
 
-        self.gammas()
+        gamma = self.gamma
+        if isinstance(gamma, str):  # as typed in the app's field or after `nctv --gamma`: read here, once
+            check_text(gamma, "Focal-loss gamma (γ)")
+            parsed = number_or_word(gamma, ("", "auto"))
+            if parsed is None or (isinstance(parsed, float) and parsed > GAMMA_MAX):
+                raise ValueError(f"Focal-loss gamma (γ) must be a number from 0 to {GAMMA_MAX:g} (the paper uses 0 "
+                                 f"to 5) or 'auto'; got {shown(gamma)}.")
+            gamma = "auto" if parsed == "" else parsed
+            object.__setattr__(self, "gamma", gamma)
+        if gamma == "auto":
+            cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
+            values = tuple(sorted({check_gamma(c, "each of gamma_candidates") for c in cands}))
+            if not values:
+                raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
+        else:
+            values = (check_gamma(gamma),)
+        object.__setattr__(self, "gamma_values", values)
         if self.fitter not in FITTERS:
             raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
         if isinstance(self.weight_decay, str):
@@ -175,20 +193,6 @@ class NCOptions:
             check_nonnegative(self.init_std, "init_std")
         check_positive(self.max_passes, "max_passes")
         check_nonnegative(self.tol, "tol")
-
-    def gammas(self) -> list[float]:
-        """The γ values a fit tries: ``gamma``, or the sorted candidates of "auto"."""
-        from nctv.checks import check_gamma
-
-        if isinstance(self.gamma, str):
-            if self.gamma != "auto":
-                raise ValueError(f"gamma must be a number >= 0 or 'auto'; got {self.gamma!r}.")
-            cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
-            cands = sorted({check_gamma(c, "each of gamma_candidates") for c in cands})
-            if not cands:
-                raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
-            return cands
-        return [check_gamma(self.gamma)]
 
     def init_spread(self) -> float:
         """σ of a random δ₀: ``init_std``, else the fitter's own (``INIT_STDS``)."""

@@ -242,7 +242,8 @@ def test_a_bad_neural_clamping_setting_is_refused_before_the_model_runs(tmp_path
     proc = nctv("run", "--gamma", "50", "--seeds", "1", "--calibration-size", "100", "--test-size", "100",
                 "--out", str(tmp_path / "res"), cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "nctv run: error: gamma must be at most 10 (the paper uses 0 to 5); got 50.0."
+    assert proc.stderr.strip() == ("nctv run: error: Focal-loss gamma (γ) must be a number from 0 to 10 (the paper "
+                                   "uses 0 to 5) or 'auto'; got '50'.")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()  # no logits, no model pass
 
 
@@ -256,7 +257,7 @@ def test_a_bad_setting_is_refused_within_two_seconds_before_torch_loads(tmp_path
                           timeout=60)
     rc, torch_loaded, seconds = proc.stdout.split()
     assert (rc, torch_loaded) == ("2", "False") and float(seconds) < 2.0
-    assert "gamma must be at most 10" in proc.stderr
+    assert "Focal-loss gamma (γ) must be a number from 0 to 10" in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -265,7 +266,9 @@ def test_a_bad_setting_is_refused_within_two_seconds_before_torch_loads(tmp_path
     (["sweep-gamma", "--fitter", "paper", "--epochs", "20000"], "epochs must be at most 10,000"),
     (["init-study", "--fitter", "toolkit", "--temperature-rule", "anchored"],
      "temperature='anchored' is a rule of the fast fitter; the 'toolkit' recipe learns T with δ"),
-    (["run", "--gamma", "10.5", "--methods", "uncal"], "gamma must be at most 10"),
+    (["run", "--gamma", "10.5", "--methods", "uncal"], "Focal-loss gamma (γ) must be a number from 0 to 10"),
+    (["init-study", "--gamma", "lots"], "Focal-loss gamma (γ) must be a number from 0 to 10 (the paper uses 0 to 5) "
+                                        "or 'auto'; got 'lots'."),
 ])
 def test_every_neural_clamping_command_checks_its_settings_first(args, message, tmp_path, monkeypatch, capsys):
     from nctv.cli import main

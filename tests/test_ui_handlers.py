@@ -41,7 +41,7 @@ from nctv.ui import initialisation as init_tab
 from nctv.ui import caches, learn, limits, session, try_image
 from nctv.ui.shipped import PRECOMPUTED_LABEL, load_precomputed, precomputed_dir
 from nctv.ui import images as ui_images
-from nctv.ui.common import (SAME_TASK, SERVER_PATH, ProgressLine, Worker, duration, parse_gamma, parse_weight_decay,
+from nctv.ui.common import (SAME_TASK, SERVER_PATH, ProgressLine, Worker, duration, parse_weight_decay,
                             parse_whole, redact, user_errors)
 from nctv.images import MAX_PIXELS, ImageError, decoded_bytes, match_channels, to_pil
 from nctv.ui.images import CheckedImage, CheckedSketchpad
@@ -327,10 +327,13 @@ def test_the_learning_rate_box_reaches_the_recipe(default_model):
 
 
 def test_parsing_helpers():
-    assert parse_gamma(" Auto ") == "auto" and parse_gamma("0.5") == 0.5 and parse_gamma("10") == 10
+    def gamma(text):
+        return NCOptions(gamma=text).gamma
+
+    assert gamma(" Auto ") == "auto" and gamma("") == "auto" and gamma("0.5") == 0.5 and gamma("10") == 10
     for bad in ("-1", "nan", "inf", "x", "1e308", "10.5"):
-        with pytest.raises(ValueError, match="from 0 to 10"):
-            parse_gamma(bad)
+        with pytest.raises(ValueError, match="^Focal-loss gamma \\(γ\\) must be a number from 0 to 10"):
+            gamma(bad)
     assert parse_weight_decay("default") is None and parse_weight_decay(" Strong ") == "strong"
     assert parse_weight_decay("1e6") == 1e6
     for bad in ("-0.1", "1.1e6", "lots"):
@@ -651,7 +654,7 @@ def test_long_values_are_refused_or_quoted_only_in_part(monkeypatch):
     from nctv.zoo import parse_model_id
 
     with pytest.raises(ValueError, match="^Focal-loss gamma \\(γ\\) is 5,000 characters long; at most 1,000"):
-        parse_gamma("1" * 5000)
+        NCOptions(gamma="1" * 5000)
     with pytest.raises(ValueError, match="^The model name is 2,000 characters long"):
         parse_model_id("m" * 2000)
     with pytest.raises(ValueError) as e:

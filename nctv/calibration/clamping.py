@@ -411,9 +411,6 @@ class NeuralClamping(_InputCalibrator):
 
     # ---- settings ------------------------------------------------------------------------
 
-    def _gammas(self) -> list[float]:
-        return self.options.gammas()
-
     def _recipe(self) -> Recipe | None:
         return RECIPES.get(self.fitter)
 
@@ -441,14 +438,13 @@ class NeuralClamping(_InputCalibrator):
         return SGDSettings(int(self._setting("epochs")), float(self._setting("lr")), float(self._setting("momentum")),
                            int(self._setting("batch_size")), bool(self.learn_delta))
 
-    def _validate(self) -> list[float]:
-        """The γ values to fit, once the fit's needs of the data are met (the options were checked when made)."""
+    def _validate(self) -> None:
+        """The fit's needs of the data and its seed (the options were checked when made)."""
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be a whole number; got {self.seed!r}.")
         if (self.init == "data" or self.clamp) and self.input_range is None:
             what = "init='data'" if self.init == "data" else "clamp=True"
             raise ValueError(f"{what} needs input_range=(alpha, beta): the preprocessed images of pixel values 0 and 1.")
-        return self._gammas()
 
     def _lambda(self, start: _Start, labels: torch.Tensor, gamma: float, log_t: float = 0.0) -> float:
         weight_decay = self._setting("weight_decay")
@@ -474,7 +470,7 @@ class NeuralClamping(_InputCalibrator):
         unperturbed pass) per γ, or the fast fitter's budget per γ; the fast fitter may stop sooner.
         ``n_gammas``: the γ values fitted (default: those of ``gamma``); ``later_passes``: the fast
         fitter's cap for every γ after the first (as in ``fit_prepared``)."""
-        n = len(self._gammas()) if n_gammas is None else n_gammas
+        n = len(self.options.gamma_values) if n_gammas is None else n_gammas
         if self._recipe() is not None:
             return (self._setting("epochs") + 0.5) * n
         later = float(self.max_passes if later_passes is None else later_passes)
@@ -499,7 +495,9 @@ class NeuralClamping(_InputCalibrator):
         Recipes: a separate run per γ. Fast fitter: a continuation in the given order, each γ
         warm-started from the previous one's δ, T and L-BFGS memory; ``later_passes`` caps every γ
         after the first (default ``max_passes``)."""
-        gammas = self._validate() if gammas is None else [check_gamma(g, "each of gammas") for g in gammas]
+        self._validate()
+        if gammas is not None:
+            gammas = [check_gamma(g, "each of gammas") for g in gammas]
         with frozen(self.model):
             return self._fit_gammas(prepared.problem, prepared.start, gammas, self.seed if seed is None else seed,
                                     later_passes)
@@ -564,10 +562,12 @@ class NeuralClamping(_InputCalibrator):
             return None
         return tqdm(total=total, unit="pass", desc=f"Neural Clamping ({self.fitter})", leave=False)
 
-    def _fit_gammas(self, problem: Problem, start: _Start, gammas: Sequence[float], seed: int,
+    def _fit_gammas(self, problem: Problem, start: _Start, gammas: Sequence[float] | None, seed: int,
                     later_passes: float | None = None) -> list[GammaFit]:
-        """One fit per γ. Paper: separate runs of the recipe. Fast: a warm-started continuation in
-        the given order (``later_passes`` caps every γ after the first; default ``max_passes``)."""
+        """One fit per γ (None: the options' ``gamma_values``). Paper: separate runs of the recipe.
+        Fast: a warm-started continuation in the given order (``later_passes`` caps every γ after the
+        first; default ``max_passes``)."""
+        gammas = self.options.gamma_values if gammas is None else gammas
         shape, dev = problem.split.input_shape, problem.split.device
         fits: list[GammaFit] = []
         expected = self.expected_passes(len(gammas), later_passes)

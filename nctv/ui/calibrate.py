@@ -20,7 +20,7 @@ import numpy as np
 
 from nctv.results import CALIBRATORS_FOLDER
 from nctv.settings import NCOptions
-from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_gamma, parse_lr,
+from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_lr,
                              parse_weight_decay, parse_whole, user_errors, with_warnings)
 from nctv.ui.caches import get_model, get_splits, ts_temperature_of
 from nctv.ui.limits import resolve_dataset, resolve_model_name
@@ -429,13 +429,11 @@ class LiveTrace:
 def parse_nc_options(fitter: Any, weight_decay: Any, epochs: Any, lr: Any, **fields: Any) -> NCOptions:
     """Neural Clamping's options from the form's fields, checked once: ``fields`` are the tab's
     ``gamma`` and ``init`` where it has them (the γ sweep sets γ itself, the initialisation study
-    the initialisation). The recipes' epochs go only to a recipe (the fast fitter stops on
+    the initialisation); γ goes as typed, and NCOptions reads it. The recipes' epochs go only to a recipe (the fast fitter stops on
     convergence); "default" λ and learning rate leave the fitter's own."""
     epochs = parse_whole(epochs, "Epochs", 1, 1000)
     given = {"weight_decay": parse_weight_decay(weight_decay), "epochs": None if fitter == "fast" else epochs,
              "lr": parse_lr(lr), **fields}
-    if "gamma" in fields:
-        given["gamma"] = parse_gamma(fields["gamma"])
     return NCOptions(fitter=fitter, **{k: v for k, v in given.items() if v is not None})
 
 

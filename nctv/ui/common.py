@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import GAMMA_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_text, number_or_word, shown
+from nctv.checks import LR_MAX, WEIGHT_DECAY_MAX, check_text, number_or_word, shown
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -400,16 +400,6 @@ def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = N
         upper = f" and at most {maximum}" if maximum is not None else ""
         raise ValueError(f"{name} must be at least {minimum}{upper}; got {n}.")
     return n
-
-
-def parse_gamma(value: Any, name: str = "Focal-loss gamma") -> float | str:
-    """``"auto"`` or a γ in [0, GAMMA_MAX] from a form field."""
-    check_text(value, f"{name} (γ)")
-    parsed = "auto" if value is None else number_or_word(value, ("", "auto"))
-    if parsed is None or (isinstance(parsed, float) and parsed > GAMMA_MAX):
-        raise ValueError(f"{name} (γ) must be a number from 0 to {GAMMA_MAX:g} (the paper uses 0 to 5) or 'auto'; "
-                         f"got {shown(value)}.")
-    return "auto" if parsed == "" else parsed
 
 
 def parse_weight_decay(value: Any) -> float | str | None:

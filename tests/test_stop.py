@@ -145,6 +145,63 @@ def test_a_stop_while_waiting_for_the_previous_run_starts_nothing(monkeypatch):
     assert later.result == "later"
 
 
+def test_fast_reports_go_out_together_in_order_and_none_is_lost():
+    """A fit that reports 100 times a second (fast passes) gives the page an update at most every
+    UPDATE_SECONDS, each holding every report since the last one, in order."""
+    def quick(report):
+        for i in range(60):
+            report(i)
+            time.sleep(0.01)
+        return "done"
+
+    worker = Worker(quick)
+    batches, times = [], []
+    for items in worker.stream():
+        if items:
+            batches.append(items)
+            times.append(time.monotonic())
+    assert [i for items in batches for i in items] == list(range(60)) and worker.result == "done"
+    # Never two updates closer than that, but for the last: the end of the work goes out at once.
+    assert len(times) >= 3 and np.diff(times[:-1]).min() >= common.UPDATE_SECONDS * 0.9
+    assert len(batches) <= (times[-1] - times[0]) / common.UPDATE_SECONDS + 2  # the first and the last
+
+
+def test_stop_says_stopped_only_once_that_visitors_run_no_longer_streams():
+    """The status after Stop waits for the session's stream to close (the updates it sent before the
+    cancel then go out first); for a session with nothing running it answers at once."""
+    import contextvars
+
+    import gradio as gr
+    from gradio.context import LocalContext
+
+    release = threading.Event()
+    worker = Worker(lambda report: (report(("progress", 0.0, "started")), release.wait(30)))
+    handler = contextvars.copy_context()  # the context Gradio runs a visitor's event in
+    handler.run(LocalContext.request.set, gr.Request(session_hash="visitor-a"))
+    stream = worker.stream()
+    while not handler.run(next, stream):
+        pass
+    assert set(common._STREAMS) == {"visitor-a"}
+    answers = {}
+
+    def stop_status():
+        answers["status"] = common.stopped_status(gr.Request(session_hash="visitor-a"))
+        answers["at"] = time.monotonic()
+
+    waiter = threading.Thread(target=stop_status)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not answers  # still streaming: no "Stopped" yet
+    closed = time.monotonic()
+    release.set()
+    stream.close()
+    waiter.join(10)
+    assert answers["status"].startswith("**Stopped.**") and answers["at"] >= closed
+    assert not common._STREAMS  # nothing left recorded
+    # Another visitor, with nothing running: at once.
+    assert common.stopped_status(gr.Request(session_hash="visitor-b")).startswith("**Stopped.**")
+
+
 # --------------------------------------------------------------------------- same results, progress
 
 

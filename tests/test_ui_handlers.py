@@ -227,7 +227,10 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     # Running: the status says which step runs and, once it can, the time it still needs.
     running = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
     assert running and all(r.startswith("**Running** — ") for r in running)
-    assert any(re.search(r"Neural Clamping \(FL\) \(seed 0\): pass [\d.]+.* · about \d+ s left", r) for r in running)
+    # A fit this short (about half a second, updates at most every 0.25 s) may end before an estimate
+    # is possible: test_time_left_follows_the_rate_of_the_running_task checks the estimate itself.
+    assert any(re.search(r"Neural Clamping \(FL\) \(seed 0\): pass [\d.]+, loss [\d.]+, T [\d.]+ · ", r)
+               for r in running)
     assert "T = " in params and isinstance(calibration, session.Calibration) and calibration.split == SMALL
     assert Path(files[0]).name == "calibrators.zip"  # the file to reuse first
     names = {Path(f).name for f in files}

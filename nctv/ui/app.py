@@ -26,7 +26,7 @@ from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.hub import max_model_bytes
 from nctv.settings import APP_BINS, APP_INIT_RUNS, APP_METHODS, DEFAULT_CALIBRATION_SIZE
-from nctv.ui.common import HEAVY, on_gpu
+from nctv.ui.common import HEAVY, on_gpu, stopped_status
 from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
@@ -253,11 +253,10 @@ def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
     """Stop cancels the running event (every fitter notices within one iteration, and the next run
     starts only once this one's worker has ended), then says so.
 
-    The status is written after the cancellation, so that no update the run had already sent
-    can overwrite it."""
+    The status is written once the stopped run no longer streams (:func:`stopped_status`), so that
+    no update the run sent before the cancellation reached the server can overwrite it."""
     button.click(None, None, None, cancels=[event], queue=False, api_visibility="private").then(
-        lambda: "**Stopped.** Press the button again for a new run.", None, status, queue=False,
-        api_visibility="private")
+        stopped_status, None, status, show_progress="hidden", concurrency_limit=None, api_visibility="private")
 
 
 def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list, api_name: str,

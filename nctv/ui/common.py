@@ -43,6 +43,10 @@ POLL_SECONDS = 0.25
 #: this; a worker stuck in one long operation is left running (logged), and the next run waits for
 #: it at its start instead (the wait happens on Gradio's event loop, so it must stay short).
 STOP_JOIN_SECONDS = 3.0
+#: Shortest time between two updates of a running run's status and live plot.
+UPDATE_SECONDS = 0.25
+#: Longest Stop's status waits for the stopped run's stream to end (see :func:`stopped_status`).
+STOPPED_WAIT_SECONDS = 10.0
 #: Longest a new run waits for the worker of an earlier one to end before starting anyway (logged):
 #: a worker stuck for good must not keep every later run waiting for ever.
 WAIT_FOR_PREVIOUS_SECONDS = 300.0
@@ -229,25 +233,33 @@ class Worker:
     def stream(self) -> Iterator[list]:
         """Yield lists of reported items until the work ends; then raise its error, if any."""
         finished = False
+        ended = _streaming(_session())
         try:
             yield from self._wait_for_previous()
             self._thread.start()
+            last = 0.0
             while not finished:
                 items = []
                 try:
                     items.append(self._queue.get(timeout=POLL_SECONDS))
-                    while True:
-                        items.append(self._queue.get_nowait())
+                    # Items that follow within UPDATE_SECONDS of the last update go out with it: a page
+                    # sent one update per fast pass (20 a second) fell behind, and showed a stopped
+                    # run's progress for a second after its "Stopped".
+                    until = last + UPDATE_SECONDS
+                    while items[-1] is not self._done:
+                        items.append(self._queue.get(timeout=max(0.0, until - time.monotonic())))
                 except queue.Empty:
                     pass
                 if any(i is self._done for i in items):
                     finished = True
                     items = [i for i in items if i is not self._done]
                 if items or not finished:
+                    last = time.monotonic()
                     yield items
         finally:
             self._stop.set()
             self._join()
+            ended()
         if self.error is not None:
             raise self.error
 
@@ -258,6 +270,55 @@ class Worker:
         if self._thread.is_alive():
             log.warning("a stopped run's worker is still busy after %.0f s; the next run waits for it",
                         STOP_JOIN_SECONDS)
+
+
+#: The runs streaming now, by the visitor's session: Stop's status waits for that session's to end.
+_STREAMS: dict[str, set[threading.Event]] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _session() -> str | None:
+    """The session of the Gradio event being handled in this thread (None outside one)."""
+    from gradio.context import LocalContext
+
+    return getattr(LocalContext.request.get(None), "session_hash", None)
+
+
+def _streaming(session: str | None) -> Callable[[], None]:
+    """Record that ``session`` has a run streaming; returns what to call once it no longer does."""
+    if session is None:
+        return lambda: None
+    event = threading.Event()
+    with _STREAMS_LOCK:
+        _STREAMS.setdefault(session, set()).add(event)
+
+
+    def ended() -> None:
+        event.set()
+        with _STREAMS_LOCK:
+            events = _STREAMS.get(session, set())
+            events.discard(event)
+            if not events:
+                _STREAMS.pop(session, None)
+    return ended
+
+
+def stopped_status(request: gr.Request) -> str:
+    """The status line after Stop, sent once this visitor's stopped run no longer streams.
+
+    The page still shows the updates a run sent before Gradio's cancel reached the server. Written
+    at once, "Stopped" could be overwritten by them, and the line then said "Running" for good (one
+    browser test in a few, on a busy machine). It waits for the stream to end (at most
+    ``STOPPED_WAIT_SECONDS``) and for its last updates to go out (``POLL_SECONDS``); it is sent on the
+    queue, behind them."""
+    with _STREAMS_LOCK:
+        events = list(_STREAMS.get(getattr(request, "session_hash", None), ()))
+    if events:
+        deadline = time.monotonic() + STOPPED_WAIT_SECONDS
+        for event in events:
+            event.wait(max(0.0, deadline - time.monotonic()))
+        time.sleep(POLL_SECONDS)
+    return "**Stopped.** Press the button again for a new run."
 
 
 def with_warnings(status: str, worker: Worker) -> str:

@@ -331,24 +331,27 @@ def _make(ctx: _Context, plan: MethodPlan, seed: int):
     if not spec.stochastic:
         kw.setdefault("batch_size", ctx.options.batch_size)
         return spec.factory(ctx.model, **kw)
-    # Trained input calibrators (Neural Clamping): the run's options, seeded; NC (CE) keeps its γ = 0.
-    own = {} if plan.name == COMPARED_METHOD else dict(spec.defaults)
+    # Trained input calibrators (Neural Clamping), seeded. Built from the class, not the registry's
+    # factory: the options replace its defaults whole.
+    kw = {k: v for k, v in kw.items() if k not in NCOptions.names()}
+    return _class(spec)(ctx.model, _method_options(plan, ctx.options), seed=seed,
+                        callback=_nc_callback(ctx, plan.label, seed), **kw)
+
+
+def _method_options(plan: MethodPlan, options: RunOptions) -> NCOptions:
+    """A trained input calibrator's options in this run: the run's, with the registry's defaults of its
+    row (NC (CE) keeps its γ = 0) and the plan's overrides; the fast fitter's chunk is the run's batch."""
+    nc = options.nc
+    own = {} if plan.name == COMPARED_METHOD else dict(_registry()[plan.name].defaults)
     if nc.fitter == "fast" and nc.batch_size is None:
-        own["batch_size"] = ctx.options.batch_size  # only the chunk size; a recipe keeps its own batch
-    options = nc.changed(**own, **{k: kw.pop(k) for k in list(kw) if k in NCOptions.names()})
-    # Built from the class, not the registry's factory: the options replace its defaults whole.
-    return _class(spec)(ctx.model, options, seed=seed, callback=_nc_callback(ctx, plan.label, seed), **kw)
+        own["batch_size"] = options.batch_size  # only the chunk size; a recipe keeps its own batch
+    return nc.changed(**{**own, **{k: v for k, v in plan.overrides if k in NCOptions.names()}})
 
 
 def _seeded(plan: MethodPlan, options: RunOptions) -> bool:
     """Whether ``plan``'s fit depends on its seed, so that the run fits it once per seed: a stochastic
     method whose options draw something random (the default Neural Clamping, from δ₀ = 0, does not)."""
-    spec = _registry()[plan.name]
-    if not spec.stochastic:
-        return False
-    own = {} if plan.name == COMPARED_METHOD else dict(spec.defaults)
-    changes = {**own, **{k: v for k, v in plan.overrides if k in NCOptions.names()}}
-    return options.nc.changed(**changes).seeded
+    return bool(_registry()[plan.name].stochastic) and _method_options(plan, options).seeded
 
 
 def _class(spec: Any) -> Any:

@@ -243,8 +243,7 @@ def signed_points(v: float) -> str:
 def verdict_text(c: ShiftComparison) -> str:
     """"Neural Clamping (FL) − TS by Grid Search: −0.31 [−0.75, +0.20] point, tied"."""
     return (f"{c.method} − {c.other}: {signed_points(c.difference)} [{signed_points(c.low)}, "
-            f"{signed_points(c.high)}] point, "
-            f"{'tied' if c.tied else c.verdict}")
+            f"{signed_points(c.high)}] point, {c.verdict}")
 
 
 def summary_sentences(result: ShiftResult, method: str = COMPARED_METHOD,

@@ -275,7 +275,7 @@ def init_study_passes(model: torch.nn.Module | None, n_runs: int, options: NCOpt
 def _study_start(options: NCOptions, init: str) -> NCOptions:
     """The options of one arm of the study: a random start is a random one even where the fitter's own
     δ₀ is 0 (the fast fitter's default): then the paper's σ (``STUDY_RANDOM_INIT_STD``)."""
-    if init == "random" and options.init_std is None and options.changed(init="random").init_spread() == 0:
+    if init == "random" and options.init_std is None and options.init_spread() == 0:
         return options.changed(init="random", init_std=STUDY_RANDOM_INIT_STD)
     return options.changed(init=init)
 

@@ -275,7 +275,6 @@ def delta_plot(result: Any, calibration: Calibration):
 
 #: The test picture the Learned-parameters panel shows δ on: the split's first.
 EXAMPLE_ROW = 0
-NO_DELTA = "<p>Neural Clamping was not part of this run, so there is no δ to show.</p>"
 
 
 def delta_panel(result: Any, calibration: Calibration) -> str:
@@ -283,7 +282,7 @@ def delta_panel(result: Any, calibration: Calibration) -> str:
     first test picture, with what δ does to that picture's answer, read off the run's own test logits
     (no model pass). The Learned-parameters text above it says what δ is and how large."""
     from nctv import plots
-    from nctv.ui.delta import delta_view
+    from nctv.ui.delta import NO_DELTA, delta_view
     from nctv.ui.try_image import delta_effect, probabilities
 
     if calibration.delta is None:

@@ -292,7 +292,6 @@ def _streaming(session: str | None) -> Callable[[], None]:
     with _STREAMS_LOCK:
         _STREAMS.setdefault(session, set()).add(event)
 
-
     def ended() -> None:
         event.set()
         with _STREAMS_LOCK:

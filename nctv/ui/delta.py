@@ -16,6 +16,8 @@ import numpy as np
 
 #: The amplifications of δ the page offers (×1 is δ's true size).
 AMPLIFICATIONS = (1, 10, 50)
+#: What the view says where the calibration in use has no δ.
+NO_DELTA = "<p>Neural Clamping was not part of this run, so there is no δ to show.</p>"
 
 
 def _static(name: str) -> str:

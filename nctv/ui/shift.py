@@ -34,6 +34,7 @@ PROPER_WORDS = ("Gaussian",)
 NO_STUDY = ("No shift study is shipped with this copy of the app (assets/precomputed/shift.json); "
             "`nctv shift` makes one.")
 
+
 @lru_cache(maxsize=1)
 def shipped_shift() -> ShiftResult | None:
     """The shift study shipped beside the pre-computed result, read and checked once (None when absent)."""

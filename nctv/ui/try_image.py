@@ -32,7 +32,7 @@ from nctv.inference import model_logits
 from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
 from nctv.ui.caches import get_model, get_ood_detector
-from nctv.ui.delta import delta_view
+from nctv.ui.delta import NO_DELTA, delta_view
 from nctv.ui.session import Calibration
 from nctv.ui.shipped import examples_dir, load_precomputed
 
@@ -387,7 +387,7 @@ def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFA
                          f"{tuple(x.shape)}.")
     probs, z = _scores(loaded, cal, x)
     shift = Shift(picture, name, severity, _scores(loaded, cal, loaded.preprocess(img))[0]) if severity else None
-    view = "<p>Neural Clamping was not part of this run, so there is no δ to show.</p>"
+    view = NO_DELTA
     if cal.delta is not None:
         mean, std = loaded.data_config["mean"], loaded.data_config["std"]
         view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}"),

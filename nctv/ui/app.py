@@ -218,7 +218,8 @@ def _nc_controls(gamma: bool = True, init: bool = True):
                                                "toolkit: 0.01 on ‖δ‖); strong = 1 × that loss")
     with gr.Row():
         if init:
-            out["init"] = CheckedRadio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation")
+            out["init"] = CheckedRadio(cal_tab.INIT_CHOICES, value="random", label="δ initialisation",
+                                       info=cal_tab.INIT_INFO)
         out["fitter"] = CheckedRadio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter", info=cal_tab.FITTER_INFO,
                                      min_width=FITTER_MIN_WIDTH)
         out["epochs"] = CheckedNumber(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")

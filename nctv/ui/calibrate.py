@@ -19,7 +19,7 @@ import gradio as gr
 import numpy as np
 
 from nctv.results import CALIBRATORS_FOLDER
-from nctv.settings import NCOptions
+from nctv.settings import INIT_STDS, NCOptions
 from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_lr,
                              parse_weight_decay, parse_whole, user_errors, with_warnings)
 from nctv.ui.caches import get_model, get_splits, ts_temperature_of
@@ -32,7 +32,10 @@ REFERENCE = "Uncalibrated"
 FITTER_CHOICES = [("fast (default)", "fast"), ("paper recipe", "paper"), ("authors' toolkit recipe", "toolkit")]
 FITTER_INFO = ("fast: T by calibration ECE, then δ by L-BFGS at that T, about 10 passes; paper: SGD + momentum, "
                "lr 0.001, batch 512, 100 epochs; toolkit: SGD + momentum, lr 0.01, batch 1000, 100 epochs")
-INIT_CHOICES = [("random (Gaussian, std 0.1)", "random"), ("data-driven (Theorem 1)", "data")]
+#: "random" is a random δ₀ of the fitter's own spread (INIT_STDS): none for the fast fitter, which starts at 0.
+INIT_CHOICES = [("the fitter's own", "random"), ("data-driven (Theorem 1)", "data")]
+INIT_INFO = (f"the fitter's own: the fast fitter starts at δ₀ = 0, the recipes at a Gaussian draw "
+             f"(σ {INIT_STDS['paper']:g} and {INIT_STDS['toolkit']:g})")
 GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
 WEIGHT_DECAY_CHOICES = ["default", "strong", "auto", "0", "0.001", "0.01", "0.1", "1"]
 

@@ -5,11 +5,14 @@ from there afterwards, with no update check, so results stay reproducible. When 
 reached (no network, or ``HF_HUB_OFFLINE=1``) a probe says so at once, instead of after the client's
 retries, and the errors say what is cached and what to do.
 
-A model on the Hub is in timm's layout: ``config.json`` and ``model.safetensors`` (pickle
-checkpoints are refused), with an optional ``README.md`` card. :func:`model_folder` gives the local
-snapshot folder holding both files; :class:`HubOfflineError` says that a needed file is neither
-cached nor downloadable, so that the caller can add what works offline. This module sits below
-``nctv.data`` and ``nctv.zoo`` and imports neither.
+A model on the Hub is in timm's layout: ``config.json`` and ``model.safetensors``, with an optional
+``README.md`` card. A repository without safetensors may hold ``pytorch_model.bin`` instead (many
+community checkpoints do); it is fetched only when there is no ``model.safetensors``, under the same
+weight cap, and ``nctv.zoo`` reads it with ``torch.load(weights_only=True)``: any other pickle is
+refused. :func:`model_folder` gives the local snapshot folder holding the config and the weights;
+:class:`HubOfflineError` says that a needed file is neither cached nor downloadable, so that the
+caller can add what works offline. This module sits below ``nctv.data`` and ``nctv.zoo`` and imports
+neither.
 """
 from __future__ import annotations
 
@@ -20,11 +23,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 __all__ = [
-    "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubOfflineError", "hub_reachable", "hub_file", "hub_errors",
+    "WEIGHTS_NAME", "PICKLE_WEIGHTS_NAME", "WEIGHT_FILES", "CONFIG_NAME", "CARD_NAME", "HubOfflineError",
+    "hub_reachable", "hub_file", "hub_errors",
     "check_weight_size", "snapshot_folder", "model_folder", "model_card", "DEFAULT_MAX_MODEL_MB", "max_model_bytes",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
+#: The one pickle checkpoint read, only where a repository or folder has no safetensors.
+PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
+#: The weight files a model may have, in the order they are preferred.
+WEIGHT_FILES = (WEIGHTS_NAME, PICKLE_WEIGHTS_NAME)
 CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 
@@ -141,8 +149,8 @@ def hub_errors(what: str, repo: str, revision: str | None, filename: str, missin
 
 def _model_errors(repo: str, revision: str | None, filename: str):
     """:func:`hub_errors` of a Hub model."""
-    missing = (f"has no {filename}: NCTV reads weights from safetensors only; pickle checkpoints are refused"
-               if filename == WEIGHTS_NAME else f"has no {filename}: it is not a timm model")
+    missing = (f"has no {filename}: NCTV reads weights from {WEIGHTS_NAME}, or from {PICKLE_WEIGHTS_NAME} where "
+               "there are no safetensors" if filename in WEIGHT_FILES else f"has no {filename}: it is not a timm model")
     return hub_errors("Model", repo, revision, filename, missing, lambda name: _offline_error(repo, name))
 
 
@@ -158,15 +166,36 @@ def check_weight_size(what: str, size: int | None, limit: int | None) -> None:
         raise ValueError(f"{what} has {size / 1e6:,.1f} MB of weights; {cap}. Pick a smaller model.")
 
 
-def _weight_size(repo: str, revision: str | None, cached: str | Any, token: str | None) -> int | None:
-    """Bytes of the model's weights: the cached file's size, else the Hub's metadata (nothing is downloaded)."""
+def _weights_on_hub(repo: str, revision: str | None, token: str | None) -> tuple[str, int | None]:
+    """(file name, bytes) of the model's weights on the Hub, from its metadata (nothing is downloaded):
+    ``model.safetensors``, else ``pytorch_model.bin``."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    if isinstance(cached, str):
-        return Path(cached).stat().st_size
-    with _model_errors(repo, revision, WEIGHTS_NAME):
-        url = hf_hub_url(repo, WEIGHTS_NAME, revision=revision)
-        return get_hf_file_metadata(url, token=token, library_name="nctv").size
+    for filename in WEIGHT_FILES:
+        with _model_errors(repo, revision, filename):
+            try:
+                url = hf_hub_url(repo, filename, revision=revision)
+                return filename, get_hf_file_metadata(url, token=token, library_name="nctv").size
+            except RemoteEntryNotFoundError:
+                continue  # this file is not there: the next one may be
+    raise ValueError(f"Model 'hf-hub:{repo}' has neither {WEIGHTS_NAME} nor {PICKLE_WEIGHTS_NAME}: "
+                     "it holds no weights NCTV can read.")
+
+
+def _weights_to_use(repo: str, revision: str | None, token: str | None) -> tuple[str, int | None]:
+    """(file name, bytes or None) of the weights to load: the cached snapshot's own, safetensors first
+    (it is used as it is, as every cached file is); else asked of the Hub when it can be reached.
+    Offline with no weights cached: ``model.safetensors``, which the offline error then names."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in WEIGHT_FILES:
+        cached = try_to_load_from_cache(repo, filename, revision=revision)
+        if isinstance(cached, str):
+            return filename, Path(cached).stat().st_size
+    if not hub_reachable():
+        return WEIGHTS_NAME, None
+    return _weights_on_hub(repo, revision, token)
 
 
 def snapshot_folder(repo: str, files: tuple[str, ...], revision: str | None = None, token: str | None = None, *,
@@ -201,17 +230,19 @@ def snapshot_folder(repo: str, files: tuple[str, ...], revision: str | None = No
 
 def model_folder(repo: str, revision: str | None = None, token: str | None = None,
                  max_weight_bytes: int | None = None) -> Path:
-    """Snapshot folder of Hub model ``repo`` holding config.json and model.safetensors (downloads once,
-    after checking that the weights are at most ``max_weight_bytes``).
+    """Snapshot folder of Hub model ``repo`` holding config.json and its weights, model.safetensors or,
+    where the repository has none, pytorch_model.bin (downloads once, after checking that the weights
+    are at most ``max_weight_bytes``: their size comes from the cached file or the Hub's metadata).
 
     Raises :class:`HubOfflineError` when a file is not cached and the Hub cannot be reached.
     """
+    weights, size = _weights_to_use(repo, revision, token)
+
     def check(cached: dict[str, Any]) -> None:
         if max_weight_bytes is not None:
-            size = _weight_size(repo, revision, cached[WEIGHTS_NAME], token)
             check_weight_size(f"hf-hub:{repo}", size, max_weight_bytes)
 
-    return snapshot_folder(repo, (CONFIG_NAME, WEIGHTS_NAME), revision, token, check=check,
+    return snapshot_folder(repo, (CONFIG_NAME, weights), revision, token, check=check,
                            errors=lambda filename: _model_errors(repo, revision, filename),
                            offline_error=lambda missing: _offline_error(repo, missing))
 

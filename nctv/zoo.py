@@ -5,7 +5,10 @@ Every model, embedded or not, is a folder in the Hub's layout — ``config.json`
 ``label_names``) and ``model.safetensors`` — and loads through one path: the folder is found
 (``local-dir:<path>`` directly, ``hf-hub:<org>/<name>`` through the Hugging Face cache, downloading
 once), then ``timm.create_model("local-dir:<folder>", pretrained=True)`` builds it. Weights are read
-from safetensors only; pickle checkpoints (``.bin``, ``.pth``) are refused.
+from ``model.safetensors``; where a folder or repository has none, from ``pytorch_model.bin`` through
+``torch.load(weights_only=True)`` (a pickle that asks to call anything is refused), its tensors checked
+against the architecture (names, shapes, all finite) before use. Other pickle checkpoints (``.pth``,
+``.pt``, ``.ckpt``) are refused.
 
 A :class:`LoadedModel` carries the frozen model (eval mode, no parameter gradients), its class names,
 its timm data config (input_size, mean, std, interpolation, crop_pct), ``preprocess`` (PIL image ->
@@ -34,12 +37,13 @@ from timm.models import register_model
 
 from nctv.checks import check_text, shown
 from nctv.data import assets_dir, image_mode, make_preprocess
-from nctv.hub import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, HubOfflineError, model_card, model_folder
+from nctv.hub import (CARD_NAME, CONFIG_NAME, PICKLE_WEIGHTS_NAME, WEIGHT_FILES, WEIGHTS_NAME, HubOfflineError,
+                      model_card, model_folder)
 from nctv.inference import freeze, resolve_device
 
 __all__ = [
     "DEFAULT_MODEL", "ZooEntry", "LoadedModel", "ENTRIES", "list_models", "get_entry", "load_model",
-    "parse_model_id", "count_flops", "read_card", "nctv_mlp_mixer",
+    "parse_model_id", "count_flops", "read_card", "nctv_mlp_mixer", "read_weights", "check_state_dict",
 ]
 
 DEFAULT_MODEL = "fmnist-resnet-overconfident"
@@ -99,7 +103,8 @@ _ENTRIES = (
              "MLP-Mixer B/16 (Google, ImageNet-21k → 1k), 224×224 — the paper's MLP-Mixer B/16.",
              verified_offline=False, verified_online=False),
     ZooEntry("cifar100-resnet50", "hf-hub:edadaltocg/resnet50_cifar100", "ResNet", ("cifar100",),
-             "ResNet-50 trained on CIFAR-100 (community timm checkpoint, 32×32 CIFAR stem).",
+             "ResNet-50 trained on CIFAR-100 (community timm checkpoint, 32×32 CIFAR stem: a 3×3 stride-1 first "
+             "convolution and no max-pool; 80.9 % test accuracy on its card).",
              verified_offline=False, verified_online=False, adapt="cifar-stem"),
 )
 ENTRIES: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}
@@ -179,7 +184,7 @@ def parse_model_id(name_or_id: str) -> tuple[ModelSource, ZooEntry | None]:
 
     Accepts a registry name, ``hf-hub:<org>/<name>[@revision]``, a bare ``<org>/<name>`` (taken as a
     Hub id) or ``local-dir:<folder>``. Folders must exist, contain ``config.json`` and
-    ``model.safetensors``, and may not climb with ``..``.
+    ``model.safetensors`` (or ``pytorch_model.bin``), and may not climb with ``..``.
     """
     if not isinstance(name_or_id, str) or not name_or_id.strip():
         raise ValueError(_unknown_message(name_or_id))
@@ -217,14 +222,18 @@ def _local_folder(text: str, embedded: bool) -> Path:
     return folder.resolve()
 
 
-def _check_model_files(folder: Path, what: str) -> None:
+def _check_model_files(folder: Path, what: str) -> Path:
+    """The folder's weight file (model.safetensors, else pytorch_model.bin), once config.json is there."""
     if not (folder / CONFIG_NAME).is_file():
         raise ValueError(f"{what} has no config.json; a model folder needs config.json (timm format) and model.safetensors.")
-    if not (folder / WEIGHTS_NAME).is_file():
+    weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+    if weights is None:
         pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
-        hint = (f" It has {', '.join(pickles)}: pickle checkpoints can run code when loaded and are refused; "
-                "convert them to safetensors first.") if pickles else ""
+        hint = (f" It has {', '.join(pickles)}: pickle checkpoints can run code when loaded and are refused "
+                f"(only {PICKLE_WEIGHTS_NAME} is read, with torch.load(weights_only=True)); convert them to "
+                "safetensors first.") if pickles else ""
         raise ValueError(f"{what} has no model.safetensors.{hint}")
+    return weights
 
 
 # ----------------------------------------------------------------------------- loading
@@ -319,18 +328,17 @@ def _hub_model(source: ModelSource, token: str | None, max_weight_bytes: int | N
 
 def _build(folder: Path, adapt: str | None) -> torch.nn.Module:
     import timm
-    from safetensors import safe_open
-    from safetensors.torch import load_file
 
-    _check_model_files(folder, str(folder))
+    weights = _check_model_files(folder, str(folder))
     try:
-        if adapt is None:
+        if adapt is None and weights.name == WEIGHTS_NAME:
             return timm.create_model(f"local-dir:{folder}", pretrained=True)
         model = timm.create_model(f"local-dir:{folder}", pretrained=False)
-        with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        ADAPTERS[adapt](model, shapes)
-        model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+        state = read_weights(weights)
+        if adapt is not None:
+            ADAPTERS[adapt](model, {k: tuple(v.shape) for k, v in state.items()})
+        check_state_dict(state, model, f"The weights in {weights}")
+        model.load_state_dict(state)
         return model
     except RuntimeError as e:
         msg = str(e)
@@ -339,6 +347,54 @@ def _build(folder: Path, adapt: str | None) -> torch.nn.Module:
             raise ValueError(f"Architecture {cfg.get('architecture')!r} is not known to the installed timm "
                              f"({timm.__version__}); upgrading timm may help.") from None
         raise ValueError(f"The weights in {folder} do not fit the architecture in its config.json: {msg[:400]}") from None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in ``model.safetensors``, or in ``pytorch_model.bin`` through
+    ``torch.load(weights_only=True)`` (memory-mapped when the file is in torch's zip format): a pickle
+    that names any function or class beyond tensors and plain containers is refused unread. What it
+    holds must be a mapping of names to tensors; :func:`check_state_dict` checks it against a model."""
+    import pickle
+    import zipfile
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.name != PICKLE_WEIGHTS_NAME:
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        called = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"asks to call {called.group(1)}" if called else "holds more than tensors"
+        raise ValueError(f"The weights in {path} were refused: their pickle {what}, which a file of weights "
+                         "never needs (it could run code). NCTV reads it with torch.load(weights_only=True) "
+                         "only; convert trusted weights to model.safetensors.") from None
+    except Exception as e:  # a truncated or corrupt file: torch's own words, shortened
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: "
+                         f"{str(e)[:200]}).") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{path} does not hold a state dict (parameter names mapped to tensors).")
+    return state
+
+
+def check_state_dict(state: dict[str, torch.Tensor], model: torch.nn.Module, what: str) -> None:
+    """Refuse weights that do not fit ``model``: a missing or extra name, a shape or kind (floating or
+    integer) that differs, or a value that is NaN or infinite. ``what`` starts the message."""
+    expected = model.state_dict()
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        parts = [f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                 for label, names in (("lack", missing), ("have extra", extra)) if names]
+        raise ValueError(f"{what} do not fit the architecture in its config.json: they {'; they '.join(parts)}.")
+    for name, ref in expected.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != tuple(ref.shape) or tensor.is_floating_point() != ref.is_floating_point():
+            raise ValueError(f"{what} do not fit the architecture in its config.json: {name} is "
+                             f"{tuple(tensor.shape)} {tensor.dtype}, the model's {tuple(ref.shape)} {ref.dtype}.")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{what} hold values that are not finite (NaN or infinite) in {name}.")
 
 
 def _data_config(model: torch.nn.Module) -> dict:

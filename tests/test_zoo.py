@@ -124,8 +124,14 @@ def test_folders_need_config_and_safetensors(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         z.load_model(f"local-dir:{tmp_path}")
     (tmp_path / "config.json").write_text(json.dumps({"architecture": "resnet18"}))
-    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    torch.save({"w": torch.zeros(1)}, tmp_path / "model.pth")
     with pytest.raises(ValueError, match="pickle checkpoints can run code"):
+        z.load_model(f"local-dir:{tmp_path}")
+    # pytorch_model.bin alone is read (weights_only), and its tensors must fit the architecture
+    (tmp_path / "model.pth").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"do not fit the architecture in its config\.json: they lack bn1\.bias, "
+                                         r"bn1\.num_batches_tracked, bn1\.running_mean, bn1\.running_var and \d+ "
+                                         r"more; they have extra w\."):
         z.load_model(f"local-dir:{tmp_path}")
 
 
@@ -346,11 +352,18 @@ def test_hub_weight_cap_is_checked_before_any_download(tmp_path):
 
 class _RefusingHub(http.server.BaseHTTPRequestHandler):
     """Refuses every file the way the Hub does, with the error code its client reads: nctv-test/none
-    does not exist, nctv-test/gated is gated, nctv-test/empty has neither file, any other revision
-    than main is missing."""
+    does not exist, nctv-test/gated is gated, nctv-test/empty has no file, any other revision than
+    main is missing; nctv-test/weights-only has model.safetensors alone (its metadata only)."""
 
     def _refuse(self):
         repo, _, rest = self.path.lstrip("/").partition("/resolve/")
+        if self.command == "HEAD" and (repo, rest) == ("nctv-test/weights-only", "main/model.safetensors"):
+            self.send_response(200)
+            for header, value in (("X-Repo-Commit", "f" * 40), ("ETag", '"0123abcd"'), ("X-Linked-Size", "1000"),
+                                  ("Content-Length", "0")):
+                self.send_header(header, value)
+            self.end_headers()
+            return
         code = {"nctv-test/none": "RepoNotFound", "nctv-test/gated": "GatedRepo"}.get(repo, "EntryNotFound")
         if not rest.startswith("main/") and code == "EntryNotFound":
             code = "RevisionNotFound"
@@ -373,11 +386,12 @@ def test_hub_errors_say_what_to_do_about_the_model(local_hub):
         z.load_model("hf-hub:nctv-test/gated")
     with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has no revision 'v2'\.$"):
         z.load_model("hf-hub:nctv-test/empty@v2")
-    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has no config\.json: it is not a timm"):
-        z.load_model("hf-hub:nctv-test/empty")
-    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has no model\.safetensors: NCTV reads "
-                                         "weights from safetensors only"):
-        z.load_model("hf-hub:nctv-test/empty", max_weight_bytes=10**6)  # the weights' size is asked first
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/weights-only' has no config\.json: it is not a timm"):
+        z.load_model("hf-hub:nctv-test/weights-only")
+    # the weights' metadata is asked first: model.safetensors, then pytorch_model.bin
+    with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/empty' has neither model\.safetensors nor "
+                                         r"pytorch_model\.bin: it holds no weights NCTV can read\.$"):
+        z.load_model("hf-hub:nctv-test/empty", max_weight_bytes=10**6)
 
 
 def test_cifar_stem_adapter_only_changes_what_the_checkpoint_needs():

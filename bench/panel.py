@@ -287,7 +287,8 @@ def welch(sample: list[float], reference: list[float], name: str = "sample", oth
     ``sample`` is lower."""
     def runs(label: str, values: list[float]) -> MethodResult:
         stats = MetricStats.from_runs(values)
-        return MethodResult(label, len(values) > 1, False, list(range(len(values))), {N_BINS: {"ece": stats}}, [])
+        return MethodResult(name=label, stochastic=len(values) > 1, uses_model=False, seeds=list(range(len(values))),
+                            metrics={N_BINS: {"ece": stats}}, fit_seconds=[])
 
     w = welch_test("ece", N_BINS, runs(name, sample), runs(other, reference))
     return {"t": w.t, "p": w.p, "df": w.df, "note": w.note}

@@ -498,8 +498,8 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
     if ctx.options.intervals is not None:
         _add_intervals(ctx, plan.label, per_seed, stats)
     return MethodResult(
-        plan.label, seeded, bool(spec.needs_model), list(seeds), stats,
-        seconds, first[1], first[0], first[2], calibrator=first[3],
+        name=plan.label, stochastic=seeded, uses_model=bool(spec.needs_model), seeds=list(seeds), metrics=stats,
+        fit_seconds=seconds, params=first[1], test_logits=first[0], delta=first[2], calibrator=first[3],
     )
 
 

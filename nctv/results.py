@@ -81,9 +81,9 @@ class MetricStats:
         return cls(float(arr.mean()), std, values)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MethodResult:
-    """Everything measured for one method (one table row).
+    """Everything measured for one method (one table row); built with keywords.
 
     ``metrics[n_bins][metric]`` holds the statistics over ``seeds``; ``fit_seconds`` the wall time of
     each fit (given the cached unperturbed logits; model passes a method needs itself are
@@ -282,8 +282,9 @@ class RunResult(_JSON):
                 for b, per in m["metrics"].items()
             }
             methods[name] = MethodResult(
-                name, m["stochastic"], m["uses_model"], list(m["seeds"]), metrics, list(m["fit_seconds"]),
-                dict(m["params"]), test_logits.get(name), deltas.get(name),
+                name=name, stochastic=m["stochastic"], uses_model=m["uses_model"], seeds=list(m["seeds"]),
+                metrics=metrics, fit_seconds=list(m["fit_seconds"]), params=dict(m["params"]),
+                test_logits=test_logits.get(name), delta=deltas.get(name),
             )
         welch = [WelchTest(**w) for w in data["welch"]]
         return cls(

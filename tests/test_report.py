@@ -45,8 +45,9 @@ def _method(name, logits_per_seed, labels, stochastic, uses_model=False, params=
     for b in BINS:
         runs = [metrics.evaluate(z, labels, n_bins=b) for z in logits_per_seed]
         per_bin[b] = {k: MetricStats.from_runs([r[k] for r in runs]) for k in metrics.METRIC_NAMES}
-    return MethodResult(name, stochastic, uses_model, list(range(len(logits_per_seed))), per_bin,
-                        [0.5] * len(logits_per_seed), params or {}, logits_per_seed[0], None)
+    return MethodResult(name=name, stochastic=stochastic, uses_model=uses_model, seeds=list(range(len(logits_per_seed))),
+                        metrics=per_bin, fit_seconds=[0.5] * len(logits_per_seed), params=params or {},
+                        test_logits=logits_per_seed[0])
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,8 @@ def test_csv_and_json_hold_the_unrounded_numbers(case):
 
 def test_welch_matches_the_textbook_formula():
     def mres(name, runs):
-        return MethodResult(name, True, False, list(range(len(runs))), {15: {"ece": MetricStats.from_runs(runs)}}, [], {})
+        return MethodResult(name=name, stochastic=True, uses_model=False, seeds=list(range(len(runs))),
+                            metrics={15: {"ece": MetricStats.from_runs(runs)}}, fit_seconds=[])
 
     a, b = [0.010, 0.012, 0.011, 0.013], [0.020, 0.017, 0.021]
     w = welch_test("ece", 15, mres("NC", a), mres("TS", b))

@@ -9,16 +9,21 @@ drawn here, reproducibly, from a named dataset:
 * ``"bloodmnist"`` (MedMNIST v2, downloaded once from the Hugging Face Hub): calibration pool = the
   official validation split (1,712 images), test = the official test split (3,421 images), as in
   the paper.
-* ``"cifar100"`` (downloaded once by torchvision): a public pretrained classifier has usually seen all
-  50,000 training images, so the official 10,000 test images are split in two halves, calibration
-  and test (the paper's ImageNet protocol). ``"cifar100-train-tail"`` follows the paper's CIFAR-100
-  protocol instead (calibration = training images 45,000–49,999, test = the official test set) and
+* ``"cifar100"``: a public pretrained classifier has usually seen all 50,000 training images, so the
+  official 10,000 test images are split in two halves, calibration and test (the paper's ImageNet
+  protocol). Read from torchvision's copy where one is in the cache folder, else from the Hub's
+  ``uoft-cs/cifar100`` (one parquet file, about 23 MB, downloaded once). ``"cifar100-train-tail"``
+  follows the paper's CIFAR-100 protocol instead (calibration = training images 45,000–49,999, test = the official test set) and
   suits models trained on the first 45,000 training images only.
 * ``"folder:<path>"``: any labelled image folder in the ImageFolder layout (one sub-folder per
   class), split in halves. ImageNet's validation set in synset folders is the paper's ImageNet
   protocol (25,000 calibration + 25,000 test images).
-* ``"hf-dataset:<org/name>[@split]"``: a Hub image dataset (needs the optional ``datasets`` package;
-  gated sets need a token), split in halves.
+* ``"imagenet"``: ImageNet-1k validation from the Hub (``"imagenet-1k"``: ``timm/imagenet-1k-wds``,
+  gated, needs a token) where a Hugging Face token is set, else ``"imagenette"`` (its public 10-class
+  subset, labels mapped to ImageNet's indices), split in halves; only the shards the sizes need are
+  downloaded (:mod:`nctv.hubdata`).
+* ``"hf-dataset:<org/name>[@split]"``: a Hub repository of parquet or webdataset shards (no loading
+  script; gated sets need a token), split in halves, reading only the shards the sizes need.
 
 Conventions: labels are int64 class indices of the *model's* output; sizes are numbers of images;
 a calibration subsample is drawn from its pool by ``numpy.random.default_rng(calibration_seed)``
@@ -35,6 +40,7 @@ import math
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -205,25 +211,6 @@ class FileImages:
         return h.digest()
 
 
-class HubDatasetImages:
-    """Images of a Hugging Face ``datasets`` split, decoded on demand."""
-
-    def __init__(self, dataset: Any, image_key: str, description: str):
-        self.dataset = dataset
-        self.image_key = image_key
-        self.description = description
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def pil(self, i: int) -> Image.Image:
-        return self.dataset[int(i)][self.image_key]
-
-    def digest(self, indices: np.ndarray) -> bytes:
-        fp = getattr(self.dataset, "_fingerprint", "")
-        return hashlib.sha256(f"{self.description}\0{fp}\0".encode() + np.asarray(indices, np.int64).tobytes()).digest()
-
-
 # ----------------------------------------------------------------------------- Split
 
 class _PILDataset(torch.utils.data.Dataset):
@@ -235,6 +222,22 @@ class _PILDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return self.split.preprocess(self.split.image(i)), self.split.labels[i]
+
+
+class _ArrayBatches(torch.utils.data.IterableDataset):
+    """Batches of an in-memory split preprocessed one batch at a time (vectorised), in split order."""
+
+    def __init__(self, split: "Split", batch_size: int):
+        self.split, self.batch_size = split, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.split) // self.batch_size)
+
+    def __iter__(self):
+        s = self.split
+        for start in range(0, len(s), self.batch_size):
+            rows = s.indices[start:start + self.batch_size]
+            yield preprocess_arrays(s.source.images[rows], s.data_config), s.labels[start:start + self.batch_size]
 
 
 class Split:
@@ -302,8 +305,7 @@ class Split:
     def tensors(self, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """All preprocessed inputs (N, C, H, W) float32 and labels (N,) int64, cached."""
         if self._tensors is None:
-            c, h, w = (int(v) for v in self.data_config["input_size"])
-            need = len(self) * c * h * w * 4
+            need = self._tensor_bytes()
             if need > MAX_TENSOR_BYTES:
                 raise ValueError(
                     f"Split {self.name!r} would take {need / 1024**3:.1f} GiB as one tensor; use split.loader() instead."
@@ -318,13 +320,26 @@ class Split:
         return self._tensors, self.labels
 
     def loader(self, batch_size: int = 512, num_workers: int = 0) -> torch.utils.data.DataLoader:
-        """DataLoader of ``(inputs, labels)`` batches in split order (no shuffling)."""
-        if self._tensors is not None or self._fast_tensors_possible():
+        """DataLoader of ``(inputs, labels)`` batches in split order (no shuffling). In-memory images
+        too many for one tensor (:data:`MAX_TENSOR_BYTES`) are preprocessed batch by batch."""
+        if self._tensors is not None or (self._fast_tensors_possible() and self._tensor_bytes() <= MAX_TENSOR_BYTES):
             x, y = self.tensors()
             ds: torch.utils.data.Dataset = torch.utils.data.TensorDataset(x, y)
+        elif self._fast_tensors_possible() and self._fast_tensors_agree():
+            return torch.utils.data.DataLoader(
+                _ArrayBatches(self, batch_size), batch_size=None, shuffle=False, num_workers=num_workers)
         else:
             ds = _PILDataset(self)
         return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+
+    def _tensor_bytes(self) -> int:
+        c, h, w = (int(v) for v in self.data_config["input_size"])
+        return len(self) * c * h * w * 4
+
+    def _fast_tensors_agree(self) -> bool:
+        """Whether the vectorised preprocessing equals the PIL path (checked on the first image)."""
+        x = preprocess_arrays(self.source.images[self.indices[:1]], self.data_config)
+        return x is not None and torch.equal(x[0], self.preprocess(self.image(0)))
 
     def _fast_tensors_possible(self) -> bool:
         if not isinstance(self.source, ArrayImages):
@@ -425,6 +440,9 @@ class Pools:
     calibration: tuple[Any, np.ndarray] | None = None
     test: tuple[Any, np.ndarray] | None = None
     whole: tuple[Any, np.ndarray] | None = None
+    #: The config that finishes the images' preprocessing where it differs from the model's (Hub
+    #: pictures kept already resized and cropped: nctv.hubdata.Prepare).
+    data_config: dict | None = None
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
@@ -606,45 +624,56 @@ def folder_label_mapping(folders: Sequence[str], model_class_names: Sequence[str
     )
 
 
-def _hub_dataset_pools(spec: str, token: str | None, model_class_names: Sequence[str]) -> Pools:
-    if not hub_datasets_available():
-        raise ValueError("hf-dataset: needs the optional 'datasets' package, which is not installed here: "
-                         f"pip install datasets, or use one of {', '.join(dataset_names())}.")
-    repo, _, split = spec.partition("@")
-    if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", repo):
-        raise ValueError(f"'{repo}' is not a Hub dataset id; write hf-dataset:<org>/<name>[@split].")
-    import datasets
+def _hub_dataset_pools(dataset: str, source: Any, token: str | None, model_class_names: Sequence[str],
+                       sizes: tuple[int | None, int | None], data_config: dict | None) -> Pools:
+    """A Hub repository's split (nctv.hubdata), as one labelled set to split in halves."""
+    from nctv import hubdata
 
-    ds = datasets.load_dataset(repo, split=split or "validation", token=token)
-    image_key = next((k for k, f in ds.features.items() if type(f).__name__ == "Image"), None)
-    label_key = next((k for k, f in ds.features.items() if type(f).__name__ == "ClassLabel"), None)
-    if image_key is None or label_key is None:
-        raise ValueError(f"{repo} has no image column and class-label column; it cannot be used for calibration.")
-    labels = np.asarray(ds[label_key], dtype=np.int64)
-    return Pools(f"hf-dataset:{spec}", tuple(model_class_names),
-                 whole=(HubDatasetImages(ds, image_key, f"hf-dataset:{spec}"), labels))
+    images, labels, config = hubdata.load_hub_images(source, model_class_names, *sizes, data_config=data_config,
+                                                     token=token)
+    return Pools(dataset, tuple(model_class_names), whole=(images, labels), data_config=config)
+
+
+def _imagenet_source(token: str | None) -> str:
+    """``imagenet``: ImageNet-1k validation where a Hub token is known, else the public Imagenette."""
+    from huggingface_hub import get_token
+
+    if token or get_token():
+        return "imagenet-1k"
+    print("imagenet: no Hugging Face token (HF_TOKEN), and ImageNet-1k (timm/imagenet-1k-wds) is gated; using the "
+          "public Imagenette instead (10 ImageNet classes). Set HF_TOKEN for the 1000-class validation set.",
+          file=sys.stderr)
+    return "imagenette"
 
 
 DATASETS = {
     "fashion-mnist": "Fashion-MNIST (embedded, offline): 5,000 calibration images, 10,000 test images.",
     "bloodmnist": "BloodMNIST (MedMNIST v2, 28×28 RGB, 8 classes): validation split → calibration, test split → test. Downloaded once.",
-    "cifar100": "CIFAR-100 test set (10,000) split in calibration and test halves. Downloaded once by torchvision.",
+    "cifar100": "CIFAR-100 test set (10,000) split in calibration and test halves. Downloaded once (torchvision's copy, "
+                "else the Hub's uoft-cs/cifar100, 23 MB).",
     "cifar100-train-tail": "CIFAR-100, paper protocol: training images 45,000–49,999 → calibration, test set → test.",
     "folder:<path>": "An image folder, one sub-folder per class (e.g. ImageNet val in synset folders), split in halves.",
-    "hf-dataset:<org/name>[@split]": "A Hugging Face image dataset (needs 'datasets'; gated sets need a token), split in halves.",
+    "imagenet": "ImageNet-1k validation (50,000) split in halves, from the Hub: imagenet-1k with a token, else imagenette.",
+    "imagenet-1k": "ImageNet-1k validation from timm/imagenet-1k-wds (gated: HF_TOKEN), only the shards needed.",
+    "imagenette": "Imagenette validation (3,925 pictures of 10 ImageNet classes, public), split in halves.",
+    "hf-dataset:<org/name>[@split]": "A Hugging Face dataset of parquet or webdataset shards (gated sets need a token), "
+                                     "split in halves; only the shards needed are downloaded.",
 }
 
 
 def dataset_names() -> list[str]:
-    """The names of :data:`DATASETS` this installation can open (``hf-dataset:`` needs ``datasets``)."""
+    """The names of :data:`DATASETS` this installation can open (``hf-dataset:`` needs ``pyarrow``)."""
     return [k for k in DATASETS if not k.startswith("hf-dataset:") or hub_datasets_available()]
 
 
 def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int = 0,
                cache: str | os.PathLike | None = None, token: str | None = None,
-               folder_roots: Sequence[str | os.PathLike] | None = None) -> Pools:
+               folder_roots: Sequence[str | os.PathLike] | None = None,
+               sizes: tuple[int | None, int | None] = (None, None), data_config: dict | None = None) -> Pools:
     """Open a dataset by name (see :data:`DATASETS`); ``folder:`` datasets only inside
-    ``folder_roots`` unless it is None (see :func:`allowed_folder`)."""
+    ``folder_roots`` unless it is None (see :func:`allowed_folder`). Hub datasets read only the
+    shards that ``sizes`` (calibration, test; None: all) need, and keep their pictures resized for
+    ``data_config`` (the model's) where given."""
     if not isinstance(dataset, str) or not dataset.strip():
         raise ValueError(f"A dataset is named by a string; known: {', '.join(dataset_names())}.")
     name = check_text(dataset, "The dataset name").strip()
@@ -652,17 +681,19 @@ def load_pools(dataset: str, class_names: Sequence[str] = (), num_classes: int =
         return _fashion_mnist_pools()
     if name == "bloodmnist":
         return _bloodmnist_pools(token)
-    if name in ("cifar100", "cifar100-train-tail"):
+    if name == "cifar100-train-tail" or (name == "cifar100" and _cifar_present(cache_dir(cache))):
         return _cifar100_pools(cache_dir(cache), name == "cifar100-train-tail")
     if name.startswith("folder:"):
         return _folder_pools(name[len("folder:"):], class_names, num_classes, folder_roots)
-    if name.startswith("hf-dataset:"):
-        return _hub_dataset_pools(name[len("hf-dataset:"):], token, class_names)
     if name == "imagenet":
-        raise ValueError(
-            "ImageNet cannot be downloaded automatically. Use dataset='folder:/path/to/imagenet/val' (synset "
-            "folders) or dataset='hf-dataset:ILSVRC/imagenet-1k@validation' with your Hub token."
-        )
+        name = _imagenet_source(token)
+    if name in ("cifar100", "imagenet-1k", "imagenette") or name.startswith("hf-dataset:"):
+        if not hub_datasets_available():
+            raise ValueError(f"{name} needs the 'pyarrow' package, which is not installed here: pip install pyarrow.")
+        from nctv import hubdata
+
+        source = hubdata.SOURCES.get(name) or hubdata.parse_spec(name[len("hf-dataset:"):])
+        return _hub_dataset_pools(name, source, token, class_names, sizes, data_config)
     raise ValueError(f"Unknown dataset {shown(name)}; known: {', '.join(dataset_names())}.")
 
 
@@ -679,7 +710,9 @@ def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: 
     (``None`` = the whole pool); ``test_size`` from the test pool with ``split_seed`` (``None`` =
     all). Datasets without separate pools are first split in halves by ``split_seed``. Asking for
     more images than a pool holds is an error, never silently fewer. ``folder_roots`` restricts
-    ``folder:`` datasets to those folders (the web app's setting); None allows any folder.
+    ``folder:`` datasets to those folders (the web app's setting); None allows any folder. Hub
+    datasets (``imagenet``, ``hf-dataset:``…) read only the first shards that hold 2 × max(sizes)
+    pictures, and keep them resized and cropped for the model (nctv.hubdata, docs/datasets.md).
     """
     if dataset is None:
         dataset = getattr(loaded_model, "default_dataset", None)
@@ -690,13 +723,14 @@ def get_splits(loaded_model: Any, dataset: str | None = None, calibration_size: 
             )
     num_classes = len(loaded_model.class_names)
     pools = load_pools(dataset, loaded_model.class_names, num_classes, cache=cache, token=token,
-                       folder_roots=folder_roots)
+                       folder_roots=folder_roots, sizes=(calibration_size, test_size),
+                       data_config=loaded_model.data_config)
     if len(pools.class_names) != num_classes:
         raise ValueError(
             f"Dataset {pools.name!r} has {len(pools.class_names)} classes but model {loaded_model.name!r} predicts "
             f"{num_classes}; pick a dataset the model was trained for."
         )
-    cfg = loaded_model.data_config
+    cfg = pools.data_config or loaded_model.data_config
 
     def make(part, role):
         images, labels = part

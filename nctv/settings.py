@@ -225,5 +225,6 @@ class NCOptions:
 
 
 def hub_datasets_available() -> bool:
-    """Whether ``hf-dataset:<org/name>`` can be offered: the optional ``datasets`` package is installed."""
-    return importlib.util.find_spec("datasets") is not None
+    """Whether Hub datasets (``hf-dataset:<org/name>``, ``imagenet``) can be read: ``pyarrow`` is installed
+    (a dependency; nctv.hubdata reads parquet with it)."""
+    return importlib.util.find_spec("pyarrow") is not None

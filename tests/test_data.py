@@ -195,18 +195,18 @@ def test_get_splits_rejects_unknown_and_unfit_datasets(default_model):
         d.get_splits(default_model, dataset="folder:/no/such/folder")
 
 
-def test_hf_dataset_is_offered_only_with_the_datasets_package(monkeypatch):
+def test_hf_dataset_is_offered_only_with_pyarrow(monkeypatch):
     # Installed means a distribution's metadata is there (found independently of the import system).
     try:
-        importlib.metadata.distribution("datasets")
+        importlib.metadata.distribution("pyarrow")
         installed = True
     except importlib.metadata.PackageNotFoundError:
         installed = False
     assert settings.hub_datasets_available() is installed
     monkeypatch.setattr(d, "hub_datasets_available", lambda: False)
     assert "folder:<path>" in d.dataset_names() and not any(n.startswith("hf-dataset:") for n in d.dataset_names())
-    with pytest.raises(ValueError, match="needs the optional 'datasets' package.*pip install datasets"):
-        d.load_pools("hf-dataset:ILSVRC/imagenet-1k@validation")
+    with pytest.raises(ValueError, match="needs the 'pyarrow' package.*pip install pyarrow"):
+        d.load_pools("hf-dataset:timm/imagenet-1k-wds@validation")
     with pytest.raises(ValueError, match="Unknown dataset") as unknown:
         d.load_pools("mnist-ish")
     assert "hf-dataset" not in str(unknown.value)

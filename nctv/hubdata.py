@@ -30,15 +30,14 @@ runs, and the ``datasets`` package is not needed.
 """
 from __future__ import annotations
 
-import io
 import json
-import math
 import re
 import sys
 import tarfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -190,6 +189,21 @@ def _online_listing(source: HubSource, token: str | None) -> _Listing:
     files = {s.rfilename: int(s.size) for s in info.siblings or () if s.size is not None}
     card = info.card_data.to_dict() if info.card_data is not None else {}
     return _Listing(info.sha, files, card, bool(info.gated) or source.gated, offline=False)
+
+
+@contextmanager
+def _download_errors(source: HubSource) -> Iterator[None]:
+    """The Hub's refusals of a shard download as messages: a token without access to a gated
+    repository, a repository gone since it was listed."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        yield
+    except GatedRepoError:
+        raise ValueError(_gated_message(source)) from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"{source.name}: the Hub refused its files (the dataset is private or gone; a token with "
+                         "access, HF_TOKEN, may help).") from None
 
 
 def _gated_message(source: HubSource) -> str:
@@ -583,6 +597,15 @@ def label_mapping(dataset_names: Sequence[str] | None, n_classes: int, model_nam
 
 # ----------------------------------------------------------------------------- the whole path
 
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array of equal-shaped pictures, each freed from the list once copied (np.stack would
+    hold both, twice the pictures' memory)."""
+    out = np.empty((len(arrays), *arrays[0].shape), dtype=np.uint8)
+    for i in range(len(arrays)):
+        out[i], arrays[i] = arrays[i], None
+    return out
+
+
 def _token(token: str | None) -> str | None:
     from huggingface_hub import get_token
 
@@ -620,10 +643,12 @@ def load_hub_images(source: HubSource, model_names: Sequence[str], calibration_s
     read = 0
     while True:
         path, size = shards[read]
-        local = hub_file(lambda offline: hf_hub_download(source.repo, path, repo_type="dataset", revision=listing.commit,
-                                                         token=token or None, library_name="nctv",
-                                                         local_files_only=offline or listing.offline),
-                         f"{source.name} ({path})")
+        with _download_errors(source):
+            local = hub_file(lambda offline: hf_hub_download(source.repo, path, repo_type="dataset",
+                                                             revision=listing.commit, token=token or None,
+                                                             library_name="nctv",
+                                                             local_files_only=offline or listing.offline),
+                             f"{source.name} ({path})")
         (reader.parquet if path.endswith(".parquet") else reader.tar)(Path(local), path)
         read += 1
         if need is None and read < len(shards):
@@ -653,7 +678,7 @@ def load_hub_images(source: HubSource, model_names: Sequence[str], calibration_s
     if reader.arrays:
         from nctv.data import ArrayImages
 
-        return ArrayImages(np.stack(reader.arrays), description), labels, reader.prepare.data_config
+        return ArrayImages(_stack(reader.arrays), description), labels, reader.prepare.data_config
     return EncodedImages(reader.encoded, description), labels, None
 
 

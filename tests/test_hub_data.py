@@ -396,6 +396,10 @@ def test_gated_repository_without_a_token_and_over_the_cap_download_nothing(loca
         hd.load_hub_images(hd.parse_spec("nctv-test/gated@validation"), names, None, None, token="hf_x")
     assert not [p for p in _GatedHub.seen if "/resolve/" in p]
     assert not [p for p in (tmp_path / "hf").rglob("*.tar")]
+    # a token whose account has not accepted the terms: the Hub refuses the shard, in the same words
+    with pytest.raises(ValueError, match=r"hf-dataset:nctv-test/gated@validation is gated: .* Set HF_TOKEN"):
+        hd.load_hub_images(hd.parse_spec("nctv-test/gated"), names, 10, 10, token="hf_without_access")
+    assert [p for p in _GatedHub.seen if "/resolve/" in p] and not [p for p in (tmp_path / "hf").rglob("*.tar")]
 
 
 def test_imagenet_without_a_token_falls_back_to_imagenette(hub_cache, capsys):

@@ -25,8 +25,9 @@ def data_roots() -> list[Path]:
 
 
 def hub_datasets_allowed() -> bool:
-    """Whether visitors may name Hugging Face datasets (``$NCTV_HUB_DATASETS=1``); a dataset's
-    size is not known before it downloads, so they are off by default."""
+    """Whether visitors may name Hugging Face datasets (``$NCTV_HUB_DATASETS=1``); off by default:
+    the menu's datasets serve the menu's models, and a typed repository is anyone's data (its
+    download is capped all the same: nctv.hubdata)."""
     return os.environ.get("NCTV_HUB_DATASETS", "").strip().lower() in ("1", "true", "yes")
 
 

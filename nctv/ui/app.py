@@ -309,6 +309,11 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                       concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
+    # A menu model with a pre-computed study (in assets/ or the operator's Hub repository): shown at
+    # once, labelled as the default's is, and Learn and Try use it; no model pass, no GPU.
+    shared.model.change(cal_tab.menu_model_view, [shared.model, shared.hub_id],
+                        [status, table, diagrams, params, delta, files, state, shown], show_progress="hidden",
+                        api_visibility="private")
     # A clicked bar: the pictures of that group go to the view's "bin" property. Every click counts;
     # the page keeps the answer to its latest request only.
     diagrams.open_bin(cal_tab.open_group, [shown], [diagrams], show_progress="hidden", trigger_mode="multiple",

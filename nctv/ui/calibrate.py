@@ -25,7 +25,7 @@ from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_di
 from nctv.ui.caches import get_model, get_splits, ts_temperature_of
 from nctv.ui.limits import resolve_dataset, resolve_model_name
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
-from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir, test_metrics
+from nctv.ui.shipped import PRECOMPUTED_LABEL, study_folder, test_metrics
 
 REFERENCE = "Uncalibrated"
 #: The fitters by short names, each on one line even on a phone; what each does is said below them (FITTER_INFO).
@@ -372,7 +372,8 @@ def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str
                   metadata={"temperature": repr(calibration.nc_temperature), "method": str(calibration.nc_method),
                             "space": "normalised model input", "model": calibration.model})
         paths.append(out / "delta.safetensors")
-    shipped = precomputed_dir() / CALIBRATORS_FOLDER if calibration.source == PRECOMPUTED_LABEL else None
+    folder = study_folder(calibration.model) if calibration.source == PRECOMPUTED_LABEL else None
+    shipped = folder / CALIBRATORS_FOLDER if folder is not None else None
     archive = calibrators_zip(result, calibration.model, out, shipped)
     if archive is not None:
         paths.insert(0, archive)  # the file to reuse (Try tab, ``nctv apply``) comes first
@@ -501,12 +502,13 @@ def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins,
            files, calibration, shown_result)
 
 
-def precomputed_view() -> tuple:
+def precomputed_view(model: str | None = None) -> tuple:
     """The first screen: the shipped result (status, table, the diagrams' numbers, parameters, δ,
-    files), clearly labelled, or a hint when none is shipped."""
+    files), clearly labelled, or a hint when none is shipped; with ``model``, that menu model's
+    pre-computed study."""
     from nctv.ui.shipped import load_precomputed
 
-    pre = load_precomputed()
+    pre = load_precomputed(model)
     if pre is None:
         hint = "No pre-computed result is shipped with this copy of the app; press **Run calibration**."
         return hint, None, None, hint, None, None
@@ -517,3 +519,21 @@ def precomputed_view() -> tuple:
               f"{pre.result.calibration['size']} calibration images, fitter {pre.result.fitter}). "
               "Press **Run calibration** for a live run with your settings.")
     return status, table, diagrams, params, delta, files
+
+
+def menu_model_view(model: Any, hub_id: Any) -> tuple:
+    """A menu model picked: its pre-computed study at once, where it has one (status, table, diagrams,
+    parameters, δ, files, and the calibration that Learn and Try then use), as the default's is shown
+    at first; otherwise, or with a Hub id typed, the page stays as it is until Run."""
+    from nctv.ui.shipped import load_precomputed
+
+    keep = tuple(gr.skip() for _ in range(8))
+    if (isinstance(hub_id, str) and hub_id.strip()) or not isinstance(model, str):
+        return keep
+    try:
+        pre = load_precomputed(model)
+    except ValueError as e:  # a study that does not pass its checks
+        return (f"**No pre-computed result shown:** {e}",) + keep[1:]
+    if pre is None:
+        return keep
+    return precomputed_view(model) + (pre.calibration, None)

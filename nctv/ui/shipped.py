@@ -1,6 +1,12 @@
 """The pre-computed result shipped with the app (``assets/precomputed``, made by
 ``scripts/make_precomputed.py``): the first result a visitor sees, and the Learn tab's
 fallback when the visitor has not run a calibration.
+
+Another model of the menu may have its own pre-computed study (made by the same script with
+``--model``): in ``assets/precomputed/models/<name>/``, or in the folder ``<name>/`` of the Hugging
+Face dataset repository the operator names in ``NCTV_PRECOMPUTED_REPO`` (``org/name[@revision]``),
+downloaded once through the Hub's cache. Those files come from the network, so every value is
+checked before use (:func:`check_run`, and each study's own ``from_dict`` checks).
 """
 from __future__ import annotations
 
@@ -16,6 +22,12 @@ from nctv.ui.caches import get_logits
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
 
 PRECOMPUTED_LABEL = "pre-computed, shipped with the app"
+#: The Hub dataset repository (``org/name[@revision]``) holding the menu models' pre-computed studies.
+PRECOMPUTED_REPO_VARIABLE = "NCTV_PRECOMPUTED_REPO"
+#: A run's files: the result, with every method's test logits (both needed), and NC's δ.
+RUN_FILES = ("results.json", "test_logits.safetensors", "delta.safetensors")
+#: The studies beside a run: the γ sweep, the initialisation study, the shift study.
+STUDY_FILES = ("gamma_sweep.json", "init_study.json", "shift.json")
 
 
 def precomputed_dir() -> Path:
@@ -48,15 +60,25 @@ class Precomputed:
         return self.calibration.split
 
 
-@lru_cache(maxsize=1)
-def load_precomputed() -> Precomputed | None:
-    """Read ``assets/precomputed`` (None when it is absent: the app then starts without it)."""
+@lru_cache(maxsize=8)
+def load_precomputed(model: str | None = None) -> Precomputed | None:
+    """Read ``assets/precomputed`` (None when it is absent: the app then starts without it), or with
+    ``model`` (a menu name) that model's pre-computed study, wherever :func:`study_folder` finds it
+    (None when there is none). A study's files are checked before use; a bad one is an error."""
     from nctv.results import RunResult
 
-    folder = precomputed_dir()
-    if not all((folder / n).is_file() for n in ("results.json", "test_logits.safetensors", "delta.safetensors")):
+    folder = precomputed_dir() if model is None else study_folder(model)
+    needed = RUN_FILES if model is None else RUN_FILES[:2]
+    if folder is None or not all((folder / n).is_file() for n in needed):
         return None
-    result = RunResult.load(folder)
+    if model is None:
+        result = RunResult.load(folder)
+    else:
+        try:
+            result = RunResult.load(folder)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"The pre-computed study in {folder} cannot be shown: {_why(e)}") from None
+        check_run(result, model, folder)
     nc = next((n for n in NC_METHODS if n in result.methods), None)
     cal = Calibration(
         # scripts/make_precomputed.py uses one seed for the calibration draw and the run, and the whole test pool.
@@ -75,6 +97,117 @@ def load_precomputed() -> Precomputed | None:
     return Precomputed(result, cal)
 
 
+def study_folder(model: str) -> Path | None:
+    """Where the pre-computed study of menu model ``model`` lies: ``assets/precomputed`` for the
+    embedded default, ``assets/precomputed/models/<name>/``, else ``<name>/`` in the Hub dataset
+    repository named by ``NCTV_PRECOMPUTED_REPO`` (downloaded once, then read from the cache); None
+    when there is none, or when ``model`` is not a menu name (nothing else becomes a path)."""
+    import os
+
+    from nctv.zoo import DEFAULT_MODEL, ENTRIES
+
+    if model not in ENTRIES:
+        return None
+    if model == DEFAULT_MODEL:
+        return precomputed_dir()
+    local = precomputed_dir() / "models" / model
+    if (local / RUN_FILES[0]).is_file():
+        return local
+    repo = os.environ.get(PRECOMPUTED_REPO_VARIABLE, "").strip()
+    return _hub_study(repo, model) if repo else None
+
+
+def _hub_study(spec: str, model: str) -> Path | None:
+    """The folder ``model/`` of Hub dataset repository ``spec`` (``org/name[@revision]``) in the local
+    cache, with the files of :data:`RUN_FILES` and :data:`STUDY_FILES` it has (those it lacks are
+    skipped; offline, those not cached); None when it has no ``results.json``."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from nctv.hub import hub_errors, hub_reachable
+    from nctv.zoo import parse_model_id
+
+    source, _ = parse_model_id(f"hf-hub:{spec}")  # the same checks as a model id
+    offline = not hub_reachable()
+    folder = None
+    for name in RUN_FILES + STUDY_FILES:
+        try:
+            with hub_errors("The pre-computed studies", source.location, source.revision, name, "lack a file",
+                            EntryNotFoundError):
+                try:
+                    path = hf_hub_download(source.location, f"{model}/{name}", repo_type="dataset",
+                                           revision=source.revision, local_files_only=offline, library_name="nctv")
+                except EntryNotFoundError:  # not in the repository, or not cached and offline
+                    path = None
+        except ValueError as e:  # the repository is missing, gated or has no such revision
+            raise ValueError(f"{e} Check {PRECOMPUTED_REPO_VARIABLE}.") from None
+        if path is None and name == RUN_FILES[0]:
+            return None
+        folder = folder if path is None else Path(path).parent
+    return folder
+
+
+def check_run(result: Any, model: str, folder: Path) -> None:
+    """Refuse a pre-computed run from ``folder`` that is not ``model``'s, or whose values could not be
+    shown as they are: labels outside the classes, test logits of another shape or not finite, a δ
+    or a temperature that is not finite, a figure that is not a number."""
+    import math
+
+    where = f"The pre-computed study in {folder}"
+    if result.model.get("name") != model:
+        raise ValueError(f"{where} is of model {result.model.get('name')!r}, not {model!r}.")
+    k, labels = int(result.n_classes), result.test_labels
+    if k < 2 or len(result.class_names) != k:
+        raise ValueError(f"{where} names {len(result.class_names)} classes for {k} outputs.")
+    if (labels is None or labels.ndim != 1 or labels.dtype != torch.int64 or len(labels) != int(result.test["size"])
+            or (len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < k))):
+        raise ValueError(f"{where}: its test labels must be {result.test['size']} class indices below {k}.")
+    if TS_METHOD not in result.methods or not result.bins:
+        raise ValueError(f"{where} lacks {TS_METHOD} or its bins.")
+    for name, m in result.methods.items():
+        z = m.test_logits
+        if z is None or tuple(z.shape) != (len(labels), k) or not z.is_floating_point() or not torch.isfinite(z).all():
+            raise ValueError(f"{where}: the test logits of {name} must be {len(labels)} × {k} finite numbers.")
+        if m.delta is not None and (m.delta.ndim != 3 or not m.delta.is_floating_point()
+                                    or not torch.isfinite(m.delta).all()):
+            raise ValueError(f"{where}: the δ of {name} must be an image of finite numbers.")
+        t = m.params.get("temperature")
+        if t is not None and not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"{where}: the temperature of {name} must be a positive number.")
+        for per in m.metrics.values():
+            if any(not (isinstance(v.mean, (int, float)) and math.isfinite(v.mean)) for v in per.values()):
+                raise ValueError(f"{where}: a figure of {name} is not a finite number.")
+
+
+def study_of(model: str | None, name: str) -> tuple[dict, Path] | None:
+    """The study file ``name`` (γ sweep, initialisation, shift) beside ``model``'s pre-computed run
+    (None: the embedded default's), checked by the study's own reader; None when there is none."""
+    import json
+
+    from nctv.calibration.studies import GammaSweep, InitStudy
+    from nctv.results import GAMMA_SWEEP_FILE, INIT_STUDY_FILE
+    from nctv.shift import SHIFT_FILE, ShiftResult
+
+    folder = precomputed_dir() if model is None else study_folder(model)
+    path = None if folder is None else folder / name
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    reader = {GAMMA_SWEEP_FILE: GammaSweep.from_dict, INIT_STUDY_FILE: InitStudy.from_dict,
+              SHIFT_FILE: ShiftResult.from_dict}[name]
+    try:
+        reader(data)
+        if model is not None and (data.get("model") or {}).get("name") != model:
+            raise ValueError(f"it is of model {(data.get('model') or {}).get('name')!r}, not {model!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"The pre-computed {name} in {folder} cannot be shown: {_why(e)}") from None
+    return data, path
+
+
+def _why(error: Exception) -> str:
+    return f"it lacks {error}" if isinstance(error, KeyError) else str(error)
+
+
 def test_metrics(result: Any, n_bins: int) -> dict[str, dict[str, float]]:
     """{method: {metric: mean}} (fractions) of a ``RunResult`` at ``n_bins`` bins."""
     return {name: {k: s.mean for k, s in m.metrics[n_bins].items()} for name, m in result.methods.items()}
@@ -82,11 +215,11 @@ def test_metrics(result: Any, n_bins: int) -> dict[str, dict[str, float]]:
 
 def test_logits_of(cal: Calibration | None) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Unperturbed test logits, labels and a description for the Learn tab: the visitor's run,
-    else the shipped result."""
-    if cal is not None and cal.split is not None:
+    else the pre-computed result in use (a menu model's, or the shipped default's), read, not run."""
+    if cal is not None and cal.split is not None and cal.source != PRECOMPUTED_LABEL:
         z, y = get_logits(cal.split, "test")
         return z, y, f"{cal.model}, test split of your run"
-    pre = load_precomputed()
+    pre = load_precomputed(None if cal is None else cal.model)
     if pre is None:
         raise ValueError("No calibration yet: run one in the Calibrate tab first.")
     r = pre.result

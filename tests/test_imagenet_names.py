@@ -46,7 +46,8 @@ def test_a_1000_class_hub_model_is_named_with_imagenet_classes(imagenet_sized_mo
     name, _ = imagenet_sized_model
     m = z.load_model(name)
     assert m.class_names == _imagenet_names()
-    assert m.class_names[0] == "tench, Tinca tinca" and m.class_names[999] == "toilet tissue, toilet paper, bathroom tissue"
+    assert m.class_names[0] == "tench, Tinca tinca"
+    assert m.class_names[999] == "toilet tissue, toilet paper, bathroom tissue"
 
 
 def test_the_try_tab_answers_an_imagenet_model_in_its_class_names(imagenet_sized_model, tmp_path):

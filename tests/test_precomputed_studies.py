@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import nctv.ui.shipped as shipped
+from hub_standin import serving
 from nctv.data import assets_dir
 from nctv.ui.session import TS_METHOD
 
@@ -226,3 +227,35 @@ def test_picking_a_menu_model_shows_its_study_and_learn_and_try_use_it(studies):
     answer = calibrate.menu_model_view("fmnist-mixer", "")
     assert answer[0].startswith("**No pre-computed result shown:** The pre-computed study in ")
     assert "its test labels must be 10000 class indices below 10" in answer[0] and answer[1:] == (skip,) * 7
+
+
+def test_a_study_is_downloaded_from_the_operators_repository(studies, local_hub, tmp_path, monkeypatch):
+    made = write_study(tmp_path / "made", "fmnist-vit")
+    (made / "shift.json").unlink()  # a study without its shift part: the rest still opens
+    hub = serving({("datasets/nctv-test/studies", f"fmnist-vit/{p.name}"): p.read_bytes() for p in made.iterdir()},
+                  refusals={"datasets/nctv-test/gated": "GatedRepo"})
+    local_hub(hub)
+    monkeypatch.setenv(shipped.PRECOMPUTED_REPO_VARIABLE, "nctv-test/studies")
+    pre = shipped.load_precomputed("fmnist-vit")
+    folder = shipped.study_folder("fmnist-vit")
+    assert folder.parent.parent.name == "snapshots" and folder.name == "fmnist-vit"
+    _assert_labelled_as_shipped(pre, "fmnist-vit", folder)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in made.iterdir())
+    assert shipped.study_of("fmnist-vit", "shift.json") is None
+    asked = [r for r in hub.seen if "/resolve/" in r[1]]
+    assert all(path.startswith("/datasets/nctv-test/studies/resolve/main/fmnist-vit/") for _, path in asked)
+    assert [r for r in asked if r[0] == "GET"] == [("GET", f"/datasets/nctv-test/studies/resolve/main/fmnist-vit/{n}")
+                                                  for n in FILES[:-1]]  # each file once; shift.json is absent
+    # once cached, used as it is: opening the study again asks the Hub nothing
+    hub.seen.clear()
+    shipped.load_precomputed.cache_clear()
+    assert shipped.load_precomputed("fmnist-vit").calibration.model == "fmnist-vit"
+    assert shipped.study_of("fmnist-vit", "gamma_sweep.json") is not None
+    assert not [r for r in hub.seen if "fmnist-vit" in r[1]]
+    # none for a model the repository lacks; a repository the server may not read says what to check
+    assert shipped.load_precomputed("fmnist-mixer") is None
+    monkeypatch.setenv(shipped.PRECOMPUTED_REPO_VARIABLE, "nctv-test/gated")
+    shipped.load_precomputed.cache_clear()
+    with pytest.raises(ValueError, match=r"is gated: accept its terms on the Hub and log in \(HF_TOKEN\)\. "
+                                         r"Check NCTV_PRECOMPUTED_REPO\.$"):
+        shipped.load_precomputed("fmnist-mixer")

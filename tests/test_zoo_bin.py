@@ -2,7 +2,6 @@
 among many community checkpoints): read through ``torch.load(weights_only=True)`` under the weight
 cap, only where there are no safetensors, the tensors checked before use. Every file is real, in the
 Hub's cache layout, loaded through the ``hf-hub:`` path a visitor uses."""
-import http.server
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import timm
 import torch
 
 import nctv.zoo as z
+from hub_standin import serving
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY = {"channels": [8, 16, 16, 16], "stem_width": 8}
@@ -239,63 +239,24 @@ def test_the_cifar100_entry_loads_its_bin_offline_as_its_authors_built_it(tmp_pa
     assert out["source"] == "hf-hub:edadaltocg/resnet50_cifar100"
 
 
-class _BinOnlyHub(http.server.BaseHTTPRequestHandler):
-    """A Hub whose repositories have no model.safetensors: ``files`` maps a repository's files to their
-    bytes (served with the Hub's headers), ``sizes`` overrides the size its metadata announces. Every
-    request is recorded."""
-
-    files: dict = {}
-    sizes: dict = {}
-    seen: list = []
-
-    def _answer(self, body: bool):
-        self.seen.append((self.command, self.path))
-        repo, _, rest = self.path.lstrip("/").partition("/resolve/")
-        name = rest.partition("/")[2]
-        data = self.files.get(repo, {}).get(name)
-        if data is None:
-            self.send_response(404)
-            self.send_header("X-Error-Code", "EntryNotFound")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        self.send_response(200)
-        self.send_header("X-Repo-Commit", "e" * 40)
-        self.send_header("ETag", f'"{abs(hash(data)):x}"')
-        self.send_header("X-Linked-Size", str(self.sizes.get((repo, name), len(data))))
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if body:
-            self.wfile.write(data)
-
-    def do_HEAD(self):
-        self._answer(False)
-
-    def do_GET(self):
-        self._answer(True)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_a_bin_is_downloaded_only_where_the_hub_has_no_safetensors_and_only_under_the_cap(local_hub, tmp_path):
     model = tiny_model()
     folder = tmp_path / "served"
     timm.models.save_for_hf(model, str(folder), model_args=TINY, safe_serialization=True)
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
     config, weights = (folder / "config.json").read_bytes(), (folder / "pytorch_model.bin").read_bytes()
-    _BinOnlyHub.files = {"nctv-test/bin": {"config.json": config, "pytorch_model.bin": weights},
-                         "nctv-test/big-bin": {"config.json": config, "pytorch_model.bin": weights},
-                         "nctv-test/nothing": {"config.json": config}}
-    _BinOnlyHub.sizes = {("nctv-test/big-bin", "pytorch_model.bin"): 600 * 10**6}
-    _BinOnlyHub.seen = []
-    local_hub(_BinOnlyHub)
+    # repositories without model.safetensors
+    hub = serving({("nctv-test/bin", "config.json"): config, ("nctv-test/bin", "pytorch_model.bin"): weights,
+                   ("nctv-test/big-bin", "config.json"): config, ("nctv-test/big-bin", "pytorch_model.bin"): weights,
+                   ("nctv-test/nothing", "config.json"): config},
+                  sizes={("nctv-test/big-bin", "pytorch_model.bin"): 600 * 10**6})
+    local_hub(hub)
     hub_cache = tmp_path / "hf" / "hub"
 
     with pytest.raises(ValueError, match=r"^hf-hub:nctv-test/big-bin has 600\.0 MB of weights; this server loads Hub "
                                          r"models with at most 500\.0 MB of weights\. Pick a smaller model\.$"):
         z.load_model("hf-hub:nctv-test/big-bin", max_weight_bytes=500 * 10**6)
-    asked = [r for r in _BinOnlyHub.seen if "big-bin" in r[1]]
+    asked = [r for r in hub.seen if "big-bin" in r[1]]
     assert asked == [("HEAD", "/nctv-test/big-bin/resolve/main/model.safetensors"),
                      ("HEAD", "/nctv-test/big-bin/resolve/main/pytorch_model.bin")]  # metadata only
     assert not (hub_cache / "models--nctv-test--big-bin" / "snapshots").exists()
@@ -306,7 +267,7 @@ def test_a_bin_is_downloaded_only_where_the_hub_has_no_safetensors_and_only_unde
         assert torch.equal(m.model(x), expected)
     fetched = sorted(p.name for p in (hub_cache / "models--nctv-test--bin" / "snapshots").rglob("*") if p.is_file())
     assert fetched == ["config.json", "pytorch_model.bin"]
-    assert ("GET", "/nctv-test/bin/resolve/main/model.safetensors") not in _BinOnlyHub.seen
+    assert ("GET", "/nctv-test/bin/resolve/main/model.safetensors") not in hub.seen
 
     with pytest.raises(ValueError, match=r"^Model 'hf-hub:nctv-test/nothing' has neither model\.safetensors nor "
                                          r"pytorch_model\.bin: it holds no weights NCTV can read\.$"):

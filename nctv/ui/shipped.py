@@ -120,24 +120,32 @@ def study_folder(model: str) -> Path | None:
 def _hub_study(spec: str, model: str) -> Path | None:
     """The folder ``model/`` of Hub dataset repository ``spec`` (``org/name[@revision]``) in the local
     cache, with the files of :data:`RUN_FILES` and :data:`STUDY_FILES` it has (those it lacks are
-    skipped; offline, those not cached); None when it has no ``results.json``."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    from nctv.hub import hub_errors, hub_reachable
+    skipped); None when it has no ``results.json``. A study once cached is used as it is (no update
+    check, as with models); else it is downloaded when the Hub can be reached."""
+    from nctv.hub import hub_reachable
     from nctv.zoo import parse_model_id
 
     source, _ = parse_model_id(f"hf-hub:{spec}")  # the same checks as a model id
-    offline = not hub_reachable()
+    folder = _study_files(source.location, source.revision, model, local_only=True)
+    if folder is None and hub_reachable():
+        folder = _study_files(source.location, source.revision, model, local_only=False)
+    return folder
+
+
+def _study_files(repo: str, revision: str | None, model: str, local_only: bool) -> Path | None:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from nctv.hub import hub_errors
+
     folder = None
     for name in RUN_FILES + STUDY_FILES:
         try:
-            with hub_errors("The pre-computed studies", source.location, source.revision, name, "lack a file",
-                            EntryNotFoundError):
+            with hub_errors("The pre-computed studies", repo, revision, name, "lack a file", EntryNotFoundError):
                 try:
-                    path = hf_hub_download(source.location, f"{model}/{name}", repo_type="dataset",
-                                           revision=source.revision, local_files_only=offline, library_name="nctv")
-                except EntryNotFoundError:  # not in the repository, or not cached and offline
+                    path = hf_hub_download(repo, f"{model}/{name}", repo_type="dataset", revision=revision,
+                                           local_files_only=local_only, library_name="nctv")
+                except EntryNotFoundError:  # not in the repository, or not cached
                     path = None
         except ValueError as e:  # the repository is missing, gated or has no such revision
             raise ValueError(f"{e} Check {PRECOMPUTED_REPO_VARIABLE}.") from None

@@ -259,3 +259,28 @@ def test_a_study_is_downloaded_from_the_operators_repository(studies, local_hub,
     with pytest.raises(ValueError, match=r"is gated: accept its terms on the Hub and log in \(HF_TOKEN\)\. "
                                          r"Check NCTV_PRECOMPUTED_REPO\.$"):
         shipped.load_precomputed("fmnist-mixer")
+
+
+def test_the_study_tabs_show_a_picked_menu_models_studies(studies):
+    import gradio as gr
+
+    from nctv.ui import gamma, initialisation
+
+    write_study(studies / "models" / "fmnist-vit", "fmnist-vit")
+    for tab, words in ((gamma, "Showing the sweep *pre-computed, shipped with the app* (model fmnist-vit, γ from 0 "
+                               "to 1)"),
+                       (initialisation, "Showing the study *pre-computed, shipped with the app* (model fmnist-vit, 5 "
+                                        "runs per initialisation)")):
+        status, figure, table, files = shipped.menu_study_view(tab.shipped_view, "fmnist-vit", "", outputs=4)
+        assert status.startswith(words) and figure is not None and table
+        assert str(studies / "models" / "fmnist-vit") in files[0]
+        # no study for that model, or a Hub id typed: the tab stays as it is
+        assert shipped.menu_study_view(tab.shipped_view, "fmnist-mixer", "", outputs=4) == (gr.skip(),) * 4
+        assert shipped.menu_study_view(tab.shipped_view, "fmnist-vit", "org/model", outputs=4) == (gr.skip(),) * 4
+        # back to the default model: its own studies
+        assert "(model fmnist-resnet-overconfident" in shipped.menu_study_view(
+            tab.shipped_view, "fmnist-resnet-overconfident", "", outputs=4)[0]
+    write_study(studies / "models" / "fmnist-mixer", "fmnist-mixer", _sweep_nan)
+    status, *rest = shipped.menu_study_view(gamma.shipped_view, "fmnist-mixer", "", outputs=4)
+    assert status.startswith("**No pre-computed study shown:** The pre-computed gamma_sweep.json in ")
+    assert "temperature must be 11 finite numbers" in status and rest == [gr.skip()] * 3

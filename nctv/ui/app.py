@@ -261,10 +261,11 @@ def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
 
 
 def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list, api_name: str,
-               first: tuple = (None, "", None)) -> None:
+               first: tuple = (None, "", None), menu: tuple | None = None) -> None:
     """Figure, table and downloads of a study tab (γ sweep, initialisation) below its settings, with
     ``handler`` streaming into the status of its Run bar (``bar``: run, stop, status) and those three
-    on the heavy queue; ``first``: the figure, table and files shown before any run."""
+    on the heavy queue; ``first``: the figure, table and files shown before any run; ``menu``: (the
+    shared panel, the tab's view of a menu model's study), to show a picked model's study at once."""
     run, stop, status = bar
     fig = gr.Plot(fit_width(first[0]), label=plot_label, elem_id=plot_id)
     table = gr.Markdown(first[1], elem_classes="result-table")
@@ -273,6 +274,15 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
+    if menu is not None:  # a menu model's pre-computed study, shown at once (no model pass)
+        import functools
+
+        from nctv.ui.shipped import menu_study_view
+
+        shared, view = menu
+        shared.model.change(_plots_fit(functools.partial(menu_study_view, view, outputs=4)),
+                            [shared.model, shared.hub_id], [status, fig, table, files], show_progress="hidden",
+                            api_visibility="private")
 
 
 def _calibrate_tab(shared: Shared, state: gr.State):
@@ -335,7 +345,7 @@ def _gamma_tab(shared: Shared):
     inputs = shared.inputs + [g_from, g_to, g_step, nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"],
                               nc["lr"]]
     _study_run(bar, "ECE, entropy and loss against γ", "gamma-plot", gamma_tab.gamma_sweep, inputs,
-               "gamma_sweep", tuple(first))
+               "gamma_sweep", tuple(first), menu=(shared, gamma_tab.shipped_view))
 
 
 def _init_tab(shared: Shared):
@@ -347,7 +357,7 @@ def _init_tab(shared: Shared):
     nc = _nc_controls(init=False)
     inputs = shared.inputs + [runs, nc["gamma"], nc["weight_decay"], nc["fitter"], nc["epochs"], nc["lr"]]
     _study_run(bar, "Random vs data-driven δ", "init-plot", init_tab.init_study, inputs,
-               "init_study", tuple(first))
+               "init_study", tuple(first), menu=(shared, init_tab.shipped_view))
 
 
 def _try_tab(state: gr.State):

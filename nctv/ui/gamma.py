@@ -56,14 +56,18 @@ def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, nc: NCOptions, 
     return run_gamma_sweep(loaded, cal, test, gammas, n_bins, spec.calibration_seed, options=options)
 
 
-def shipped_view() -> tuple[str, Any, str, list[str]]:
+def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | None:
     """(status, figure, table, files) of the γ sweep shipped beside the pre-computed result, which the
-    tab opens on; with none shipped, a status line saying what Run does."""
+    tab opens on; with none shipped, a status line saying what Run does. With ``model``, the sweep
+    beside that menu model's pre-computed result (:func:`nctv.ui.shipped.study_of`), or None."""
     from nctv import plots
     from nctv.calibration.studies import GammaSweep
     from nctv.results import GAMMA_SWEEP_FILE, GammaSweepResult
+    from nctv.ui.shipped import study_of
 
-    shipped = shipped_study(GAMMA_SWEEP_FILE)
+    shipped = shipped_study(GAMMA_SWEEP_FILE) if model is None else study_of(model, GAMMA_SWEEP_FILE)
+    if shipped is None and model is not None:
+        return None
     if shipped is None:
         return "Press **Run γ sweep** to fit Neural Clamping for every γ of the grid.", None, "", []
     data, path = shipped

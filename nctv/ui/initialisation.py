@@ -31,14 +31,19 @@ def run_study(spec: SplitSpec, runs: int, n_bins: int, nc: NCOptions, report: Ca
     return run_init_study(loaded, cal, test, runs, n_bins, spec.calibration_seed, options=options)
 
 
-def shipped_view() -> tuple[str, Any, str, list[str]]:
+def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | None:
     """(status, box plots, table, files) of the initialisation study shipped beside the pre-computed
-    result, which the tab opens on; with none shipped, a status line saying what Run does."""
+    result, which the tab opens on; with none shipped, a status line saying what Run does. With
+    ``model``, the study beside that menu model's pre-computed result (:func:`nctv.ui.shipped.study_of`),
+    or None."""
     from nctv import plots
     from nctv.calibration.studies import InitStudy
     from nctv.results import INIT_STUDY_FILE, InitStudyResult
+    from nctv.ui.shipped import study_of
 
-    shipped = shipped_study(INIT_STUDY_FILE)
+    shipped = shipped_study(INIT_STUDY_FILE) if model is None else study_of(model, INIT_STUDY_FILE)
+    if shipped is None and model is not None:
+        return None
     if shipped is None:
         return "Press **Run initialisation study** to fit Neural Clamping from both starts.", None, "", []
     data, path = shipped

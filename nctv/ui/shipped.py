@@ -212,6 +212,22 @@ def study_of(model: str | None, name: str) -> tuple[dict, Path] | None:
     return data, path
 
 
+def menu_study_view(view: Any, model: Any, hub_id: Any, outputs: int) -> tuple:
+    """What a study tab shows when a menu model is picked: ``view(model)``, that model's pre-computed
+    study (None where it has none); else, or with a Hub id typed, ``gr.skip()`` for each of its
+    ``outputs`` (the tab stays as it is). A study that fails its checks: the reason in the status."""
+    import gradio as gr
+
+    keep = tuple(gr.skip() for _ in range(outputs))
+    if (isinstance(hub_id, str) and hub_id.strip()) or not isinstance(model, str):
+        return keep
+    try:
+        shown = view(model)
+    except ValueError as e:
+        return (f"**No pre-computed study shown:** {e}",) + keep[1:]
+    return keep if shown is None else shown
+
+
 def _why(error: Exception) -> str:
     return f"it lacks {error}" if isinstance(error, KeyError) else str(error)
 

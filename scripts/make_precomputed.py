@@ -14,6 +14,14 @@ anything reproduces it — plus a few test images for the "Try your own image" t
 
 ``--only shift`` writes shift.json alone and leaves the rest as it is.
 
+Any model of the menu, or any model id, on any dataset: ``--model`` and ``--dataset`` (the model's own
+by default; ``--test-size`` keeps the test logits small for a 1000-class model). Another model's study
+goes to ``assets/precomputed/models/<name>/``, where the app opens it when a visitor picks that model,
+or, uploaded as the folder ``<name>/`` of a Hugging Face dataset repository, to wherever
+``NCTV_PRECOMPUTED_REPO`` names (docs/app.md). The Space's operator runs it once on a GPU:
+
+    python scripts/make_precomputed.py --model resnet101-imagenet --calibration-size 5000 --test-size 5000
+
 Run from the repository root:  python scripts/make_precomputed.py
 """
 from __future__ import annotations
@@ -31,7 +39,7 @@ from nctv.inference import resolve_device  # noqa: E402
 from nctv.results import GAMMA_SWEEP_FILE, INIT_STUDY_FILE, method_slug  # noqa: E402
 from nctv.settings import (APP_BINS, APP_INIT_RUNS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_CALIBRATION_SIZE,  # noqa: E402
                            NCOptions)
-from nctv.zoo import DEFAULT_MODEL, load_model  # noqa: E402
+from nctv.zoo import DEFAULT_MODEL, ENTRIES, load_model  # noqa: E402
 
 #: Corrupted test images kept per condition for the Shift tab.
 SHIFT_EXAMPLES = 6
@@ -52,19 +60,35 @@ def write_examples(test, folder: Path) -> list[Path]:
     return written
 
 
+def clear(out: Path) -> None:
+    """Empty ``out`` for a new study, keeping the other models' studies (``models/``) inside it."""
+    for child in out.iterdir() if out.is_dir() else ():
+        if child.name != "models":
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=assets_dir() / "precomputed",
-                    help="output folder (default: assets/precomputed)")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"a menu name or model id (default: {DEFAULT_MODEL})")
+    ap.add_argument("--dataset", default=None, help="the model's own dataset unless given")
+    ap.add_argument("--test-size", type=int, default=None, help="test images (default: the whole test split)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: assets/precomputed, or assets/precomputed/models/<name> for "
+                         "another model)")
     ap.add_argument("--calibration-size", type=int, default=DEFAULT_CALIBRATION_SIZE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bins", type=int, default=APP_BINS)
     ap.add_argument("--only", choices=["all", "shift"], default="all",
                     help="shift: write shift.json alone, keeping every other file")
     args = ap.parse_args(argv)
+    if args.out is None and args.model not in ENTRIES:
+        ap.error(f"--out is needed for {args.model!r}: the app opens the studies of its menu's models only")
+    if args.out is None:
+        args.out = assets_dir() / "precomputed" / ("" if args.model == DEFAULT_MODEL else f"models/{args.model}")
 
-    loaded = load_model(DEFAULT_MODEL, device=resolve_device(None))
-    cal, test = get_splits(loaded, None, calibration_size=args.calibration_size, calibration_seed=args.seed)
+    loaded = load_model(args.model, device=resolve_device(None))
+    cal, test = get_splits(loaded, args.dataset, calibration_size=args.calibration_size, calibration_seed=args.seed,
+                           test_size=args.test_size)
 
     def report(fraction: float, message: str) -> None:
         print(f"[{100 * fraction:5.1f}%] {message}", flush=True)
@@ -76,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "shift":
         print(f"wrote {shift.save(args.out, indent=None)}")
         return 0
-    options = RunOptions(seeds=[args.seed], bins=[args.bins], nc=APP_NC, progress=False, callback=report)
+    options = RunOptions(seeds=[args.seed], bins=[args.bins], nc=APP_NC, progress=False, callback=report,
+                         dataset=args.dataset)
     result = run_experiment(loaded, cal, test, APP_METHODS, options)
     # The γ sweep tab's first screen: its default grid, 0 to 1 by 0.1, with the page's other settings.
     sweep = run_gamma_sweep(loaded, cal, test, APP_SWEEP_GAMMAS, args.bins, args.seed,
@@ -84,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     # The Initialisation tab's: its default of 5 runs per initialisation.
     study = run_init_study(loaded, cal, test, APP_INIT_RUNS, args.bins, args.seed,
                            options=RunOptions(nc=APP_NC, progress=False, callback=report))
-    if args.out.exists():
-        shutil.rmtree(args.out)
+    clear(args.out)
     written = result.save(args.out, model=loaded)
     for name, study_result in ((GAMMA_SWEEP_FILE, sweep), (INIT_STUDY_FILE, study)):
         (args.out / name).write_text(study_result.to_json(), encoding="utf-8")
         written.append(args.out / name)
     written.append(shift.save(args.out, indent=None))
-    written += write_examples(test, args.out / "examples")
+    if args.model == DEFAULT_MODEL:  # the Try tab's examples are the embedded default's
+        written += write_examples(test, args.out / "examples")
     for p in written:
         print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KiB)")
     return 0

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -207,12 +208,18 @@ def test_picking_a_menu_model_shows_its_study_and_learn_and_try_use_it(studies):
     status, table, diagrams, params, delta, files, state, shown = calibrate.menu_model_view("fmnist-vit", "")
     assert status.startswith("Showing the result **pre-computed, shipped with the app** (model fmnist-vit, 5000 "
                              "calibration images")
-    assert "Neural Clamping (FL)" in table and "Temperature Scaling" in table and shown is None
+    assert "Neural Clamping (FL)" in table and "Temperature Scaling" in table
+    # an opened group of its diagrams reads this study's test split and confidences
+    logits = load_file(str(folder / "test_logits.safetensors"))
+    assert shown.split == state.split and shown.split.test_size == 10000 and shown.split.model == "fmnist-vit"
+    assert (shown.labels == logits["labels"].numpy()).all()
+    assert np.allclose(shown.confidence["Vector Scaling"], torch.softmax(logits["Vector Scaling"], 1).max(1).values)
+    group = calibrate.group_pictures(shown, "Vector Scaling", 14)
+    assert group["count"] == int((shown.confidence["Vector Scaling"] > 14 / 15).sum()) and group["items"]
     assert state.model == "fmnist-vit" and state.source == shipped.PRECOMPUTED_LABEL
     assert any(Path(f).name == "results.json" for f in files)
     # Learn reads the study's own test logits (no model pass); Try names the study's calibration.
     z, y, where = shipped.test_logits_of(state)
-    logits = load_file(str(folder / "test_logits.safetensors"))
     assert torch.equal(z, logits["Uncalibrated"]) and torch.equal(y, logits["labels"])
     assert where == "fmnist-vit, fashion-mnist test (pre-computed, shipped with the app)"
     _, _, _, note = try_image.classify(str(sorted((SHIPPED / "examples").glob("*.png"))[0]), state)

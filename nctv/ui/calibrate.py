@@ -536,4 +536,5 @@ def menu_model_view(model: Any, hub_id: Any) -> tuple:
         return (f"**No pre-computed result shown:** {e}",) + keep[1:]
     if pre is None:
         return keep
-    return precomputed_view(model) + (pre.calibration, None)
+    # What an opened group of its diagrams needs: this study's test split, not the default's.
+    return precomputed_view(model) + (pre.calibration, shown_run(pre.result, pre.split, pre.result.bins[0]))

@@ -82,8 +82,9 @@ def load_precomputed(model: str | None = None) -> Precomputed | None:
     nc = next((n for n in NC_METHODS if n in result.methods), None)
     cal = Calibration(
         # scripts/make_precomputed.py uses one seed for the calibration draw and the run, and the whole test pool.
+        # A menu model's study may use part of the test pool (make_precomputed --test-size): the same draw.
         split=SplitSpec(result.model["name"], result.settings.get("dataset"), int(result.calibration["size"]),
-                        int(result.seeds[0])),
+                        int(result.seeds[0]), None if model is None else int(result.test["size"])),
         model=result.model["name"],
         ts_temperature=float(result.methods[TS_METHOD].params["temperature"]),
         nc_temperature=float(result.methods[nc].params["temperature"]) if nc else None,

@@ -78,7 +78,8 @@ def _check_chart(page, methods=("raw", "ts", "nc")):
         assert tuple(m for m, _, _ in bars) == methods
         for _, p, shown in bars:
             shown = html.unescape(shown)
-            assert 0.0 <= float(p) <= 1.0 and re.fullmatch(r"(< |> )?\d{1,3}\.\d %", shown)
+            # The number and its unit (and "<", ">" and the number) joined by non-breaking spaces.
+            assert 0.0 <= float(p) <= 1.0 and re.fullmatch(r"([<>]\u00a0)?\d{1,3}\.\d\u00a0%", shown)
             assert shown[0] in "<>" or float(shown[:-2]) == pytest.approx(100 * float(p), abs=0.05)
         rows[html.unescape(part.split('"', 1)[0])] = {m: float(p) for m, p, _ in bars}
     assert len(rows) >= 5

@@ -203,7 +203,7 @@ def test_try_your_own_image(page):
         assert len(probs) == rows.count() and sum(probs) <= 1 + 1e-9
         for i, p in enumerate(probs):  # one decimal, as the probability says
             text = bars.nth(i).locator(".nctv-value").inner_text()
-            value = re.search(r"([<>]?) ?(\d+\.\d) %", text)
+            value = re.search(r"([<>]?)\xa0?(\d+\.\d)\xa0%", text)  # never broken apart
             assert value, text
             sign, number = value.group(1), float(value.group(2))
             if sign == ">":  # "> 99.9 %": not rounded up to a certainty it is not

@@ -350,7 +350,11 @@ def test_calibrated_model_traces_and_exports(name, loaded, fitted, splits):
         traced = torch.jit.trace(module, xt[:2])
     assert torch.equal(traced(xt), expected)
     exported = torch.export.export(module, (xt[:2],))
-    assert torch.equal(exported.module()(xt[:2]), expected[:2])
+    # Compared with the module on the same batch of 2: float32 kernels block their sums by batch size, so the
+    # rows of a batch of 2 and the same rows of the batch of 64 behind `expected` differ in the last bits
+    # (7e-7 apart on this machine); on the same batch the exported graph does the module's arithmetic exactly.
+    with torch.no_grad():
+        assert torch.equal(exported.module()(xt[:2]), module(xt[:2]))
 
 
 def test_calibrated_model_clamps_like_nc(loaded, fitted, splits):

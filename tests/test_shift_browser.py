@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.browser,
 SIZES = [(390, 844), (1280, 720), (1400, 1000)]
 NC, REFERENCE, OTHER = "Neural Clamping (FL)", "TS by Grid Search", "Temperature Scaling"
 #: (corruption, severity) pairs read off the page; severity 0 is the clean test split whatever the corruption.
-PAIRS = [("contrast", 3), ("gaussian-noise", 5), ("jpeg", 1), ("defocus-blur", 4), ("brightness", 2), ("pixelate", 0)]
+PAIRS = [("contrast", 3), ("gaussian-noise", 5), ("jpeg", 1), ("defocus-blur", 4), ("brightness", 2), ("pixelate", 0),
+         ("contrast", 1)]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,7 @@ def check_condition(pg, study: dict, corruption: str, severity: int) -> None:
     for method, ece, accuracy in cards:
         assert ece == shown(figures[method][k]["ece"]), (method, k)
         assert accuracy == shown(figures[method][k]["accuracy"]), (method, k)
+    check_headline(pg, study, k)
     verdict = pg.locator("#shift-verdict").inner_text()
     d, low, high = difference(study, k, REFERENCE)
     place = "On the clean test pictures" if severity == 0 else f"Under {corruption_words(corruption)}, severity {severity}"
@@ -107,6 +109,37 @@ def check_condition(pg, study: dict, corruption: str, severity: int) -> None:
         source = figures if condition == "clean" else table
         for method in study["methods"]:
             assert f"{method} {100 * source[method][condition]['ece']['value']:.2f}%" in label, (plot, method)
+
+
+#: Far from the clean figure: 10 percentage points (docs/method.md, "The Shift tab's headline").
+FAR = 0.10
+
+
+def span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{100 * lo:.1f}" + ("" if f"{lo:.3f}" == f"{hi:.3f}" else f"\u2060–\u2060{100 * hi:.1f}") + "\u00a0%"
+
+
+def check_headline(pg, study: dict, k: str) -> None:
+    """The whole picture first: where every method's ECE is at least FAR above its clean ECE, the first
+    line says that every calibration breaks; where instead every accuracy is FAR below the clean one,
+    that the model breaks; else there is no such line. The comparison follows it."""
+    figures, methods = study["figures"], study["methods"]
+    ece = [figures[m][k]["ece"]["value"] for m in methods]
+    ece0 = [figures[m]["clean"]["ece"]["value"] for m in methods]
+    acc = [figures[m][k]["accuracy"]["value"] for m in methods]
+    acc0 = [figures[m]["clean"]["accuracy"]["value"] for m in methods]
+    head = pg.locator("#shift-headline")
+    if k != "clean" and all(e - e0 >= FAR for e, e0 in zip(ece, ece0)):
+        assert head.inner_text() == (f"Every calibration breaks at this severity: every method's ECE is {span(ece)} "
+                                     f"(clean: {span(ece0)}), accuracy {span(acc)} (clean: {span(acc0)}). "
+                                     "The comparison below is between broken calibrations.")
+    elif k != "clean" and all(a0 - a >= FAR for a, a0 in zip(acc, acc0)):
+        assert head.inner_text().startswith(f"The model breaks at this severity: every method's accuracy {span(acc)}")
+    else:
+        assert not head.is_visible() and head.inner_text() == ""
+        return
+    assert head.bounding_box()["y"] + head.bounding_box()["height"] <= pg.locator("#shift-verdict").bounding_box()["y"]
 
 
 def corruption_words(name: str) -> str:

@@ -225,8 +225,10 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     assert all(sum(m["counts"]) == 1000 for m in diagrams["methods"])
     assert shown.split == SMALL and set(shown.confidence) == {m["name"] for m in diagrams["methods"]}
     # Running: the status says which step runs and, once it can, the time it still needs.
-    running = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
+    *running, finishing = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
     assert running and all(r.startswith("**Running** — ") for r in running)
+    # Once the work is done, "Done" while the tables and figures are made (not "Running — done in …").
+    assert re.fullmatch(r"\*\*Done\*\* in [\d.]+ s · drawing the result…", finishing), finishing
     # A fit this short (about half a second, updates at most every 0.25 s) may end before an estimate
     # is possible: test_time_left_follows_the_rate_of_the_running_task checks the estimate itself.
     assert any(re.search(r"Neural Clamping \(FL\) \(seed 0\): pass [\d.]+, loss [\d.]+, T [\d.]+ · ", r)
@@ -714,7 +716,7 @@ def chart(page: str) -> dict[str, dict[str, float]]:
         out[html.unescape(name)] = {}
         for method, p, shown in _BAR.findall(bars):
             p, shown = float(p), html.unescape(shown)
-            assert re.fullmatch(r"(< |> )?\d{1,3}\.\d %", shown), shown
+            assert re.fullmatch(r"([<>]\u00a0)?\d{1,3}\.\d\u00a0%", shown), shown  # never broken apart
             if shown[0] not in "<>":
                 assert float(shown[:-2]) == pytest.approx(100 * p, abs=0.05)
             out[html.unescape(name)][method] = p
@@ -868,9 +870,10 @@ def test_the_chart_shows_one_decimal_and_escapes_names():
     page = try_image.confidence_chart(names, probs)
     assert "<b>bag</b>" not in page
     assert chart(page) == {n: {m: float(p[i]) for m, p in probs.items()} for i, n in enumerate(names)}
+    page = page.replace("\u00a0", " ")  # a number and its unit are joined by a non-breaking space
     assert ">87.3 %<" in page and ">12.0 %<" in page and ">&lt; 0.1 %<" in page and ">0.0 %<" in page
     assert ">&gt; 99.9 %<" in page and "The model's answer: <b>&lt;b&gt;bag&lt;/b&gt;</b>" in page
-    assert try_image.percent(0.99996) == "> 99.9 %" and try_image.percent(1.0) == "100.0 %"
+    assert try_image.percent(0.99996) == ">\u00a099.9\u00a0%" and try_image.percent(1.0) == "100.0\u00a0%"
     assert try_image.confidence_chart(names, {}) == ""
     with pytest.raises(ValueError, match="from 0 to 1"):
         try_image.confidence_chart(names, {"raw": np.array([1.5, 0, 0, 0])})

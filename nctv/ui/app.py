@@ -34,7 +34,7 @@ from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.caches import get_logits, get_ood_detector
-from nctv.ui.limits import DEFAULT_DATASET_CHOICE, dataset_choices, dataset_hint, model_choices
+from nctv.ui.limits import DEFAULT_DATASET_CHOICE, dataset_choices, dataset_hint, dataset_refusal, model_choices
 from nctv.ui.session import SplitSpec
 from nctv.ui.shipped import examples_dir, load_precomputed
 
@@ -47,6 +47,9 @@ INTRO = f"""## {TITLE}
 temperature scaling and the other post-hoc methods. The first tab opens on a pre-computed result."""
 #: Width below which the page is laid out for a phone (one column).
 PHONE_WIDTH = 640
+#: What a table too wide for its box says above it (page.js marks such a table), and once scrolled to its end.
+SCROLL_CUE = "More columns: scroll sideways →"
+SCROLL_CUE_BACK = "← Scroll back for the first columns"
 #: Page styles. The Run bar (Run, Stop, status) stays in view on a wide screen while the settings
 #: below it scroll. The study figures keep a readable width and scroll sideways where they do not
 #: fit. Result tables scroll sideways rather than break a number over two lines.
@@ -60,13 +63,22 @@ APP_CSS = f"""
 /* A failed run's status line says what went wrong; Gradio's "Error" mark (shown even with its
    progress hidden) would cover that text. */
 .run-bar [data-testid="status-tracker"] .error {{ display: none; }}
-/* The Try tab on a phone: the picture, its result, then the examples and the calibrators' loader. */
+/* On a phone the tab bar stays in the first half-screen: the title, the lead and the closed panel's
+   title a little smaller than on a wide screen. */
+@media (max-width: {PHONE_WIDTH}px) {{
+  #intro h2 {{ font-size: 1.35em; }}
+  #intro p {{ font-size: 15px; line-height: 1.35; }}
+  #shared-panel > .label-wrap, #shared-panel > .label-wrap span {{ font-size: 14px; line-height: 1.35; }}
+}}
+/* The Try tab on a phone: the picture, right under it its answer, then the corruption, the examples and
+   the calibrators' loader. */
 @media (max-width: {PHONE_WIDTH}px) {{
   #try-row {{ flex-direction: column; }}
   #try-inputs {{ display: contents; }}
-  #try-sources, #try-corrupt {{ order: 0; }}
+  #try-sources {{ order: 0; }}
   #try-results {{ order: 1; }}
-  #try-more {{ order: 2; }}
+  #try-corrupt {{ order: 2; }}
+  #try-more {{ order: 3; }}
 }}
 /* Plotly draws its figures white with dark ink (inline styles). In the dark theme they take the page's
    colours instead: a clear background, light text and axes, dim grid lines. */
@@ -81,7 +93,41 @@ APP_CSS = f"""
 .result-table {{ overflow-x: auto; }}
 .result-table table {{ width: max-content; max-width: none; }}
 .result-table th, .result-table td {{ white-space: nowrap; }}
+/* A table wider than its box says so above it, in view however far it is scrolled (page.js marks it). */
+.result-table[data-overflow="true"]::before {{ content: "{SCROLL_CUE}"; display: block; position: sticky; left: 0;
+  width: max-content; font-size: var(--text-sm); color: var(--body-text-color); margin-bottom: 2px; }}
+.result-table[data-overflow="true"][data-scrolled="end"]::before {{ content: "{SCROLL_CUE_BACK}"; }}
+/* The selected tab, checked boxes and sliders: orange-700 in the light theme (orange-500 on white is 2.8:1). */
+body:not(.dark) {{ --color-accent: var(--primary-700); }}
+/* Download lists are read-only: Gradio's File still offers each file a "Remove this file" button. */
+.download-list td:has(> button[aria-label="Remove this file"]) {{ display: none; }}
 """
+#: The page's type: the system's own fonts (San Francisco on Apple's systems, Segoe UI on Windows,
+#: Roboto on Android, Arial or its metric twin Liberation Sans elsewhere). Gradio's default theme loads
+#: Source Sans Pro from files it bundles, whose semibold face holds the glyphs "A" and "B" only, so that
+#: every semibold label mixed two fonts.
+SYSTEM_FONTS = ("-apple-system", "BlinkMacSystemFont", "Segoe UI", "Roboto", "Helvetica Neue", "Arial",
+                "Liberation Sans", "Noto Sans", "sans-serif")
+MONO_FONTS = ("ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "Liberation Mono", "monospace")
+
+
+def app_theme() -> gr.themes.Base:
+    """Gradio's default theme with the system's fonts and colours that read at 4.5:1 or more in the
+    light and the dark theme (tests/test_readable_browser.py measures them): help text, placeholders
+    and the footer one step darker than Gradio's neutral-400 (1.9:1 on white); white on orange-700
+    and red-700 for Run and Stop (white on orange-500 was 2.8:1, on red-500 3.8:1); links in the dark
+    theme in blue-400 (blue-500 was 4.1:1). APP_CSS sets the accent (the selected tab) of the light theme."""
+    return gr.themes.Default(font=list(SYSTEM_FONTS), font_mono=list(MONO_FONTS)).set(
+        body_text_color_subdued="*neutral_600",
+        input_placeholder_color="*neutral_500", input_placeholder_color_dark="*neutral_400",
+        button_primary_background_fill="*primary_700", button_primary_background_fill_dark="*primary_700",
+        button_primary_background_fill_hover="*primary_800", button_primary_background_fill_hover_dark="*primary_800",
+        button_cancel_background_fill="#b91c1c", button_cancel_background_fill_dark="#b91c1c",
+        button_cancel_background_fill_hover="#991b1b", button_cancel_background_fill_hover_dark="#991b1b",
+        link_text_color_dark="*secondary_400", link_text_color_hover_dark="*secondary_300",
+    )
+
+
 #: Light handlers (a single image, a redraw) may run side by side; heavy ones take turns.
 LIGHT_CONCURRENCY = 4
 QUEUE_SIZE = 32
@@ -179,7 +225,8 @@ def _shared_panel() -> Shared:
             hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
                                 placeholder="e.g. timm/resnet18.a1_in1k", scale=2, max_length=MAX_TEXT_CHARS)
             dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
-                                  label="Calibration pool (dataset)", scale=2, info=dataset_hint())
+                                  label="Calibration pool (dataset)", scale=2, info=dataset_hint(),
+                                  elem_id="dataset-box")
         with gr.Row():
             size = CheckedNumber(DEFAULT_CALIBRATION_SIZE, precision=0, label="Calibration size (images)",
                              elem_id="calibration-size",
@@ -189,7 +236,11 @@ def _shared_panel() -> Shared:
                                   info="0: the whole test split (10,000 images for Fashion-MNIST); else at least 10")
             seed = CheckedNumber(0, precision=0, label="Seed", info="0 to 2³¹ − 1; draws the calibration split and seeds δ")
             bins = CheckedSlider(5, 50, APP_BINS, step=1, label="Bins (ECE, AECE, SCE)")
+        # A typed dataset this server does not take is refused here, before Run (page.js keeps it as typed).
+        dataset_note = gr.Markdown("", elem_id="dataset-note")
         info = gr.Markdown(describe_model(DEFAULT_MODEL, ""))
+    dataset.change(dataset_refusal, dataset, dataset_note, queue=False, show_progress="hidden",
+                   api_visibility="private")
     for box in (model, hub_id):
         box.change(describe_model, [model, hub_id], info, queue=False, show_progress="hidden", api_visibility="private")
     for box in (model, hub_id, dataset, size):
@@ -269,7 +320,8 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
     run, stop, status = bar
     fig = gr.Plot(fit_width(first[0]), label=plot_label, elem_id=plot_id)
     table = gr.Markdown(first[1], elem_classes="result-table")
-    files = gr.File(first[2] or None, label="Download (JSON, PNG)", file_count="multiple", interactive=False)
+    files = gr.File(first[2] or None, label="Download (JSON, PNG)", file_count="multiple", interactive=False,
+                    elem_classes="download-list")
     event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
@@ -309,7 +361,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             # No height cap: every file in view, calibrators.zip (the one to reuse) first.
             files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
                                           "figures, δ)", file_count="multiple", interactive=False,
-                            elem_id="calibrate-files")
+                            elem_id="calibrate-files", elem_classes="download-list")
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"]]
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state, shown]
     # The status line's own text is the progress (step, time left) and, after a failure, the error:
@@ -478,7 +530,7 @@ def _shift_tab() -> None:
     with gr.Accordion("Neural Clamping against temperature scaling, every condition", open=False):
         gr.Markdown(versus0, elem_id="shift-versus", elem_classes="result-table")
     gr.File(files0 or None, label="Download this study (shift.json, table.csv)", file_count="multiple",
-            interactive=False, elem_id="shift-files")
+            interactive=False, elem_id="shift-files", elem_classes="download-list")
     view.first_view(shift_tab.first_view, None, [view], show_progress="hidden",
                     concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
 
@@ -495,7 +547,7 @@ def build_app() -> gr.Blocks:
     # Uploads are deleted once UPLOAD_KEEP_S old, looked for every third of that.
     with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(UPLOAD_KEEP_S // 3, UPLOAD_KEEP_S)) as demo:
         state = gr.State(None, time_to_live=CALIBRATION_TTL_S)  # this visitor's latest Calibration
-        gr.Markdown(INTRO)
+        gr.Markdown(INTRO, elem_id="intro")
         shared = _shared_panel()
         with gr.Tabs(overflow_behavior="wrap"):
             with gr.Tab("Calibrate", id="calibrate"):
@@ -533,6 +585,14 @@ def warm_up() -> None:
         log.exception("warming up the default model failed")
 
 
+def page_script() -> str:
+    """``static/page.js``: what the whole page does in the browser (the dataset box keeps what is typed;
+    a table too wide for its box says so)."""
+    from pathlib import Path
+
+    return (Path(__file__).parent / "static" / "page.js").read_text(encoding="utf-8")
+
+
 def launch(demo: gr.Blocks | None = None, **overrides: Any):
     """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
     (default 7860), with the upload and request caps and error display the app relies on."""
@@ -548,6 +608,8 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
         css=APP_CSS,
+        theme=app_theme(),
+        js=page_script(),
     )
     settings.update(overrides)
     return demo.launch(**settings)

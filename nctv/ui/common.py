@@ -340,7 +340,11 @@ class TimeLeft:
 
     ``update(task, fraction)`` takes the running task's name and the fraction of it done (0 to 1);
     a new name restarts the clock. The rate is measured from the task's first report, so the time
-    spent before it (loading, other tasks) does not count. ``clock`` is for tests to pass their own."""
+    spent before it (loading, other tasks) does not count. An estimate is made only when the task
+    moves (its fraction grows), and from then on it only counts down: a task stuck at one pass
+    keeps counting down the time told (once made from a rate measured over a longer time, an
+    estimate that would grow is not told), until the time told has run out (:meth:`overdue`); the
+    next move then tells a fresh estimate. ``clock`` is for tests to pass their own."""
 
     #: No estimate before the task has run this long and moved this far: early rates are noise.
     MIN_SECONDS, MIN_FRACTION = 1.0, 0.02
@@ -349,17 +353,28 @@ class TimeLeft:
         self._clock = clock
         self._task: Any = None
         self._start = self._start_fraction = 0.0
+        self._fraction = 0.0
+        self._deadline: float | None = None  # when the time told runs out
 
     def update(self, task: Any, fraction: float) -> float | None:
         """Seconds left of ``task`` (None while too early to say)."""
         now = self._clock()
         if task != self._task:
             self._task, self._start, self._start_fraction = task, now, fraction
+            self._fraction, self._deadline = fraction, None
             return None
-        elapsed, moved = now - self._start, fraction - self._start_fraction
-        if elapsed < self.MIN_SECONDS or moved < self.MIN_FRACTION:
-            return None
-        return max(0.0, 1.0 - fraction) * elapsed / moved
+        if fraction > self._fraction:  # moved: a new estimate, from the rate since the task began
+            self._fraction = fraction
+            elapsed, moved = now - self._start, fraction - self._start_fraction
+            if elapsed >= self.MIN_SECONDS and moved >= self.MIN_FRACTION:
+                fresh = now + max(0.0, 1.0 - fraction) * elapsed / moved
+                told = self._deadline is not None and self._deadline > now
+                self._deadline = min(self._deadline, fresh) if told else fresh
+        return None if self._deadline is None else max(0.0, self._deadline - now)
+
+    def overdue(self) -> bool:
+        """Whether the time told has run out while the task still runs."""
+        return self._deadline is not None and self._clock() >= self._deadline
 
     def elapsed(self) -> float:
         """Seconds since the running task's first report."""
@@ -368,12 +383,15 @@ class TimeLeft:
 
 #: ``ProgressLine.report``'s task for a report from inside the running task.
 SAME_TASK = object()
+#: ``ProgressLine.report``'s task for the report that the work is done (what is left: drawing the result).
+DONE = "done"
 
 
 class ProgressLine:
     """The status line of a running job: its latest message, then the time the running task still
-    needs (or, before that can be told, how long it has run). :meth:`line` gives the text when it
-    differs from the one shown last, so an idle poll redraws only when the clock's words change."""
+    needs (or, before that can be told, how long it has run); once the work reports :data:`DONE`,
+    "Done" and the message. :meth:`line` gives the text when it differs from the one shown last, so
+    an idle poll redraws only when the clock's words change."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.pace = TimeLeft(clock)
@@ -392,8 +410,12 @@ class ProgressLine:
     def text(self) -> str | None:
         if self._message is None:
             return None
+        if self._task == DONE:
+            return done_line(self._message)
         left = self.pace.update(self._task, self._fraction)
-        if left is not None:
+        if self.pace.overdue():
+            tail = f"longer than estimated: running for {duration(self.pace.elapsed())}"
+        elif left is not None:
             tail = f"about {duration(left)} left"
         elif self.pace.elapsed() >= 5:
             tail = f"running for {duration(self.pace.elapsed())}, no estimate yet"
@@ -408,6 +430,13 @@ class ProgressLine:
             return None
         self._shown = text
         return text
+
+
+def done_line(message: str = "") -> str:
+    """The status line once the work is done, while its result is being drawn: "Done", then
+    ``message`` ("done in 34.9 s" reads "Done in 34.9 s")."""
+    rest = message[len("done"):] if message.lower().startswith("done ") else (f" — {message}" if message else "")
+    return f"**Done**{rest} · drawing the result…"
 
 
 def stream_progress(worker: Worker, progress: Any, outputs: int) -> Iterator[tuple]:
@@ -426,6 +455,7 @@ def stream_progress(worker: Worker, progress: Any, outputs: int) -> Iterator[tup
         line = status.line()
         # Yield even when idle: a Stop can only close the handler between two yields.
         yield (skip if line is None else line,) + (skip,) * (outputs - 1)
+    yield (done_line(),) + (skip,) * (outputs - 1)  # the figure and files are made next
     return worker.result
 
 

@@ -16,7 +16,7 @@ from nctv.ui.calibrate import parse_nc_options, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
-from nctv.ui.shipped import shipped_study
+from nctv.ui.shipped import shipped_figure, shipped_study
 
 #: At most this many γ values per sweep (the paper's grid has 21).
 MAX_GAMMAS = 41
@@ -77,7 +77,8 @@ def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | 
     status = (f"Showing the sweep *pre-computed, shipped with the app* (model {data['model'].get('name', '?')}, "
               f"γ from {result.sweep.gammas[0]:g} to {result.sweep.gammas[-1]:g}). Press **Run γ sweep** for a live "
               "run with your settings.")
-    return status, fig, sweep_table(result), [str(path)]
+    png = shipped_figure("gamma_sweep.png", plots.gamma_figure(plots.gamma_curve_data_from_sweep(result)))
+    return status, fig, sweep_table(result), [str(path), png]
 
 
 def sweep_table(result: Any) -> str:

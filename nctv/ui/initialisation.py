@@ -13,7 +13,7 @@ from nctv.ui.calibrate import parse_nc_options, parse_split
 from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
-from nctv.ui.shipped import shipped_study
+from nctv.ui.shipped import shipped_figure, shipped_study
 
 METRICS_SHOWN = ("entropy", "ece", "aece", "sce")
 MAX_RUNS = 20
@@ -49,12 +49,12 @@ def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | 
     data, path = shipped
     result = InitStudyResult(InitStudy.from_dict(data), data["model"], data["calibration"], data["test"],
                              data["settings"], float(data["seconds"]), data["created"], int(data["n_classes"]))
-    figure = plots.init_study_figure(plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN),
-                                     backend="plotly")
+    boxes = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)
+    figure = plots.init_study_figure(boxes, backend="plotly")
     status = (f"Showing the study *pre-computed, shipped with the app* (model {data['model'].get('name', '?')}, "
               f"{len(result.study.seeds)} runs per initialisation). Press **Run initialisation study** for a live "
               "run with your settings.")
-    return status, figure, study_table(result), [str(path)]
+    return status, figure, study_table(result), [str(path), shipped_figure("init_study.png", plots.init_study_figure(boxes))]
 
 
 def study_table(result: Any) -> str:

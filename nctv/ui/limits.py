@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from nctv.checks import shown
 from nctv.data import DATASETS, allowed_folder
 from nctv.settings import hub_datasets_available
 
@@ -43,7 +44,23 @@ def model_choices() -> list[tuple[str, str]]:
 
 
 def dataset_choices() -> list[str]:
-    return [DEFAULT_DATASET_CHOICE] + [k for k in DATASETS if "<" not in k]
+    return [DEFAULT_DATASET_CHOICE] + named_datasets()
+
+
+def named_datasets() -> list[str]:
+    """The datasets of :data:`nctv.data.DATASETS` named by a word (not a pattern such as ``folder:<path>``)."""
+    return [k for k in DATASETS if "<" not in k]
+
+
+def accepted_datasets() -> str:
+    """What the dataset box takes on this server, in words: the listed names, and the patterns its
+    operator allows (see :func:`dataset_hint`)."""
+    names = [f"the {DEFAULT_DATASET_CHOICE}"] + named_datasets()
+    if data_roots():
+        names.append("folder:/path inside " + " or ".join(str(r) for r in data_roots()))
+    if hub_datasets_allowed() and hub_datasets_available():
+        names.append("hf-dataset:org/name@split")
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def dataset_hint() -> str | None:
@@ -78,5 +95,22 @@ def resolve_dataset(choice: str | None) -> str | None:
         raise ValueError("This server does not download Hugging Face datasets (its operator has not allowed them: "
                          "NCTV_HUB_DATASETS); pick a dataset from the list.")
     if text.startswith("folder:"):
+        # Refused in one sentence that names no folder, the same whether it exists or not.
         allowed_folder(text[len("folder:"):], data_roots())  # before any model loads
+    elif not text.startswith("hf-dataset:") and text not in named_datasets():
+        raise ValueError(unaccepted(text))
     return text
+
+
+def unaccepted(text: str) -> str:
+    """The one sentence that refuses a typed dataset: what this server accepts instead."""
+    return f"This server accepts {accepted_datasets()} as the dataset, not {shown(text)}."
+
+
+def dataset_refusal(choice: str | None) -> str:
+    """The dataset box's note: empty for a dataset this server takes, else why not (said before Run)."""
+    try:
+        resolve_dataset(choice)
+    except ValueError as e:
+        return f"**Not accepted** — {e}"
+    return ""

@@ -33,7 +33,7 @@ from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
 from nctv.ui.caches import get_model, get_ood_detector
 from nctv.ui.delta import NO_DELTA, delta_view
-from nctv.ui.session import Calibration
+from nctv.ui.session import TS_METHOD, Calibration
 from nctv.ui.shipped import examples_dir, load_precomputed
 
 log = logging.getLogger("nctv.ui")
@@ -77,15 +77,20 @@ def current_calibration(state: Calibration | None) -> Calibration:
     return pre.calibration
 
 
+#: Between a number and its unit (and after "<", ">"): a space that never breaks the line.
+NBSP = "\u00a0"
+
+
 def percent(p: float) -> str:
-    """A probability as a percentage with one decimal ("87.3 %"); a value that is not exactly 0 or 1
-    never shows as "0.0 %" or "100.0 %"."""
+    """A probability as a percentage with one decimal ("87.3 %", the space a non-breaking one, so
+    that the number and its unit stay on one line); a value that is not exactly 0 or 1 never shows
+    as "0.0 %" or "100.0 %"."""
     text = f"{100 * p:.1f}"
     if text == "0.0" and p > 0:
-        return "< 0.1 %"
+        return f"<{NBSP}0.1{NBSP}%"
     if text == "100.0" and p < 1:
-        return "> 99.9 %"
-    return f"{text} %"
+        return f">{NBSP}99.9{NBSP}%"
+    return f"{text}{NBSP}%"
 
 
 # --------------------------------------------------------------------------- out-of-distribution verdict
@@ -258,13 +263,15 @@ def _check_probabilities(class_names: list[str], probs: dict[str, np.ndarray]) -
 
 
 def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagged: bool | None = False,
-                     shift: "Shift | None" = None) -> str:
-    """One chart of the classes' confidences: per class its name on a line of its own and a bar
-    per method in ``probs`` ({"raw"|"ts"|"nc": (K,) probabilities}), with one-decimal percentages.
-    Each row carries ``data-class``, each bar ``data-method`` and ``data-confidence``. A
-    ``flagged`` picture's chart is dimmed (class ``nctv-dim``). With ``shift`` (a corrupted picture)
-    the chart opens on that picture and says how the answer's confidences moved from the clean
-    picture's (``shift.clean``), each bar marked where the clean one was (``data-clean``)."""
+                     shift: "Shift | None" = None, trust: str = "") -> str:
+    """One chart of the classes' confidences: the model's answer first, then ``trust`` (what a
+    calibrated confidence means and which bar to believe, :func:`trust_sentence`), then per class its
+    name on a line of its own and a bar per method in ``probs`` ({"raw"|"ts"|"nc": (K,)
+    probabilities}), with one-decimal percentages. Each row carries ``data-class``, each bar
+    ``data-method`` and ``data-confidence``. A ``flagged`` picture's answer is marked, in words, as
+    meaning little; nothing is dimmed, so that every word keeps its contrast. With ``shift`` (a
+    corrupted picture) the chart shows that picture and says how the answer's confidences moved from
+    the clean picture's (``shift.clean``), each bar marked where the clean one was (``data-clean``)."""
     if not probs:
         return ""
     _check_probabilities(class_names, probs)
@@ -285,15 +292,41 @@ def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagg
     line = f"The model's answer: <b>{html.escape(str(answer))}</b>"
     if "nc" in probs and int(np.argmax(probs["nc"])) != int(np.argmax(probs["raw"])):
         line += f" (with Neural Clamping: <b>{html.escape(str(class_names[int(np.argmax(probs['nc']))]))}</b>)"
-    dim = " nctv-dim" if flagged else ""
+    if flagged:
+        line += f' <span class="nctv-flag">⚠ {html.escape(FLAGGED_ANSWER)}</span>'
     top = moved = ""
     if shift is not None:
         top = shift.figure()
         moved = f'<p class="nctv-moved">{shift.moves(class_names, probs, [m[:3] for m in methods])}</p>'
         legend += '<span class="nctv-key"><i class="nctv-clean-swatch"></i>the clean picture\'s confidence</span>'
-    return (f'<div class="nctv-chart{dim}" data-flagged="{str(bool(flagged)).lower()}">{top}'
-            f'<div class="nctv-title">How sure the model is, per class</div><div class="nctv-legend">{legend}</div><div class="nctv-dimmed"><p class="nctv-answer">{line}</p>{moved}'
-            f'<div class="nctv-rows" role="list">{"".join(rows)}</div></div></div>')
+    trust = f'<p class="nctv-trust">{html.escape(trust)}</p>' if trust else ""
+    return (f'<div class="nctv-chart" data-flagged="{str(bool(flagged)).lower()}">'
+            f'<p class="nctv-answer">{line}</p>{trust}{top}{moved}'
+            f'<div class="nctv-title">How sure the model is, per class</div><div class="nctv-legend">{legend}</div>'
+            f'<div class="nctv-rows" role="list">{"".join(rows)}</div></div>')
+
+
+#: Beside a flagged picture's answer (the verdict above says why).
+FLAGGED_ANSWER = "unreliable: this picture is unlike the model's data"
+#: What a calibrated confidence means, in one plain sentence.
+CALIBRATED_MEANS = "A calibrated confidence says how often such answers are right: of the pictures answered with 80 %, about 8 in 10 are right."
+
+
+def trust_sentence(cal: Calibration, methods: list[str]) -> str:
+    """What a calibrated confidence means, and which of the bars (``methods``: the chart's keys) to
+    trust: the one whose test ECE was lowest in the calibration in use, with the figures; without
+    them, the calibrated bars rather than the uncalibrated one."""
+    names = {"raw": "Uncalibrated", "ts": TS_METHOD, "nc": cal.nc_method}
+    ece = {key: cal.metrics.get(names[key] or "", {}).get("ece") for key in methods}
+    means = CALIBRATED_MEANS.replace(" %", f"{NBSP}%")
+    if not all(isinstance(v, float) for v in ece.values()):
+        return means + " Trust a calibrated bar (TS or NC) rather than the uncalibrated one, which is often too sure."
+    tags, words = {m[0]: m[1] for m in METHODS}, {m[0]: m[2] for m in METHODS}
+    best = min(ece, key=ece.get)
+    others = [f"{100 * v:.1f} for {words[k]}" for k, v in ece.items() if k != best]
+    against = f", against {' and '.join(others)}" if others else ""
+    return (f"{means} Trust the {tags[best]} bar: on the test pictures its confidences were off by "
+            f"{100 * ece[best]:.1f}{NBSP}points on average (ECE){against}.")
 
 
 #: Styles of the chart (scoped by Gradio to its component).
@@ -319,7 +352,9 @@ CHART_CSS = """
 .nctv-shifted figcaption { flex:1 1 12em; line-height:1.35; }
 .nctv-moved { margin:0 0 10px 0; line-height:1.4; }
 .nctv-value { text-align:right; white-space:nowrap; font-variant-numeric:tabular-nums; }
-.nctv-dim .nctv-dimmed { opacity:0.35; filter:grayscale(1); }
+.nctv-answer .nctv-flag { display:inline-block; margin-left:6px; padding:0 6px; border:2px solid #d97706;
+                          border-radius:6px; font-weight:600; }
+.nctv-trust { margin:0 0 10px 0; line-height:1.4; }
 """
 VERDICT_CSS = """
 .nctv-verdict { padding:8px 12px; border-radius:8px; line-height:1.4; border:1px solid rgba(128,128,128,0.35); }
@@ -355,8 +390,9 @@ def classes_sentence(class_names: list[str]) -> str:
 
 
 def _calibration_line(cal: Calibration) -> str:
-    return (f"Calibration in use: **{cal.source}** — model {cal.model}; temperature scaling T = {cal.ts_temperature:.3f}"
-            + (f"; {cal.nc_method} T = {cal.nc_temperature:.3f}." if cal.delta is not None
+    return (f"Calibration in use: **{cal.source}** — model {cal.model}; temperature scaling T{NBSP}={NBSP}"
+            f"{cal.ts_temperature:.3f}"
+            + (f"; {cal.nc_method} T{NBSP}={NBSP}{cal.nc_temperature:.3f}." if cal.delta is not None
                else "; Neural Clamping was not part of this run, so it has no bars."))
 
 
@@ -397,7 +433,8 @@ def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFA
     lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), corruption_note,
              f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "
              f"{tuple(x.shape)} (channels, height, width)."] + ([channel_note] if channel_note else [])
-    return (verdict_html(verdict), confidence_chart(loaded.class_names, probs, verdict.flagged, shift), view,
+    chart = confidence_chart(loaded.class_names, probs, verdict.flagged, shift, trust_sentence(cal, list(probs)))
+    return (verdict_html(verdict), chart, view,
             "\n\n".join(line for line in lines if line))
 
 

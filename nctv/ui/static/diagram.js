@@ -225,10 +225,14 @@ function axes(c, font, x, y, top, mainH, title) {
   c.text(at, yMid, title, `text-anchor="middle" transform="rotate(-90 ${at.toFixed(1)} ${yMid.toFixed(1)})"`);
 }
 
-// Confidence ticks under a strip whose bottom is at py, and the x title at the bottom of the box.
-function xAxis(c, font, x, inner, py, height) {
+// Confidence ticks under a strip whose bottom is at py, and the x title at the bottom of the box of
+// ``width``: "100%" moves left as far as it takes to stay inside the box in a wide font (about 3.2 em).
+function xAxis(c, font, x, inner, py, height, width) {
   const ticks = inner / 5 >= font * 3 ? 5 : 2;
-  for (let i = 0; i <= ticks; i++) c.text(x(i / ticks), py + font * 1.4, pct(i / ticks, 0), 'text-anchor="middle"');
+  for (let i = 0; i <= ticks; i++) {
+    const at = i === ticks ? Math.min(x(1), width - font * 1.7) : x(i / ticks);
+    c.text(at, py + font * 1.4, pct(i / ticks, 0), 'text-anchor="middle"');
+  }
   const words = inner >= font * 24 ? "Confidence (probability of the predicted class)" : "Confidence";
   c.text(x(0.5), height - font * 0.4, words, 'text-anchor="middle"');
 }
@@ -327,7 +331,7 @@ function binnedSvg(b, o) {
   c.text(x(0) - font * 0.4, hy(1) + font * 0.8, "100%", 'text-anchor="end"');
   c.text(x(0) - font * 0.4, hy(0) - font * 0.1, "0%", 'text-anchor="end"');
   c.text(x(0) + font * 0.4, hy(1) + font * 1.1, stripTitle);
-  xAxis(c, font, x, inner, hy(0), height);
+  xAxis(c, font, x, inner, hy(0), height, width);
   legendRows(c, legend, font, left, inner, true);
   return c.svg(width, height, o.label);
 }
@@ -371,7 +375,7 @@ function smoothSvg(s, o) {
   c.rect(x(0), top, inner, mainH, "nd-frame");
   c.rect(x(0), hy0, inner, histH, "nd-frame");
   c.text(x(0) + font * 0.4, hy0 + font * 1.1, inner >= font * 17 ? "Density of the confidences" : "Density");
-  xAxis(c, font, x, inner, hy0 + histH, height);
+  xAxis(c, font, x, inner, hy0 + histH, height, width);
   legendRows(c, legend, font, left, inner, true);
   return c.svg(width, height, o.label);
 }

@@ -7,6 +7,7 @@ const pick = (sel) => root.querySelector(sel);
 const menu = pick("#shift-corruption"), range = pick("#shift-severity"), what = pick("#shift-what");
 const severityOut = pick("#shift-severity-value"), severityWords = pick("#shift-severity-words");
 const verdict = pick("#shift-verdict"), also = pick("#shift-also"), note = pick("#shift-note");
+const head = pick("#shift-headline");
 const pics = pick("#shift-examples"), picsCaption = pick("#shift-examples-caption");
 const curve = pick("#shift-curve"), mean = pick("#shift-mean"), grid = pick("#shift-diagrams");
 const presenter = pick("#shift-presenter");
@@ -49,6 +50,32 @@ function verdictSentence(c) {
   const numbers = `ECE ${signed(v[0])} [${signed(v[1])}, ${signed(v[2])}] point`;
   if (tied(v)) return `${place(severity)}, ${data.compared} and ${other} are tied: ${numbers}.`;
   return `${place(severity)}, ${data.compared} is ${v[0] < 0 ? "better" : "worse"} calibrated than ${other}: ${numbers}.`;
+}
+
+// "Far" from the clean figure: a method's ECE at least FAR above its ECE on the clean pictures, or its
+// accuracy at least FAR below (10 percentage points: more than any method's clean ECE in the shipped
+// study, and some twenty times the half-width of an interval on 10,000 test pictures). docs/method.md.
+const FAR = 0.10;
+// "40.7–72.9 %", never broken over two lines (word joiners around the dash, a no-break space before %).
+const span1 = (xs) => { const lo = Math.min(...xs), hi = Math.max(...xs);
+  return `${(100 * lo).toFixed(1)}${lo.toFixed(3) === hi.toFixed(3) ? "" : `\u2060–\u2060${(100 * hi).toFixed(1)}`}\u00a0%`; };
+// The headline's last words, left out in presenter mode (the verdict must fit a projector's screen).
+const BROKEN_TAIL = " The comparison below is between broken calibrations.";
+
+// The whole picture before any comparison: where every method is far from its clean figure, on ECE
+// (every calibration breaks) or on accuracy (the model breaks), that comes first; else nothing.
+function headline(c) {
+  if (severity === 0) return "";
+  const clean = data.conditions[CLEAN].figures, names = data.methods.map((m) => m.name);
+  const of = (figures, metric) => names.map((m) => figures[m][metric][0]);
+  const ece = of(c.figures, "ece"), ece0 = of(clean, "ece"), acc = of(c.figures, "accuracy"), acc0 = of(clean, "accuracy");
+  const eceFar = ece.every((e, i) => e - ece0[i] >= FAR), accFar = acc.every((a, i) => acc0[i] - a >= FAR);
+  const accuracy = `accuracy ${span1(acc)} (clean: ${span1(acc0)})`;
+  if (eceFar) return `Every calibration breaks at this severity: every method's ECE is ${span1(ece)} ` +
+    `(clean: ${span1(ece0)}), ${accuracy}.`;
+  if (accFar) return `The model breaks at this severity: every method's ${accuracy}; ` +
+    `ECE ${span1(ece)} (clean: ${span1(ece0)}).`;
+  return "";
 }
 
 // The other references and the leaders, then what the brackets mean (left out in presenter mode).
@@ -230,6 +257,12 @@ function update(start = performance.now()) {
   severityOut.textContent = String(severity);
   severityWords.textContent = at === 0 ? "(clean)" : at === levels.length - 1 ? "(strongest)" : at === 1 ? "(mildest)" : "";
   what.textContent = info.what;
+  const broken = headline(c), tail = document.createElement("span");
+  tail.className = "ns-headline-tail";
+  tail.textContent = broken.startsWith("Every") ? BROKEN_TAIL : "";
+  head.replaceChildren(broken, tail);
+  head.hidden = !broken;
+  root.dataset.broken = broken ? (broken.startsWith("Every") ? "calibration" : "model") : "no";
   verdict.textContent = verdictSentence(c);
   also.replaceChildren(...alsoLine(c));
   examples(key, c.title);

@@ -833,17 +833,19 @@ def _text_page() -> Image.Image:
     return page
 
 
-def test_a_foreign_picture_is_flagged_first_and_its_answer_dimmed(tmp_path):
+def test_a_foreign_picture_is_flagged_first_and_its_answer_marked(tmp_path):
     page = tmp_path / "page.png"
     _text_page().save(page)
     verdict, bars, _, note = try_image.classify(str(page), None)
     assert 'data-flagged="true"' in verdict and html.escape(try_image.MEANS_LITTLE) in verdict
-    assert bars.startswith('<div class="nctv-chart nctv-dim" data-flagged="true">') and len(chart(bars)) >= 5
+    assert bars.startswith('<div class="nctv-chart" data-flagged="true">') and len(chart(bars)) >= 5
+    # The answer is marked in words (and nothing greyed out: tests/test_readable_browser.py).
+    assert f'<span class="nctv-flag">⚠ {html.escape(try_image.FLAGGED_ANSWER)}</span>' in bars
     assert "the 99th percentile on 1,000 test images" in note and "Mahalanobis distance" in note
     assert "2,000 calibration images" in note
     passed, bars, *_ = try_image.classify(try_image.example_images()[0], None)
     assert 'data-flagged="false"' in passed and "looks like the data the model knows" in passed
-    assert "nctv-chart nctv-dim" not in bars
+    assert 'data-flagged="false"' in bars and "nctv-flag" not in bars
     # The shipped calibration's images are the page's default splits: the check fits on exactly them.
     pre = load_precomputed()
     assert caches.get_splits(pre.split)[0].fingerprint == pre.result.calibration["fingerprint"]
@@ -854,7 +856,7 @@ def test_the_ood_check_is_unavailable_rather_than_failing(tmp_path):
                               split=session.SplitSpec(DEFAULT_MODEL, "folder:/no/such/folder", 20, 0, 20))
     verdict, page, *_ = try_image.classify(try_image.example_images()[0], cal)
     assert "check is unavailable: its images could not be loaded" in verdict and len(chart(page)) >= 5
-    assert "nctv-chart nctv-dim" not in page
+    assert "nctv-flag" not in page
 
 
 def test_nothing_to_classify_gives_the_hint_and_no_earlier_result():

@@ -2,7 +2,7 @@
 
 On each model of the panel (the five over-confident Fashion-MNIST models of `scripts/make_assets.py
 panel` and the three mildly over-confident embedded ones; a model not trained on this machine is
-listed as not run), the library's shift study (`nctv.experiment.run_shift`): uncalibrated,
+listed as not run), the library's shift study (`nctv.shift.run_shift`): uncalibrated,
 temperature scaling (NLL), TS by grid search and the default Neural Clamping (FL), fitted once per
 seed on the clean 5,000 calibration images, scored on the 10,000 clean test images and on every
 default corruption at every severity (ImageNet-C's definitions, CIFAR-10-C's parameters for these
@@ -63,7 +63,8 @@ def _compact(result) -> dict:
 
 def study(name: str, panel_dir: Path, seeds: int, cal_size: int, test_size: int | None, log) -> dict:
     from nctv.data import get_splits
-    from nctv.experiment import RunOptions, run_shift
+    from nctv.experiment import RunOptions
+    from nctv.shift import run_shift
     from nctv.zoo import load_model
 
     loaded = load_model(model_id(name, panel_dir))
@@ -80,8 +81,9 @@ def cost(cal_size: int, log) -> dict:
     """The app's default study (six methods, one seed) against one clean run of the same methods, on the
     embedded default, in this process, both with the logit cache off (every model pass is counted)."""
     from nctv.data import get_splits
-    from nctv.experiment import RunOptions, run_experiment, run_shift
+    from nctv.experiment import RunOptions, run_experiment
     from nctv.settings import SHIFT_METHODS
+    from nctv.shift import run_shift
     from nctv.zoo import DEFAULT_MODEL, load_model
 
     loaded = load_model(DEFAULT_MODEL)

@@ -184,24 +184,11 @@ def _gamma(text: str) -> float:
     return v
 
 
-def _float_or(*words: str):
-    """A number ≥ 0, or one of ``words`` (λ takes its rules)."""
-    def parse(text: str) -> float | str:
-        from nctv.checks import number_or_word  # at parse time: `nctv --help` imports no torch
-
-        value = number_or_word(text, words)
-        if value is None:
-            raise argparse.ArgumentTypeError(f"expected a number ≥ 0 or {' / '.join(words)}, got {text!r}")
-        return value
-    return parse
-
-
-def _nc_options(args: argparse.Namespace) -> NCOptions | None:
+def _nc_options(args: argparse.Namespace) -> NCOptions:
     """Neural Clamping's options from the command line (the fitter's own where none is given),
     checked as they are made: a bad one is refused before the model loads, not when its row starts
-    after every baseline. None for a command that fits no Neural Clamping."""
-    if not hasattr(args, "temperature_rule"):
-        return None
+    after every baseline. γ, λ and the learning rate go as typed: NCOptions reads them (one reading and
+    one message each, the app's too)."""
     given = {"gamma": getattr(args, "gamma", None), "weight_decay": args.weight_decay,
              "init": getattr(args, "init", None), "fitter": args.fitter, "epochs": args.epochs, "lr": args.lr,
              "temperature": args.temperature_rule}
@@ -249,7 +236,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                        help=f"focal-loss gamma of Neural Clamping (FL) and TS (FL) (default {DEFAULT_GAMMA:g}, as in the "
                             f"paper); auto: Neural Clamping tries {', '.join(f'{g:g}' for g in GAMMA_CANDIDATES)} and "
                             "keeps the lowest calibration ECE")
-    g.add_argument("--weight-decay", type=_float_or("auto", "strong"), default=None, metavar="L",
+    g.add_argument("--weight-decay", default=None, metavar="L",
                    help="Neural Clamping's weight decay λ: a number, auto (0.1 × the unperturbed loss, the paper's "
                         "rule) or strong (1 × that loss) (default: the fitter's own; fast: auto)")
     g.add_argument("--temperature-rule", choices=list(TEMPERATURE_RULES), default=None,
@@ -259,7 +246,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     if init:
         g.add_argument("--init", choices=list(INITS), default=None,
                        help=f"δ initialisation: random (Gaussian) or data (Theorem 1) (default {INITS[0]})")
-    g.add_argument("--lr", type=_float, default=None, metavar="LR",
+    g.add_argument("--lr", default=None, metavar="LR",
                    help="learning rate of the paper and toolkit recipes (default: the recipe's, "
                         + " / ".join(f"{v:g}" for v in RECIPE_LR.values()) + ")")
     g.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
@@ -270,6 +257,7 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
     g.add_argument("--no-cache", action="store_true",
                    help="do not read or write the logit cache ($NCTV_CACHE_DIR/logits, default ~/.cache/nctv/logits)")
     g.add_argument("--quiet", action="store_true", help="no progress bars; only the summary line")
+    p.set_defaults(read_nc=_nc_options)
 
 
 def _add_intervals(p: argparse.ArgumentParser) -> None:
@@ -287,9 +275,12 @@ class _TrainFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescri
     """Defaults shown in the option list; examples kept as written."""
 
 
-def _command(sub, name: str, summary: str, description: str, formatter=argparse.RawDescriptionHelpFormatter):
-    return sub.add_parser(name, help=summary, description=_para(description), epilog=_examples(name),
-                          formatter_class=formatter)
+def _command(sub, name: str, func, summary: str, description: str, formatter=argparse.RawDescriptionHelpFormatter):
+    """The subcommand ``name``, run by ``func(args)`` (``func(args, nc)`` where it reads Neural Clamping's options)."""
+    p = sub.add_parser(name, help=summary, description=_para(description), epilog=_examples(name),
+                       formatter_class=formatter)
+    p.set_defaults(func=func)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nctv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    parser.set_defaults(read_nc=None)  # a command that fits Neural Clamping sets how its options are read
 
-    p = _command(sub, "run", "compare calibration methods on the test split (Tables 1-3)",
+    p = _command(sub, "run", cmd_run, "compare calibration methods on the test split (Tables 1-3)",
                  "Fit every method on the calibration split, score it on the test split, and write tables (every "
                  "figure with its interval from resampling the test split, best marked only where the data "
                  "separate it, paired differences to the best baseline, Welch's t-test of NC (FL) against the best "
@@ -316,19 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
                         + "); default: all ten")
     _add_intervals(p)
 
-    p = _command(sub, "ablation", "NC (FL) against input-only and output-only parts (Table 4)",
+    p = _command(sub, "ablation", cmd_ablation, "NC (FL) against input-only and output-only parts (Table 4)",
                  "Neural Clamping (FL) against f(x + δ*) (input only), f(x)/T* (output only), temperature scaling "
                  "and temperature scaling with focal loss.")
     _add_common(p, "ablation")
 
-    p = _command(sub, "timing", "run time of TS grid, NC (Eff.) and NC (FL) (Table 7)",
+    p = _command(sub, "timing", cmd_timing, "run time of TS grid, NC (Eff.) and NC (FL) (Table 7)",
                  "TS by grid search and NC (Eff.) at grid resolutions 0.01 and 0.001, and NC (FL): accuracy, "
                  "entropy, ECE and seconds to fit.")
     _add_common(p, "timing", seeds=False)
     p.add_argument("--resolutions", type=_grid_step, nargs="+", default=list(TIMING_RESOLUTIONS), metavar="STEP",
                    help=f"temperature grid steps (default {' '.join(map(str, TIMING_RESOLUTIONS))})")
 
-    p = _command(sub, "sweep-gamma", "ECE, entropy and loss against gamma (Figure 2)",
+    p = _command(sub, "sweep-gamma", cmd_sweep_gamma, "ECE, entropy and loss against gamma (Figure 2)",
                  "Fit Neural Clamping for every gamma and plot ECE, entropy and training loss on the calibration "
                  "and test splits.")
     _add_common(p, "sweep-gamma", seeds=False, bins=False, gamma=False)
@@ -338,14 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"ECE bins (default {STUDY_BINS})")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the random delta initialisation (default 0)")
 
-    p = _command(sub, "init-study", "random vs data-driven delta initialisation (Figure 3)",
+    p = _command(sub, "init-study", cmd_init_study, "random vs data-driven delta initialisation (Figure 3)",
                  "Fit Neural Clamping from random and from data-driven (Theorem 1) δ₀, --seeds runs each, and draw "
                  "box plots of entropy, ECE, AECE and SCE on the test split.")
     _add_common(p, "init-study", bins=False, init=False)
     p.add_argument("--n-bins", type=_positive_int, default=STUDY_BINS, metavar="M",
                    help=f"bins of the metrics (default {STUDY_BINS})")
 
-    p = _command(sub, "shift", "calibration under distribution shift: noisy, blurred, faded test images",
+    p = _command(sub, "shift", cmd_shift, "calibration under distribution shift: noisy, blurred, faded test images",
                  "Fit every method once on the clean calibration split (or, with --calibrate-on, on a corrupted "
                  "one), then score it on the clean test split and on every corruption of it (noise, blur, contrast, "
                  "brightness, JPEG, pixelation, rotation; ImageNet-C's definitions) at every severity, each figure "
@@ -368,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"ECE bins (default {STUDY_BINS})")
     _add_intervals(p)
 
-    p = _command(sub, "train", "train a classifier for calibration experiments",
+    p = _command(sub, "train", cmd_train, "train a classifier for calibration experiments",
                  "Train a timm classifier from scratch (plain recipe, no calibration tricks) and save it as "
                  "config.json + model.safetensors + README.md, loadable with --model local-dir:<out>.",
                  formatter=_TrainFormatter)
@@ -390,10 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("out") / "train", metavar="DIR", help="model folder to write")
     p.add_argument("--quiet", action="store_true", help="no progress bars; only the summary line")
 
-    p = _command(sub, "models", "list the model zoo", "List the models nctv knows by name.")
+    p = _command(sub, "models", cmd_models, "list the model zoo", "List the models nctv knows by name.")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
 
-    p = _command(sub, "apply", "calibrated top-k classes of image files with a saved calibrator",
+    p = _command(sub, "apply", cmd_apply, "calibrated top-k classes of image files with a saved calibrator",
                  "Load a calibrator saved with save_pretrained (a folder, or hf-hub:<org>/<name>) and the model it "
                  "was fitted for, and print each image's calibrated top-k classes with their confidences. Images "
                  "go through the model's own preprocessing (colour or grey as the model reads them, resize, "
@@ -602,13 +594,12 @@ def cmd_shift(args: argparse.Namespace, nc: NCOptions) -> str:
     methods = experiment.check_methods(resolve_methods(args.methods) or shift.SHIFT_METHODS)
     names = list(CORRUPTIONS) if args.corruptions == ["all"] else (args.corruptions or list(DEFAULT_CORRUPTIONS))
     # The plan is checked before the model and data load: a typo fails at once.
-    experiment._check_shift_plan(names, args.severities, args.calibrate_on)
+    shift.check_shift_plan(names, args.severities, args.calibrate_on)
     options = _run_options(args, nc, seeds=args.seeds, cache_dir=_cache(args), dataset=args.dataset,
                            intervals=IntervalSettings(args.interval_level, args.resamples, args.interval_seed))
     loaded, cal, test = _load(args)
-    result = experiment.run_shift(loaded, cal, test, names, args.severities, methods, options,
-                                  corruption_seed=args.corruption_seed, calibrate_on=args.calibrate_on,
-                                  n_bins=args.n_bins)
+    result = shift.run_shift(loaded, cal, test, names, args.severities, methods, options,
+                             corruption_seed=args.corruption_seed, calibrate_on=args.calibrate_on, n_bins=args.n_bins)
     out = args.out
     if not _writes():
         return ""
@@ -818,23 +809,17 @@ def _check_saved_for(config: dict, loaded, calibrator: str) -> None:
                        f"weights differ): {hint}, or a calibrator fitted for this model.")
 
 
-COMMANDS = {
-    "run": cmd_run, "ablation": cmd_ablation, "timing": cmd_timing, "sweep-gamma": cmd_sweep_gamma,
-    "init-study": cmd_init_study, "shift": cmd_shift, "train": cmd_train, "models": cmd_models, "apply": cmd_apply,
-}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nctv`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        nc = _nc_options(args)
+        nc = None if args.read_nc is None else args.read_nc(args)
         writes = _join_processes(args)
         if getattr(args, "quiet", False):
             os.environ["TQDM_DISABLE"] = "1"
-        line = COMMANDS[args.command](args) if nc is None else COMMANDS[args.command](args, nc)
+        line = args.func(args) if nc is None else args.func(args, nc)
     except KeyboardInterrupt:
         print("nctv: interrupted", file=sys.stderr)
         return 130

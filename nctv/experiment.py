@@ -19,7 +19,8 @@ fitter produced its NC rows ("fast" by default, "paper" for the exact paper reci
 
 The same engine runs the ablation of Table 4 (:func:`run_ablation`) and the timing comparison of
 Table 7 (:func:`run_timing`); :func:`run_gamma_sweep` and :func:`run_init_study` wrap the γ sweep
-of Figure 2 and the initialisation study of Figure 3.
+of Figure 2 and the initialisation study of Figure 3. The shift study (:func:`nctv.shift.run_shift`)
+runs on the same skeleton (:func:`_prepared_run`): its methods are fitted as a run fits them.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from nctv.checks import check_whole
 from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.intervals import RESAMPLED, IntervalSettings, interval, method_draws, resample_counts, seed_counts
-from nctv.metrics import HIGHER_IS_BETTER, METRIC_NAMES, evaluate
+from nctv.metrics import METRIC_NAMES, evaluate
 from nctv.results import (
     COMPARED_METHOD,
     GammaSweepResult,
@@ -53,10 +54,6 @@ from nctv.results import (
 )
 from nctv.settings import (
     ABLATION_METHODS,
-    SEVERITIES,
-    SHIFT_CORRUPTIONS,
-    SHIFT_METHODS,
-    SHIFT_SEEDS,
     DEFAULT_BINS,
     DEFAULT_METHODS,
     DEFAULT_SEEDS,
@@ -319,8 +316,9 @@ def _make(ctx: _Context, plan: MethodPlan, seed: int):
     # The run's own progress reports every method; a method's own bar stays off.
     if "progress" in _param_names(spec):
         kw.setdefault("progress", False)
-    if plan.name == "Temperature Scaling (FL)" and not isinstance(nc.gamma, str):
-        kw.setdefault("gamma", nc.gamma)  # "auto" is Neural Clamping's own choice of γ
+    gamma = nc.setting("gamma")
+    if plan.name == "Temperature Scaling (FL)" and gamma != "auto":
+        kw.setdefault("gamma", gamma)  # "auto" is Neural Clamping's own choice of γ
     if not spec.needs_model:
         if "callback" in _param_names(spec):  # the affine fits report their folds
             kw.setdefault("callback", _fit_callback(ctx, plan.label))
@@ -542,54 +540,84 @@ def _split_pair_logits(module: torch.nn.Module, calibration: Any, test: Any, opt
     return cal, tst
 
 
+@dataclass
+class _Run:
+    """A run prepared by :func:`_prepared_run`: the context its methods are fitted in, the seeds each row is
+    fitted for, and what its result records (the model, the cache hits of both splits' logits, the precision)."""
+
+    ctx: _Context
+    model_info: dict[str, Any]
+    seeds: dict[str, list[int]]
+    cache_hits: dict[str, bool]
+    precision: prec.Choice
+
+
+@contextmanager
+def _prepared_run(kind: str, model: Any, calibration: Any, test: Any, plans: Sequence[MethodPlan],
+                  options: RunOptions, n_bins: int, later_steps: int = 0) -> Iterator[_Run]:
+    """The skeleton of every run (a paper-style table, a shift study: ``nctv.shift.run_shift``): the most
+    bins it reports (``n_bins``) checked against the test split, the model on the run's device, each row's
+    seeds (one where its fit draws nothing random), a progress bar of the two logit passes, every fit
+    and ``later_steps`` more, the run's precision, the unperturbed logits of both splits (cached), and
+    the context every method is fitted in. ``calibration`` and ``test`` are splits (``as_split``)."""
+    n_test = len(test.labels)
+    if n_bins > n_test:
+        raise ValueError(f"{n_bins} bins are more than the {n_test} test samples; use fewer bins.")
+    module, model_info, dev = _prepare_model_run(model, options.device)
+    seed_list = list(options.seeds)
+    seeds = {p.label: seed_list if _seeded(p, options) else seed_list[:1] for p in plans}
+    bar = _Progress(2 + sum(map(len, seeds.values())) + later_steps, kind, options.progress, options.callback)
+    with _run_precision(options.precision, module, calibration, dev) as chosen:
+        try:
+            cal, tst = _split_pair_logits(module, calibration, test, options, dev, model_info["fingerprint"], bar)
+            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, options, dev,
+                           _input_range(model, options.input_range), bar)
+            yield _Run(ctx, model_info, seeds, {"calibration": cal.hit, "test": tst.hit}, chosen)
+        finally:
+            bar.close()
+
+
+def _run_settings(options: RunOptions, run: _Run, model: Any, intervals: IntervalSettings | None) -> dict[str, Any]:
+    """What every run's result records of how it ran: the batch size, device and precision, Neural
+    Clamping's options (as read), the intervals, the dataset asked for, and the input normalisation
+    (mean, std) that the δ image undoes."""
+    return {"batch_size": options.batch_size, "device": str(run.ctx.device), "precision": run.precision.to_dict(),
+            "nc": options.nc.to_dict(), **({"intervals": intervals.to_dict()} if intervals is not None else {}),
+            **({"dataset": options.dataset} if options.dataset is not None else {}),
+            **_input_scale(model, run.ctx.cal)}
+
+
 def _run_plans(kind: str, model: Any, calibration: Any, test: Any, plans: Sequence[MethodPlan], options: RunOptions,
                recorded: dict[str, Any]) -> RunResult:
     """The engine: ``plans`` fitted on ``calibration`` and scored on ``test`` with ``options``;
     ``recorded``: what the caller adds to the result's settings (the methods, the resolutions)."""
     t_start = time.perf_counter()
     calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
-    bins, seed_list = list(options.bins), list(options.seeds)
-    n_test = len(test.labels)
-    if max(bins) > n_test:
-        raise ValueError(f"{max(bins)} bins are more than the {n_test} test samples; use fewer bins.")
-    module, model_info, dev = _prepare_model_run(model, options.device)
-    stochastic = {p.label: _seeded(p, options) for p in plans}
-    total = 2 + sum(len(seed_list) if stochastic[p.label] else 1 for p in plans)
-    bar = _Progress(total, kind, options.progress, options.callback)
-    with _run_precision(options.precision, module, calibration, dev) as chosen:
-        try:
-            cal, tst = _split_pair_logits(module, calibration, test, options, dev, model_info["fingerprint"], bar)
-            n_classes = int(cal.logits.shape[1])
-            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, options, dev,
-                           _input_range(model, options.input_range), bar)
-            results = {p.label: _run_method(ctx, p, seed_list if stochastic[p.label] else seed_list[:1], bins)
-                       for p in plans}
-        finally:
-            bar.close()
+    bins = list(options.bins)
+    with _prepared_run(kind, model, calibration, test, plans, options, max(bins)) as run:
+        ctx = run.ctx
+        results = {p.label: _run_method(ctx, p, run.seeds[p.label], bins) for p in plans}
     info = getattr(model, "class_names", None)
     nc, intervals = options.nc, options.intervals
     return RunResult(
         kind=kind,
-        model=model_info,
+        model=run.model_info,
         calibration=_split_info(calibration),
         test=_split_info(test),
-        n_classes=n_classes,
+        n_classes=int(ctx.cal_z.shape[1]),
         class_names=list(info) if info is not None else None,
         bins=bins,
-        seeds=seed_list,
+        seeds=list(options.seeds),
         fitter=nc.fitter,
         methods=results,
         welch=welch_tests(results, bins),
         comparisons=[] if intervals is None else interval_comparisons(results, ctx.draws, bins, intervals.level),
-        cache_hits={"calibration": cal.hit, "test": tst.hit},
-        settings={"gamma": nc.gamma, "epochs": nc.epochs, "batch_size": options.batch_size, "device": str(dev),
-                  "precision": chosen.to_dict(), "nc": nc.to_dict(),
-                  **({"intervals": intervals.to_dict()} if intervals is not None else {}),
-                  **({"dataset": options.dataset} if options.dataset is not None else {}),
-                  **_input_scale(model, calibration), **recorded},
+        cache_hits=run.cache_hits,
+        settings={"gamma": nc.setting("gamma"), "epochs": nc.epochs, **_run_settings(options, run, model, intervals),
+                  **recorded},
         seconds=time.perf_counter() - t_start,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        test_labels=tst.labels,
+        test_labels=ctx.test_y,
     )
 
 
@@ -781,231 +809,3 @@ def _n_classes(model: Any, module: torch.nn.Module, split: Any, batch_size: int)
             return len(names)
     x, _ = next(iter(split.loader(batch_size=min(batch_size, 8))))
     return int(model_logits(module, x).shape[1])
-
-
-# --------------------------------------------------------------------------- distribution shift
-
-
-def _check_shift_plan(corruptions: Sequence[str], severities: Sequence[int], calibrate_on: Any) -> tuple[
-        list[str], list[int], str | None]:
-    from nctv.corruptions import check_corruption, check_severity
-    from nctv.shift import condition_key
-
-    names = []
-    for c in corruptions:
-        c = check_corruption(c)
-        if c not in names:
-            names.append(c)
-    if not names:
-        raise ValueError("No corruptions given; name at least one, e.g. 'gaussian-noise'.")
-    levels = sorted({check_severity(s) for s in severities} - {0})
-    if not levels:
-        raise ValueError("No severities given; use some of 1 to 5 (the clean test split is always scored).")
-    on = None
-    if calibrate_on is not None:
-        if isinstance(calibrate_on, str):
-            name, _, level = calibrate_on.partition("/")
-            try:
-                level = int(level)
-            except ValueError:
-                raise ValueError(f"Calibrate on a corruption as 'name/severity', e.g. 'contrast/3'; got "
-                                 f"{calibrate_on[:80]!r}.") from None
-        else:
-            name, level = calibrate_on
-        on = condition_key(check_corruption(name), check_severity(level))
-        on = None if on == "clean" else on
-    return names, levels, on
-
-
-def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str] | None = None,
-              severities: Sequence[int] = SEVERITIES, methods: Sequence[str] | None = None,
-              options: RunOptions | None = None, *, corruption_seed: int = 0, calibrate_on: Any = None,
-              n_bins: int = STUDY_BINS, examples: int = 0, **keywords: Any) -> Any:
-    """Calibration under distribution shift: every method fitted once per seed on ``calibration``
-    (clean, or corrupted by ``calibrate_on`` = "contrast/3" or ("contrast", 3): "calibrate for the
-    conditions you deploy in"), then scored on the clean ``test`` split and on every corruption of it
-    (``nctv.corruptions``; default ``DEFAULT_CORRUPTIONS``) at every severity.
-
-    Each corrupted test split's unperturbed logits are computed once and cached (the cache key names
-    the corruption, severity and seed); logit-space methods map them, Neural Clamping passes the
-    corrupted inputs + its δ through the model. Every figure gets the interval of ``options.intervals``
-    from one set of resamples of the test images, shared by every method and condition (paired).
-    ``examples``: how many test images to keep, per condition, as uint8 pixels (the app's examples).
-    ``options``, ``keywords``: as in :func:`run_experiment`; seeds default to 1 here.
-    Returns a :class:`nctv.shift.ShiftResult`.
-    """
-    from nctv.corruptions import check_corruptible, corrupt_split
-    from nctv.shift import ShiftResult
-
-    t_start = time.perf_counter()
-    names = check_methods(SHIFT_METHODS if methods is None else methods)
-    corruptions, severities, calibrate_on = _check_shift_plan(
-        SHIFT_CORRUPTIONS if corruptions is None else corruptions, severities, calibrate_on)
-    check_whole(examples, "examples", minimum=0)
-    if options is None and "seeds" not in keywords:
-        keywords["seeds"] = SHIFT_SEEDS
-    options = RunOptions.make(options, **keywords)
-    n_bins = _check_bins_list([n_bins])[0]
-    calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
-    check_corruptible(test)  # a split of tensors is refused here, before any model pass
-    if calibrate_on is not None:
-        name, level = calibrate_on.rsplit("/", 1)
-        calibration = corrupt_split(calibration, name, int(level), corruption_seed + 1)
-    if n_bins > len(test.labels):
-        raise ValueError(f"{n_bins} bins are more than the {len(test.labels)} test samples; use fewer bins.")
-    module, model_info, dev = _prepare_model_run(model, options.device)
-    plans = _plans(names)
-    seed_list = list(options.seeds)
-    runs = {p.label: seed_list if _seeded(p, options) else seed_list[:1] for p in plans}
-    conditions = [("clean", 0)] + [(c, s) for c in corruptions for s in severities]
-    bar = _Progress(2 + sum(map(len, runs.values())) + len(conditions), "shift", options.progress, options.callback)
-    intervals = options.intervals or IntervalSettings()
-    with _run_precision(options.precision, module, calibration, dev) as chosen:
-        try:
-            cal, tst = _split_pair_logits(module, calibration, test, options, dev, model_info["fingerprint"], bar)
-            ctx = _Context(module, calibration, test, cal.logits, cal.labels, tst.logits, tst.labels, options, dev,
-                           _input_range(model, options.input_range), bar)
-            fitted: dict[str, list[Any]] = {}
-            fit_seconds: dict[str, list[float]] = {}
-            params: dict[str, dict] = {}
-            for p in plans:
-                fitted[p.label], fit_seconds[p.label] = [], []
-                for s in runs[p.label]:
-                    bar.message(f"fitting {p.label} (seed {s})")
-                    m, sec = _fit_method(ctx, p, s)
-                    fitted[p.label].append(m)
-                    fit_seconds[p.label].append(sec)
-                    bar.step(f"{p.label} (seed {s}) fitted")
-                params[p.label] = _learned_params(fitted[p.label][0])
-            scored = _score_shift(ctx, plans, fitted, conditions, corruption_seed, model_info, n_bins, intervals,
-                                  examples)
-        finally:
-            bar.close()
-    figures, reliability, draws, cache_hits, example_pixels, timing = scored
-    average, comparisons = _shift_summaries(plans, draws, conditions, corruptions, severities, intervals.level)
-    nc = options.nc
-    info = getattr(model, "class_names", None)
-    return ShiftResult(
-        model=model_info, calibration=_split_info(calibration), test=_split_info(test),
-        n_classes=int(tst.logits.shape[1]), class_names=list(info) if info is not None else None, n_bins=n_bins,
-        seeds=seed_list, fitter=nc.fitter, methods=[p.label for p in plans], corruptions=corruptions,
-        severities=severities, figures=figures, average=average, reliability=reliability, params=params,
-        fit_seconds=fit_seconds, comparisons=comparisons, cache_hits=cache_hits,
-        settings={"nc": nc.to_dict(), "batch_size": options.batch_size, "device": str(dev),
-                  "precision": chosen.to_dict(), "intervals": intervals.to_dict(), "corruption_seed": corruption_seed,
-                  **({"dataset": options.dataset} if options.dataset is not None else {}),
-                  **_input_scale(model, calibration)},
-        seconds=time.perf_counter() - t_start, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        calibrate_on=calibrate_on, examples=example_pixels,
-        timing={"fitting": sum(map(sum, fit_seconds.values())), **timing},
-    )
-
-
-def _score_shift(ctx: _Context, plans: Sequence[MethodPlan], fitted: dict[str, list[Any]], conditions: list,
-                 corruption_seed: int, model_info: dict, n_bins: int, intervals: IntervalSettings, examples: int):
-    """Every fitted method scored under every condition: points, intervals, the diagram's bins."""
-    from nctv.corruptions import corrupt_split
-    from nctv.metrics import reliability_bins
-    from nctv.shift import SHIFT_METRICS, condition_key
-
-    opts = ctx.options
-    counts = resample_counts(len(ctx.test_y), intervals.resamples, intervals.seed)
-    generator = torch.Generator().manual_seed(intervals.seed + 1)
-    seed_draws = {p.label: seed_counts(len(fitted[p.label]), intervals.resamples, generator)
-                  for p in plans if len(fitted[p.label]) > 1}
-    figures: dict = {p.label: {} for p in plans}
-    reliability: dict = {p.label: {} for p in plans}
-    draws: dict = {p.label: {} for p in plans}
-    cache_hits, pixels = {}, {}
-    # Where the time goes: corrupting the pictures, the model's passes (the unperturbed logits of each
-    # corrupted split, and Neural Clamping's f(x + δ)), and the rest (logit-space maps, metrics, intervals).
-    timing = dict.fromkeys(("corrupting", "unperturbed logits", "model-based methods", "scoring"), 0.0)
-    model_based = {p.label for p in plans if _registry()[p.name].needs_model}
-    picked = np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int) if examples else None
-    for corruption, severity in conditions:
-        key = condition_key(corruption, severity)
-        ctx.progress.message(f"scoring {key}")
-        t0 = time.perf_counter()
-        split = ctx.test if severity == 0 else corrupt_split(ctx.test, corruption, severity, corruption_seed)
-        t1 = time.perf_counter()
-        if severity == 0:
-            z, cache_hits[key] = ctx.test_z, True
-        else:
-            got = split_logits(ctx.model, split, opts.cache_dir, opts.batch_size, ctx.device, model_info["fingerprint"])
-            z, cache_hits[key] = got.logits, got.hit
-        timing["corrupting"] += t1 - t0
-        timing["unperturbed logits"] += time.perf_counter() - t1
-        if picked is not None:
-            pixels[key] = [_png(split.image(int(i))) for i in picked]
-        for p in plans:
-            t0 = time.perf_counter()
-            per_seed = [_calibrated(ctx, p, m, split, z).detach().float().cpu() for m in fitted[p.label]]
-            timing["model-based methods" if p.label in model_based else "scoring"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            points = [evaluate(zz, ctx.test_y, n_bins=n_bins) for zz in per_seed]
-            d = method_draws(per_seed, ctx.test_y, counts, n_bins, SHIFT_METRICS, seed_draws.get(p.label))
-            draws[p.label][key] = d
-            cell = {}
-            for metric in points[0]:
-                cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}
-                if metric in d:
-                    ci = interval(d[metric], metric, intervals.level)
-                    cell[metric]["ci_low"], cell[metric]["ci_high"] = ci.low, ci.high
-            figures[p.label][key] = cell
-            rb = reliability_bins(per_seed[0], ctx.test_y, n_bins)
-            reliability[p.label][key] = {
-                "count": rb.counts.astype(int).tolist(),
-                "confidence": [None if c != c else float(c) for c in rb.confidence],
-                "accuracy": [None if a != a else float(a) for a in rb.accuracy],
-            }
-            timing["scoring"] += time.perf_counter() - t0
-        ctx.progress.step(f"{key} scored")
-    examples_out = {"indices": picked.tolist(), "png": pixels} if examples else {}
-    return figures, reliability, draws, cache_hits, examples_out, timing
-
-
-def _png(image: Any) -> str:
-    """A picture as base64 PNG text (the app's examples of a corrupted split)."""
-    import base64
-    import io
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", optimize=True)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _shift_summaries(plans: Sequence[MethodPlan], draws: dict, conditions: list, corruptions: list[str],
-                     severities: list[int], level: float):
-    """The mean over corruptions per severity (its draws: the mean of the conditions' draws, which share
-    their resamples) and the paired comparisons: every method against the condition's leader, and
-    Neural Clamping against temperature scaling (grid search and NLL)."""
-    from nctv.intervals import MethodDraws, difference
-    from nctv.shift import AVERAGE, SHIFT_METRICS, SHIFT_REFERENCES, ShiftComparison, condition_key
-
-    labels = [p.label for p in plans]
-    average: dict = {m: {} for m in labels}
-    for s in severities:
-        key = f"{AVERAGE}/{s}"
-        for m in labels:
-            parts = [draws[m][condition_key(c, s)] for c in corruptions]
-            draws[m][key] = {metric: MethodDraws(float(np.mean([p[metric].point for p in parts])),
-                                                 float(np.mean([p[metric].estimate for p in parts])),
-                                                 torch.stack([p[metric].draws for p in parts]).mean(0))
-                             for metric in SHIFT_METRICS}
-            average[m][key] = {}
-            for metric, d in draws[m][key].items():
-                ci = interval(d, metric, level)
-                average[m][key][metric] = {"value": d.point, "ci_low": ci.low, "ci_high": ci.high}
-    keys = [condition_key(c, s) for c, s in conditions] + [f"{AVERAGE}/{s}" for s in severities]
-    comparisons = []
-    for key in keys:
-        for metric in SHIFT_METRICS:
-            sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
-            leader = min(labels, key=lambda m: sign * draws[m][key][metric].point)
-            pairs = [(m, leader, "leader") for m in labels if m != leader]
-            if COMPARED_METHOD in labels:
-                pairs += [(COMPARED_METHOD, r, "reference") for r in SHIFT_REFERENCES if r in labels]
-            for a, b, role in pairs:
-                dd = difference(draws[a][key][metric], draws[b][key][metric], level)
-                comparisons.append(ShiftComparison(key, metric, a, b, role, dd.estimate, dd.low, dd.high))
-    return average, comparisons

@@ -114,10 +114,15 @@ class NCOptions:
     options)`` and ``NeuralClamping(model, gamma=..., ...)`` build the same one.
 
     gamma: focal-loss γ in [0, 10] (0 = cross entropy), or "auto" (the lowest calibration ECE of
-        ``gamma_candidates``, default ``GAMMA_CANDIDATES``). Text as typed ("0.5", " Auto ") is read here,
-        once: the app and ``nctv --gamma`` hand it over as it came. ``gamma_values`` (not a setting) holds
-        the γ values a fit tries, in order: ``(gamma,)``, or the sorted candidates of "auto".
+        ``gamma_candidates``, default ``GAMMA_CANDIDATES``). ``gamma_values`` (not a setting) lists the γ
+        values a fit tries, in order: ``(gamma,)``, or the sorted candidates of "auto".
     weight_decay: λ ≥ 0 or a rule of ``WEIGHT_DECAY_RULES``; None = the fitter's own.
+
+    γ, λ and the learning rate may be given as text, as typed ("0.5", " Auto ", "default"): the app's
+    fields and ``nctv --gamma``, ``--weight-decay`` and ``--lr`` hand it over as it came, and this
+    object reads it, in one place per setting with one message each (:meth:`setting`). The fields
+    keep what they were given; :meth:`setting`, ``to_dict`` and ``NeuralClamping``'s attributes give
+    the value read ("default" and "" give None, the fitter's own).
     init: "random" or "data" (Theorem 1's δ̃; the fit then needs the model's input range).
     fitter: one of ``FITTERS``. epochs, lr, momentum, batch_size, init_std: the SGD recipe's settings,
         None = the recipe's own (for the fast fitter ``batch_size`` is the chunk size of each pass).
@@ -132,7 +137,7 @@ class NCOptions:
     init: str = INITS[0]
     fitter: str = "fast"
     epochs: int | None = None
-    lr: float | None = None
+    lr: float | str | None = None
     momentum: float | None = None
     batch_size: int | None = None
     init_std: float | None = None
@@ -144,34 +149,14 @@ class NCOptions:
     tol: float = 1e-3
 
     def __post_init__(self) -> None:
-        from nctv.checks import (EPOCHS_MAX, GAMMA_MAX, LR_MAX, WEIGHT_DECAY_MAX, check_at_most, check_gamma,
-                                 check_nonnegative, check_positive, check_text, check_whole, number_or_word, shown)
+        from nctv.checks import EPOCHS_MAX, check_nonnegative, check_positive, check_whole
 
-        gamma = self.gamma
-        if isinstance(gamma, str):  # as typed in the app's field or after `nctv --gamma`: read here, once
-            check_text(gamma, "Focal-loss gamma (γ)")
-            parsed = number_or_word(gamma, ("", "auto"))
-            if parsed is None or (isinstance(parsed, float) and parsed > GAMMA_MAX):
-                raise ValueError(f"Focal-loss gamma (γ) must be a number from 0 to {GAMMA_MAX:g} (the paper uses 0 "
-                                 f"to 5) or 'auto'; got {shown(gamma)}.")
-            gamma = "auto" if parsed == "" else parsed
-            object.__setattr__(self, "gamma", gamma)
-        if gamma == "auto":
-            cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
-            values = tuple(sorted({check_gamma(c, "each of gamma_candidates") for c in cands}))
-            if not values:
-                raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
-        else:
-            values = (check_gamma(gamma),)
-        object.__setattr__(self, "gamma_values", values)
+        # γ (with the candidates of "auto"), λ and the learning rate are read here so that a bad one is
+        # refused now, before any model pass; the values are read again where they are used.
+        self.gamma_values  # noqa: B018 - read for its checks
         if self.fitter not in FITTERS:
             raise ValueError(f"fitter must be one of {FITTERS}; got {self.fitter!r}.")
-        if isinstance(self.weight_decay, str):
-            if self.weight_decay not in WEIGHT_DECAY_RULES:
-                raise ValueError(f"weight_decay must be a number >= 0 or one of {tuple(WEIGHT_DECAY_RULES)}; "
-                                 f"got {self.weight_decay!r}.")
-        elif self.weight_decay is not None:
-            check_at_most(self.weight_decay, "weight_decay", WEIGHT_DECAY_MAX, "larger holds δ at 0")
+        self.setting("weight_decay")
         if self.temperature is not None and self.temperature not in TEMPERATURE_RULES:
             raise ValueError(f"temperature must be one of {TEMPERATURE_RULES}; got {self.temperature!r}.")
         if self.temperature == "anchored" and self.fitter != "fast":
@@ -182,9 +167,7 @@ class NCOptions:
         # SGD settings are checked whenever they are given, even to a fitter that does not use them.
         if self.epochs is not None and check_whole(self.epochs, "epochs") > EPOCHS_MAX:
             raise ValueError(f"epochs must be at most {EPOCHS_MAX:,} (the recipes use 100); got {self.epochs!r}.")
-        if self.lr is not None:
-            check_positive(self.lr, "lr")
-            check_at_most(self.lr, "lr", LR_MAX, "the recipes use 0.001 and 0.01")
+        self.setting("lr")
         if self.momentum is not None and check_nonnegative(self.momentum, "momentum") >= 1:
             raise ValueError(f"momentum must be in [0, 1); got {self.momentum!r}.")
         if self.batch_size is not None:
@@ -193,6 +176,27 @@ class NCOptions:
             check_nonnegative(self.init_std, "init_std")
         check_positive(self.max_passes, "max_passes")
         check_nonnegative(self.tol, "tol")
+
+    def setting(self, name: str) -> Any:
+        """The setting ``name`` as a fit reads it: γ, λ or the learning rate given as text read into its
+        number or word (None for "default"), checked; any other setting as given."""
+        value = getattr(self, name)
+        read = _TEXT_READERS.get(name)
+        return value if read is None else read(value)
+
+    @property
+    def gamma_values(self) -> tuple[float, ...]:
+        """The γ values a fit tries, in order: ``(gamma,)``, or the sorted candidates of "auto"."""
+        from nctv.checks import check_gamma
+
+        gamma = self.setting("gamma")
+        if gamma != "auto":
+            return (float(gamma),)
+        cands = GAMMA_CANDIDATES if self.gamma_candidates is None else self.gamma_candidates
+        values = tuple(sorted({check_gamma(c, "each of gamma_candidates") for c in cands}))
+        if not values:
+            raise ValueError("gamma_candidates is empty; give at least one γ >= 0.")
+        return values
 
     def init_spread(self) -> float:
         """σ of a random δ₀: ``init_std``, else the fitter's own (``INIT_STDS``)."""
@@ -221,7 +225,65 @@ class NCOptions:
         return type(self)(**{**{k: getattr(self, k) for k in self.names()}, **settings})
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k in self.names() for v in (getattr(self, k),)}
+        """Every setting by name, as read (:meth:`setting`)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k in self.names() for v in (self.setting(k),)}
+
+
+def _read_gamma(value: Any) -> float | str:
+    """γ: a number in [0, GAMMA_MAX] or "auto" (text: "" is "auto")."""
+    from nctv.checks import GAMMA_MAX, check_gamma, check_text, number_or_word, shown
+
+    if not isinstance(value, str):
+        check_gamma(value)
+        return value
+    check_text(value, "Focal-loss gamma (γ)")
+    parsed = number_or_word(value, ("", "auto"))
+    if parsed is None or (isinstance(parsed, float) and parsed > GAMMA_MAX):
+        raise ValueError(f"Focal-loss gamma (γ) must be a number from 0 to {GAMMA_MAX:g} (the paper uses 0 to 5) or "
+                         f"'auto'; got {shown(value)}.")
+    return "auto" if parsed == "" else parsed
+
+
+def _read_weight_decay(value: Any) -> float | str | None:
+    """λ: a number in [0, WEIGHT_DECAY_MAX], a rule of WEIGHT_DECAY_RULES, or None (text: "default" or "")."""
+    from nctv.checks import WEIGHT_DECAY_MAX, check_at_most, check_text, number_or_word, shown
+
+    if not isinstance(value, str):
+        if value is not None:
+            check_at_most(value, "weight_decay", WEIGHT_DECAY_MAX, "larger holds δ at 0")
+        return value
+    check_text(value, "Weight decay (λ)")
+    parsed = number_or_word(value, ("", "default", *WEIGHT_DECAY_RULES))
+    if parsed in ("", "default"):
+        return None
+    if parsed is None or (isinstance(parsed, float) and parsed > WEIGHT_DECAY_MAX):
+        raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:,.0f}, 'default', or one of "
+                         f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {shown(value)}.")
+    return parsed
+
+
+def _read_lr(value: Any) -> float | None:
+    """A recipe's learning rate: a number in (0, LR_MAX], or None (text: "default" or "")."""
+    from nctv.checks import LR_MAX, check_at_most, check_positive, check_text, number_or_word, shown
+
+    if not isinstance(value, str):
+        if value is not None:
+            check_positive(value, "lr")
+            check_at_most(value, "lr", LR_MAX, "the recipes use " + " and ".join(f"{v:g}" for v in RECIPE_LR.values()))
+        return value
+    check_text(value, "The learning rate")
+    parsed = number_or_word(value, ("", "default"))
+    if parsed in ("", "default"):
+        return None
+    if not isinstance(parsed, float) or not 0 < parsed <= LR_MAX:
+        own = ", ".join(f"{v:g} for the {name}" for name, v in RECIPE_LR.items())
+        raise ValueError(f"The learning rate must be 'default' (the recipe's own: {own}) or a number above 0 and at most "
+                         f"{LR_MAX:g}; got {shown(value)}.")
+    return parsed
+
+
+#: The settings a person types, each read by one function (NCOptions.setting).
+_TEXT_READERS = {"gamma": _read_gamma, "weight_decay": _read_weight_decay, "lr": _read_lr}
 
 
 def hub_datasets_available() -> bool:

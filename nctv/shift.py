@@ -1,6 +1,6 @@
 """Calibration under distribution shift: the result of a shift study, its tables and its verdicts.
 
-A shift study (:func:`nctv.experiment.run_shift`) fits every method once per seed on the calibration
+A shift study (:func:`run_shift`) fits every method once per seed on the calibration
 split (clean, or corrupted as the model will meet its inputs) and scores each fitted method on the
 clean test split and on every corrupted copy of it (``nctv.corruptions``). Every figure carries the
 interval of ``nctv.intervals`` from one set of resamples of the test images, shared by every method
@@ -13,16 +13,23 @@ severity 3. Metrics are fractions here; tables convert units (``nctv.report``).
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
+import torch
 
 from nctv.corruptions import CORRUPTIONS
 from nctv.metrics import HIGHER_IS_BETTER
 from nctv.results import (COMPARED_METHOD, GRID_SEARCH_METHOD, RESULTS_SCHEMA_VERSION, PairedDifference, _header, _JSON,
                           _jsonable, find_comparison)
-from nctv.settings import SHIFT_METHODS  # noqa: F401 - the study's rows, named here too
+from nctv.settings import SEVERITIES, SHIFT_CORRUPTIONS, SHIFT_METHODS, SHIFT_SEEDS, STUDY_BINS
 
 #: Metrics every condition reports with an interval (the others of ``nctv.metrics.evaluate`` as points).
 SHIFT_METRICS = ("accuracy", "ece", "nll", "smooth_ece")
@@ -229,6 +236,235 @@ def _check_figures(per_metric: Any, where: str) -> None:
         if (low is None) != (high is None) or (low is not None and not (isinstance(low, (int, float))
                                                                        and isinstance(high, (int, float)) and low <= high)):
             raise ValueError(f"The shift study's interval of {metric} of {where} is malformed.")
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def check_shift_plan(corruptions: Sequence[str], severities: Sequence[int], calibrate_on: Any) -> tuple[
+        list[str], list[int], str | None]:
+    """The study's corruptions (known, each once), severities (1 to 5, sorted) and the condition to
+    calibrate on ("name/severity" or (name, severity); None for the clean split), checked before any
+    model or data loads: a typo fails at once."""
+    from nctv.corruptions import check_corruption, check_severity
+
+    names = []
+    for c in corruptions:
+        c = check_corruption(c)
+        if c not in names:
+            names.append(c)
+    if not names:
+        raise ValueError("No corruptions given; name at least one, e.g. 'gaussian-noise'.")
+    levels = sorted({check_severity(s) for s in severities} - {0})
+    if not levels:
+        raise ValueError("No severities given; use some of 1 to 5 (the clean test split is always scored).")
+    on = None
+    if calibrate_on is not None:
+        if isinstance(calibrate_on, str):
+            name, _, level = calibrate_on.partition("/")
+            try:
+                level = int(level)
+            except ValueError:
+                raise ValueError(f"Calibrate on a corruption as 'name/severity', e.g. 'contrast/3'; got "
+                                 f"{calibrate_on[:80]!r}.") from None
+        else:
+            name, level = calibrate_on
+        on = condition_key(check_corruption(name), check_severity(level))
+        on = None if on == CLEAN else on
+    return names, levels, on
+
+
+def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str] | None = None,
+              severities: Sequence[int] = SEVERITIES, methods: Sequence[str] | None = None,
+              options: Any = None, *, corruption_seed: int = 0, calibrate_on: Any = None,
+              n_bins: int = STUDY_BINS, examples: int = 0, **keywords: Any) -> ShiftResult:
+    """Calibration under distribution shift: every method fitted once per seed on ``calibration``
+    (clean, or corrupted by ``calibrate_on`` = "contrast/3" or ("contrast", 3): "calibrate for the
+    conditions you deploy in"), then scored on the clean ``test`` split and on every corruption of it
+    (``nctv.corruptions``; default ``DEFAULT_CORRUPTIONS``) at every severity.
+
+    The study runs on the skeleton of a paper-style run (``nctv.experiment``: the model prepared, the
+    unperturbed logits of both splits cached, every method fitted as a run fits it); it scores each
+    fitted method under every condition where a run scores the test split once. Each corrupted test
+    split's unperturbed logits are computed once and cached (the cache key names the corruption,
+    severity and seed); logit-space methods map them, Neural Clamping passes the corrupted inputs + its
+    δ through the model. Every figure gets the interval of ``options.intervals`` from one set of
+    resamples of the test images, shared by every method and condition (paired). ``examples``: how
+    many test images to keep, per condition, as uint8 pixels (the app's examples). ``options``,
+    ``keywords``: as in :func:`nctv.experiment.run_experiment`; seeds default to 1 here.
+    """
+    from nctv import experiment as ex
+    from nctv.checks import check_whole
+    from nctv.corruptions import check_corruptible, corrupt_split
+    from nctv.data import as_split
+    from nctv.intervals import IntervalSettings
+
+    t_start = time.perf_counter()
+    names = ex.check_methods(SHIFT_METHODS if methods is None else methods)
+    corruptions, severities, calibrate_on = check_shift_plan(
+        SHIFT_CORRUPTIONS if corruptions is None else corruptions, severities, calibrate_on)
+    check_whole(examples, "examples", minimum=0)
+    if options is None and "seeds" not in keywords:
+        keywords["seeds"] = SHIFT_SEEDS
+    options = ex.RunOptions.make(options, **keywords)
+    n_bins = ex._check_bins_list([n_bins])[0]
+    calibration, test = as_split(calibration, "calibration"), as_split(test, "test")
+    check_corruptible(test)  # a split of tensors is refused here, before any model pass
+    if calibrate_on is not None:
+        name, level = calibrate_on.rsplit("/", 1)
+        calibration = corrupt_split(calibration, name, int(level), corruption_seed + 1)
+    plans = ex._plans(names)
+    conditions = [(CLEAN, 0)] + [(c, s) for c in corruptions for s in severities]
+    intervals = options.intervals or IntervalSettings()
+    with ex._prepared_run("shift", model, calibration, test, plans, options, n_bins,
+                         later_steps=len(conditions)) as run:
+        fitted, fit_seconds, params = _fit_every_method(run, plans)
+        scored = _score_shift(run, plans, fitted, conditions, corruption_seed, n_bins, intervals, examples)
+    figures, reliability, draws, cache_hits, example_pixels, timing = scored
+    average, comparisons = _shift_summaries(plans, draws, conditions, corruptions, severities, intervals.level)
+    info = getattr(model, "class_names", None)
+    return ShiftResult(
+        model=run.model_info, calibration=ex._split_info(calibration), test=ex._split_info(test),
+        n_classes=int(run.ctx.test_z.shape[1]), class_names=list(info) if info is not None else None,
+        n_bins=n_bins, seeds=list(options.seeds), fitter=options.nc.fitter, methods=[p.label for p in plans],
+        corruptions=corruptions, severities=severities, figures=figures, average=average, reliability=reliability,
+        params=params, fit_seconds=fit_seconds, comparisons=comparisons, cache_hits=cache_hits,
+        settings={**ex._run_settings(options, run, model, intervals), "corruption_seed": corruption_seed},
+        seconds=time.perf_counter() - t_start, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        calibrate_on=calibrate_on, examples=example_pixels,
+        timing={"fitting": sum(map(sum, fit_seconds.values())), **timing},
+    )
+
+
+def _fit_every_method(run: Any, plans: Sequence[Any]) -> tuple[dict[str, list[Any]], dict[str, list[float]], dict]:
+    """Every method fitted for each of its seeds, as a run fits it: the fitted calibrators, their fit
+    seconds, and what the first seed learned (T, ‖δ‖), by row label."""
+    from nctv import experiment as ex
+
+    bar = run.ctx.progress
+    fitted: dict[str, list[Any]] = {}
+    fit_seconds: dict[str, list[float]] = {}
+    params: dict[str, dict] = {}
+    for p in plans:
+        fitted[p.label], fit_seconds[p.label] = [], []
+        for s in run.seeds[p.label]:
+            bar.message(f"fitting {p.label} (seed {s})")
+            m, sec = ex._fit_method(run.ctx, p, s)
+            fitted[p.label].append(m)
+            fit_seconds[p.label].append(sec)
+            bar.step(f"{p.label} (seed {s}) fitted")
+        params[p.label] = ex._learned_params(fitted[p.label][0])
+    return fitted, fit_seconds, params
+
+
+def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], conditions: list,
+                 corruption_seed: int, n_bins: int, intervals: Any, examples: int):
+    """Every fitted method scored under every condition: points, intervals, the diagram's bins."""
+    from nctv import experiment as ex
+    from nctv.cache import split_logits
+    from nctv.corruptions import corrupt_split
+    from nctv.intervals import interval, method_draws, resample_counts, seed_counts
+    from nctv.metrics import evaluate, reliability_bins
+
+    ctx = run.ctx
+    opts = ctx.options
+    counts = resample_counts(len(ctx.test_y), intervals.resamples, intervals.seed)
+    generator = torch.Generator().manual_seed(intervals.seed + 1)
+    seed_draws = {p.label: seed_counts(len(fitted[p.label]), intervals.resamples, generator)
+                  for p in plans if len(fitted[p.label]) > 1}
+    figures: dict = {p.label: {} for p in plans}
+    reliability: dict = {p.label: {} for p in plans}
+    draws: dict = {p.label: {} for p in plans}
+    cache_hits, pixels = {}, {}
+    # Where the time goes: corrupting the pictures, the model's passes (the unperturbed logits of each
+    # corrupted split, and Neural Clamping's f(x + δ)), and the rest (logit-space maps, metrics, intervals).
+    timing = dict.fromkeys(("corrupting", "unperturbed logits", "model-based methods", "scoring"), 0.0)
+    model_based = {p.label for p in plans if ex._registry()[p.name].needs_model}
+    picked = np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int) if examples else None
+    for corruption, severity in conditions:
+        key = condition_key(corruption, severity)
+        ctx.progress.message(f"scoring {key}")
+        t0 = time.perf_counter()
+        split = ctx.test if severity == 0 else corrupt_split(ctx.test, corruption, severity, corruption_seed)
+        t1 = time.perf_counter()
+        if severity == 0:
+            z, cache_hits[key] = ctx.test_z, True
+        else:
+            got = split_logits(ctx.model, split, opts.cache_dir, opts.batch_size, ctx.device,
+                               run.model_info["fingerprint"])
+            z, cache_hits[key] = got.logits, got.hit
+        timing["corrupting"] += t1 - t0
+        timing["unperturbed logits"] += time.perf_counter() - t1
+        if picked is not None:
+            pixels[key] = [_png(split.image(int(i))) for i in picked]
+        for p in plans:
+            t0 = time.perf_counter()
+            per_seed = [ex._calibrated(ctx, p, m, split, z).detach().float().cpu() for m in fitted[p.label]]
+            timing["model-based methods" if p.label in model_based else "scoring"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            points = [evaluate(zz, ctx.test_y, n_bins=n_bins) for zz in per_seed]
+            d = method_draws(per_seed, ctx.test_y, counts, n_bins, SHIFT_METRICS, seed_draws.get(p.label))
+            draws[p.label][key] = d
+            cell = {}
+            for metric in points[0]:
+                cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}
+                if metric in d:
+                    ci = interval(d[metric], metric, intervals.level)
+                    cell[metric]["ci_low"], cell[metric]["ci_high"] = ci.low, ci.high
+            figures[p.label][key] = cell
+            rb = reliability_bins(per_seed[0], ctx.test_y, n_bins)
+            reliability[p.label][key] = {
+                "count": rb.counts.astype(int).tolist(),
+                "confidence": [None if c != c else float(c) for c in rb.confidence],
+                "accuracy": [None if a != a else float(a) for a in rb.accuracy],
+            }
+            timing["scoring"] += time.perf_counter() - t0
+        ctx.progress.step(f"{key} scored")
+    examples_out = {"indices": picked.tolist(), "png": pixels} if examples else {}
+    return figures, reliability, draws, cache_hits, examples_out, timing
+
+
+def _png(image: Any) -> str:
+    """A picture as base64 PNG text (the app's examples of a corrupted split)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _shift_summaries(plans: Sequence[Any], draws: dict, conditions: list, corruptions: list[str],
+                     severities: list[int], level: float):
+    """The mean over corruptions per severity (its draws: the mean of the conditions' draws, which share
+    their resamples) and the paired comparisons: every method against the condition's leader, and
+    Neural Clamping against temperature scaling (grid search and NLL)."""
+    from nctv.intervals import MethodDraws, difference, interval
+
+    labels = [p.label for p in plans]
+    average: dict = {m: {} for m in labels}
+    for s in severities:
+        key = f"{AVERAGE}/{s}"
+        for m in labels:
+            parts = [draws[m][condition_key(c, s)] for c in corruptions]
+            draws[m][key] = {metric: MethodDraws(float(np.mean([p[metric].point for p in parts])),
+                                                 float(np.mean([p[metric].estimate for p in parts])),
+                                                 torch.stack([p[metric].draws for p in parts]).mean(0))
+                             for metric in SHIFT_METRICS}
+            average[m][key] = {}
+            for metric, d in draws[m][key].items():
+                ci = interval(d, metric, level)
+                average[m][key][metric] = {"value": d.point, "ci_low": ci.low, "ci_high": ci.high}
+    keys = [condition_key(c, s) for c, s in conditions] + [f"{AVERAGE}/{s}" for s in severities]
+    comparisons = []
+    for key in keys:
+        for metric in SHIFT_METRICS:
+            sign = -1.0 if HIGHER_IS_BETTER[metric] else 1.0
+            leader = min(labels, key=lambda m: sign * draws[m][key][metric].point)
+            pairs = [(m, leader, "leader") for m in labels if m != leader]
+            if COMPARED_METHOD in labels:
+                pairs += [(COMPARED_METHOD, r, "reference") for r in SHIFT_REFERENCES if r in labels]
+            for a, b, role in pairs:
+                dd = difference(draws[a][key][metric], draws[b][key][metric], level)
+                comparisons.append(ShiftComparison(key, metric, a, b, role, dd.estimate, dd.low, dd.high))
+    return average, comparisons
 
 
 # --------------------------------------------------------------------------- verdicts

@@ -34,9 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nctv.data import assets_dir, get_splits  # noqa: E402
-from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep, run_init_study, run_shift  # noqa: E402
+from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep, run_init_study  # noqa: E402
 from nctv.inference import resolve_device  # noqa: E402
 from nctv.results import GAMMA_SWEEP_FILE, INIT_STUDY_FILE, method_slug  # noqa: E402
+from nctv.shift import run_shift  # noqa: E402
 from nctv.settings import (APP_BINS, APP_INIT_RUNS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_CALIBRATION_SIZE,  # noqa: E402
                            NCOptions)
 from nctv.zoo import DEFAULT_MODEL, ENTRIES, load_model  # noqa: E402

@@ -568,6 +568,26 @@ def test_fast_fitter_warns_on_a_split_too_small_for_delta():
         NeuralClamping(model, progress=False, fitter="paper", epochs=1).fit(*make_data(model, 24))  # the paper recipe barely moves δ
 
 
+def test_options_keep_what_they_were_given_and_read_it_in_one_place(problem):
+    """γ, λ and the learning rate typed as text stay in their fields as typed; ``setting``, ``gamma_values``,
+    ``to_dict`` and the estimator's attributes give the values read, and the fit is the fit of those numbers."""
+    from nctv.settings import NCOptions
+
+    model, x, y, *_ = problem
+    typed = NCOptions(gamma=" 0.5 ", weight_decay="0.01", fitter="paper", epochs=2, lr=" 0.005")
+    numbers = NCOptions(gamma=0.5, weight_decay=0.01, fitter="paper", epochs=2, lr=0.005)
+    assert (typed.gamma, typed.weight_decay, typed.lr) == (" 0.5 ", "0.01", " 0.005")
+    assert typed.gamma_values == (0.5,) and typed.to_dict() == numbers.to_dict()
+    assert typed.changed(epochs=3).gamma == " 0.5 "
+    a, b = NeuralClamping(model, typed, **quiet()), NeuralClamping(model, numbers, **quiet())
+    assert a.get_params() == b.get_params() and (a.gamma, a.weight_decay, a.lr) == (0.5, 0.01, 0.005)
+    fa, fb = a.fit(x, y), b.fit(x, y)
+    assert torch.equal(fa.delta_, fb.delta_) and fa.temperature_ == fb.temperature_
+    auto = NCOptions(gamma=" Auto ", gamma_candidates=(2, 0.5), weight_decay="default")
+    assert (auto.gamma, auto.setting("gamma"), auto.gamma_values) == (" Auto ", "auto", (0.5, 2.0))
+    assert auto.weight_decay == "default" and auto.setting("weight_decay") is None
+
+
 def test_options_object_and_keywords_build_the_same_estimator(problem):
     """``NeuralClamping(model, options)`` and keyword settings build one checked ``NCOptions``;
     scikit-learn's contract holds: ``get_params`` rebuilds it, ``clone`` copies it, ``set_params``

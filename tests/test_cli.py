@@ -174,7 +174,8 @@ def test_run_takes_every_neural_clamping_setting(tmp_path, default_model):
     assert nc["weight_decay"] == 0.05 and nc["gamma"] == lib.gamma_ == fitted["fitted"]["gamma_"]
     assert nc["temperature"] == pytest.approx(lib.temperature_, rel=1e-6)
     bad = nctv("run", "--weight-decay", "lots", cwd=tmp_path, check=False)
-    assert bad.returncode == 2 and "expected a number ≥ 0 or auto / strong" in bad.stderr
+    assert bad.returncode == 2 and "Weight decay (λ) must be a number from 0 to 1,000,000, 'default', or one of " \
+        "'auto', 'strong'; got 'lots'." in bad.stderr
 
 
 def test_timing_takes_every_option(tmp_path):
@@ -261,8 +262,10 @@ def test_a_bad_setting_is_refused_within_two_seconds_before_torch_loads(tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["ablation", "--lr", "11"], "lr must be at most 10 (the recipes use 0.001 and 0.01); got 11.0."),
-    (["timing", "--weight-decay", "1e7"], "weight_decay must be at most 1,000,000 (larger holds δ at 0)"),
+    (["ablation", "--lr", "11"], "The learning rate must be 'default' (the recipe's own: 0.001 for the paper, 0.01 for "
+                                 "the toolkit) or a number above 0 and at most 10; got '11'."),
+    (["timing", "--weight-decay", "1e7"], "Weight decay (λ) must be a number from 0 to 1,000,000, 'default', or one of "
+                                          "'auto', 'strong'; got '1e7'."),
     (["sweep-gamma", "--fitter", "paper", "--epochs", "20000"], "epochs must be at most 10,000"),
     (["init-study", "--fitter", "toolkit", "--temperature-rule", "anchored"],
      "temperature='anchored' is a rule of the fast fitter; the 'toolkit' recipe learns T with δ"),
@@ -281,6 +284,51 @@ def test_every_neural_clamping_command_checks_its_settings_first(args, message, 
     assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()
 
 
+@pytest.mark.parametrize("flag, field, text", [
+    ("--weight-decay", "weight_decay", "lots"), ("--weight-decay", "weight_decay", "-0.1"),
+    ("--weight-decay", "weight_decay", "2e6"), ("--lr", "lr", "0"), ("--lr", "lr", "11"), ("--lr", "lr", "fast"),
+    ("--lr", "lr", "inf"), ("--gamma", "gamma", "10.5"),
+])
+def test_a_bad_setting_gets_one_message_in_the_app_and_the_command_line(flag, field, text, tmp_path, monkeypatch,
+                                                                        capsys):
+    """γ, λ and the learning rate are each read in one place: typed in the Calibrate tab's field or after the
+    command line's flag, a bad value gets the same message, word for word."""
+    import gradio as gr
+
+    from nctv import zoo
+    from nctv.cli import main
+    from nctv.ui import calibrate as cal_tab
+    from nctv.ui import limits
+
+    monkeypatch.setenv("NCTV_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["run", flag, text, "--methods", "ts", "--out", str(tmp_path / "res"), "--quiet"]) == 2
+    said = capsys.readouterr().err.strip()
+    form = {"gamma": "1", "weight_decay": "default", "lr": "default", field: text}
+    with pytest.raises(gr.Error) as shown:
+        list(cal_tab.calibrate(zoo.DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15,
+                               ["Temperature Scaling"], form["gamma"], form["weight_decay"], "random", "paper", 100,
+                               form["lr"]))
+    assert said == f"nctv run: error: {shown.value.message}"
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("flag, field, text, value", [
+    ("--weight-decay", "weight_decay", " Strong ", "strong"), ("--weight-decay", "weight_decay", "default", None),
+    ("--weight-decay", "weight_decay", "0.02", 0.02), ("--lr", "lr", " 0.05 ", 0.05), ("--lr", "lr", "Default", None),
+    ("--gamma", "gamma", " Auto ", "auto"),
+])
+def test_a_setting_typed_in_the_app_or_after_the_flag_is_the_same_value(flag, field, text, value):
+    from nctv.cli import _nc_options
+    from nctv.ui import calibrate as cal_tab
+
+    typed = {"weight_decay": "default", "lr": "default", field: text}
+    app = cal_tab.parse_nc_options("paper", typed["weight_decay"], 100, typed["lr"],
+                                   **({"gamma": text} if field == "gamma" else {}))
+    cli = _nc_options(build_parser().parse_args(["run", "--fitter", "paper", flag, text]))
+    assert app.setting(field) == cli.setting(field) == value
+    assert getattr(app, field) == getattr(cli, field) == text  # the fields keep what was typed
+
+
 @pytest.mark.parametrize("args, message", [
     (["run", "--seeds", "99999999999999999999"], "argument --seeds: expected a whole number from 1 to 2,147,483,647"),
     (["run", "--batch-size", "0"], "argument --batch-size: expected a whole number from 1"),
@@ -291,7 +339,6 @@ def test_every_neural_clamping_command_checks_its_settings_first(args, message, 
     (["timing", "--resolutions", "nan"], "argument --resolutions: expected a finite number, got 'nan'"),
     (["sweep-gamma", "--gammas", "0", "1e999"], "argument --gammas: expected a finite number, got '1e999'"),
     (["sweep-gamma", "--gammas", "11"], "argument --gammas: expected a gamma from 0 to 10, got 11"),
-    (["run", "--lr", "inf"], "argument --lr: expected a finite number, got 'inf'"),
 ])
 def test_numbers_beyond_range_are_refused_in_the_commands_words(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:

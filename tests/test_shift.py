@@ -1,4 +1,4 @@
-"""The shift study (nctv.experiment.run_shift) on the embedded default model, on small splits: the
+"""The shift study (nctv.shift.run_shift) on the embedded default model, on small splits: the
 clean row is the clean run exactly, every condition's figures are the library's metrics of the
 methods fitted once, the mean over corruptions is the mean, the paired differences are the
 differences, each corrupted test split's logits are cached under a key of its own, a saved study
@@ -13,7 +13,7 @@ import torch
 
 from nctv import corruptions, experiment, metrics
 from nctv.data import get_splits
-from nctv.shift import AVERAGE, ShiftResult, comparison_table, shift_table, summary_sentences
+from nctv.shift import AVERAGE, ShiftResult, comparison_table, run_shift, shift_table, summary_sentences
 
 METHODS = ["Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Neural Clamping (FL)"]
 CORRUPTIONS = ["gaussian-noise", "contrast"]
@@ -30,9 +30,9 @@ def small(default_model):
 def study(small, tmp_path_factory):
     model, cal, test = small
     cache = tmp_path_factory.mktemp("cache")
-    result = experiment.run_shift(model, cal, test, CORRUPTIONS, SEVERITIES, METHODS, cache_dir=cache,
-                                  progress=False, max_passes=6, intervals=experiment.IntervalSettings(resamples=200),
-                                  examples=3)
+    result = run_shift(model, cal, test, CORRUPTIONS, SEVERITIES, METHODS, cache_dir=cache,
+                       progress=False, max_passes=6, intervals=experiment.IntervalSettings(resamples=200),
+                       examples=3)
     return result, cache
 
 
@@ -101,8 +101,8 @@ def test_each_corrupted_test_split_is_cached_under_its_own_key(small, study):
     result, cache = study
     files = list((cache / "logits").glob("*.safetensors"))
     assert len(files) == 2 + len(CORRUPTIONS) * len(SEVERITIES)  # calibration, clean test, each condition
-    again = experiment.run_shift(model, cal, test, CORRUPTIONS, SEVERITIES, ["Uncalibrated", "Temperature Scaling"],
-                                 cache_dir=cache, progress=False, intervals=experiment.IntervalSettings(resamples=200))
+    again = run_shift(model, cal, test, CORRUPTIONS, SEVERITIES, ["Uncalibrated", "Temperature Scaling"],
+                      cache_dir=cache, progress=False, intervals=experiment.IntervalSettings(resamples=200))
     assert all(again.cache_hits.values())
     assert again.value("Temperature Scaling", "gaussian-noise/4") == result.value("Temperature Scaling", "gaussian-noise/4")
 
@@ -150,21 +150,21 @@ def test_a_bad_plan_is_refused_before_any_model_pass(small):
     model, cal, test = small
     x, y = test.tensors()
     with pytest.raises(ValueError, match="preprocessed tensors"):  # refused before the calibration pass
-        experiment.run_shift(model, cal, (x, y), ["contrast"], [1], ["Temperature Scaling"], progress=False,
-                             cache_dir=False)
+        run_shift(model, cal, (x, y), ["contrast"], [1], ["Temperature Scaling"], progress=False,
+                  cache_dir=False)
     for kw, message in [({"corruptions": ["fog"]}, "Unknown corruption"), ({"severities": [0]}, "No severities"),
                         ({"severities": [7]}, "severity"), ({"calibrate_on": "contrast"}, "name/severity"),
                         ({"methods": ["Neural Clamping (FL)"], "gamma": 50}, "γ|gamma")]:
         with pytest.raises(ValueError, match=message):
-            experiment.run_shift(model, cal, test, progress=False, cache_dir=False, **kw)
+            run_shift(model, cal, test, progress=False, cache_dir=False, **kw)
 
 
 def test_calibrating_on_corrupted_images_fits_on_them(small):
     model, cal, test = small
-    r = experiment.run_shift(model, cal, test, ["contrast"], [4], ["Temperature Scaling"], calibrate_on="contrast/4",
-                             cache_dir=False, progress=False, intervals=experiment.IntervalSettings(resamples=100))
-    clean = experiment.run_shift(model, cal, test, ["contrast"], [4], ["Temperature Scaling"], cache_dir=False,
-                                 progress=False, intervals=experiment.IntervalSettings(resamples=100))
+    r = run_shift(model, cal, test, ["contrast"], [4], ["Temperature Scaling"], calibrate_on="contrast/4",
+                  cache_dir=False, progress=False, intervals=experiment.IntervalSettings(resamples=100))
+    clean = run_shift(model, cal, test, ["contrast"], [4], ["Temperature Scaling"], cache_dir=False,
+                      progress=False, intervals=experiment.IntervalSettings(resamples=100))
     assert r.calibrate_on == "contrast/4" and "contrast" in r.calibration["name"]
     assert r.params["Temperature Scaling"]["temperature"] != clean.params["Temperature Scaling"]["temperature"]
     # Fitted for the conditions it is scored in, TS does at least as well there as the clean fit.

@@ -41,8 +41,8 @@ from nctv.ui import initialisation as init_tab
 from nctv.ui import caches, learn, limits, session, try_image
 from nctv.ui.shipped import PRECOMPUTED_LABEL, load_precomputed, precomputed_dir
 from nctv.ui import images as ui_images
-from nctv.ui.common import (SAME_TASK, SERVER_PATH, ProgressLine, Worker, duration, parse_weight_decay,
-                            parse_whole, redact, user_errors)
+from nctv.ui.common import (SAME_TASK, SERVER_PATH, ProgressLine, Worker, duration, parse_whole, redact,
+                            user_errors)
 from nctv.images import MAX_PIXELS, ImageError, decoded_bytes, match_channels, to_pil
 from nctv.ui.images import CheckedImage, CheckedSketchpad
 from nctv.training import train_classifier
@@ -319,7 +319,8 @@ def test_the_learning_rate_box_reaches_the_recipe(default_model):
     from nctv.calibration import NeuralClamping
 
     nc = cal_tab.parse_nc_options("paper", "default", 2, " 0.05 ", gamma="1", init="random")
-    assert nc.lr == 0.05 and cal_tab.parse_nc_options("paper", "default", 2, "default", gamma="1").lr is None
+    assert nc.setting("lr") == 0.05
+    assert cal_tab.parse_nc_options("paper", "default", 2, "default", gamma="1").setting("lr") is None
     result, _ = cal_tab.run_calibration(SMALL, ["Neural Clamping (FL)"], 15, nc)
     cal, _ = data_splits(default_model, calibration_size=SMALL.calibration_size, calibration_seed=0,
                          test_size=SMALL.test_size)
@@ -333,7 +334,10 @@ def test_the_learning_rate_box_reaches_the_recipe(default_model):
 
 def test_parsing_helpers():
     def gamma(text):
-        return NCOptions(gamma=text).gamma
+        return NCOptions(gamma=text).setting("gamma")
+
+    def parse_weight_decay(text):
+        return NCOptions(weight_decay=text).setting("weight_decay")
 
     assert gamma(" Auto ") == "auto" and gamma("") == "auto" and gamma("0.5") == 0.5 and gamma("10") == 10
     for bad in ("-1", "nan", "inf", "x", "1e308", "10.5"):

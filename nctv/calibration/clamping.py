@@ -388,10 +388,11 @@ class NeuralClamping(_InputCalibrator):
         self.callback = callback
 
     def __getattr__(self, name: str) -> Any:
-        # Each option reads as an attribute (nc.gamma, nc.fitter), as scikit-learn's settings do.
+        # Each option reads as an attribute (nc.gamma, nc.fitter), as scikit-learn's settings do: as read
+        # (γ typed "0.5" reads 0.5), so that get_params, clone and a saved config hold the values fitted.
         options = self.__dict__.get("options")
         if options is not None and name in NCOptions.names():
-            return getattr(options, name)
+            return options.setting(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
@@ -416,7 +417,7 @@ class NeuralClamping(_InputCalibrator):
 
     def _setting(self, name: str) -> Any:
         """An option as the fit uses it: the given value, or the fitter's own where it is None."""
-        value = getattr(self.options, name)
+        value = self.options.setting(name)
         if value is not None:
             return value
         recipe = self._recipe()

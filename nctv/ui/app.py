@@ -275,7 +275,7 @@ def _nc_controls(gamma: bool = True, init: bool = True):
                                      min_width=FITTER_MIN_WIDTH)
         out["epochs"] = CheckedNumber(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
         out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
-                               info="default = the recipe's own (paper 0.001, toolkit 0.01); or above 0, at most 10")
+                               info=cal_tab.LR_INFO)
     return out
 
 

@@ -19,9 +19,11 @@ import gradio as gr
 import numpy as np
 
 from nctv.results import CALIBRATORS_FOLDER
-from nctv.settings import INIT_STDS, NCOptions
-from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_lr,
-                             parse_weight_decay, parse_whole, user_errors, with_warnings)
+from nctv.calibration.clamping import RECIPES
+from nctv.checks import LR_MAX
+from nctv.settings import INIT_STDS, RECIPE_LR, NCOptions
+from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_whole,
+                             user_errors, with_warnings)
 from nctv.ui.caches import get_model, get_splits, ts_temperature_of
 from nctv.ui.limits import resolve_dataset, resolve_model_name
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
@@ -30,8 +32,11 @@ from nctv.ui.shipped import PRECOMPUTED_LABEL, study_folder, test_metrics
 REFERENCE = "Uncalibrated"
 #: The fitters by short names, each on one line even on a phone; what each does is said below them (FITTER_INFO).
 FITTER_CHOICES = [("fast (default)", "fast"), ("paper recipe", "paper"), ("authors' toolkit recipe", "toolkit")]
-FITTER_INFO = ("fast: T by calibration ECE, then δ by L-BFGS at that T, about 10 passes; paper: SGD + momentum, "
-               "lr 0.001, batch 512, 100 epochs; toolkit: SGD + momentum, lr 0.01, batch 1000, 100 epochs")
+FITTER_INFO = "fast: T by calibration ECE, then δ by L-BFGS at that T, about 10 passes; " + "; ".join(
+    f"{name}: SGD + momentum, lr {r.sgd.lr:g}, batch {r.sgd.batch_size}, {r.sgd.epochs} epochs" for name, r in RECIPES.items())
+#: What the learning-rate field takes (NCOptions reads it).
+LR_INFO = ("default = the recipe's own (" + ", ".join(f"{name} {lr:g}" for name, lr in RECIPE_LR.items())
+           + f"); or above 0, at most {LR_MAX:g}")
 #: "random" is a random δ₀ of the fitter's own spread (INIT_STDS): none for the fast fitter, which starts at 0.
 INIT_CHOICES = [("the fitter's own", "random"), ("data-driven (Theorem 1)", "data")]
 INIT_INFO = (f"the fitter's own: the fast fitter starts at δ₀ = 0, the recipes at a Gaussian draw "
@@ -432,11 +437,11 @@ class LiveTrace:
 def parse_nc_options(fitter: Any, weight_decay: Any, epochs: Any, lr: Any, **fields: Any) -> NCOptions:
     """Neural Clamping's options from the form's fields, checked once: ``fields`` are the tab's
     ``gamma`` and ``init`` where it has them (the γ sweep sets γ itself, the initialisation study
-    the initialisation); γ goes as typed, and NCOptions reads it. The recipes' epochs go only to a recipe (the fast fitter stops on
-    convergence); "default" λ and learning rate leave the fitter's own."""
+    the initialisation); γ, λ and the learning rate go as typed, and NCOptions reads them (one reading, one
+    message each, as for ``nctv --gamma``, ``--weight-decay`` and ``--lr``). The recipes' epochs go only to a
+    recipe (the fast fitter stops on convergence); "default" λ and learning rate leave the fitter's own."""
     epochs = parse_whole(epochs, "Epochs", 1, 1000)
-    given = {"weight_decay": parse_weight_decay(weight_decay), "epochs": None if fitter == "fast" else epochs,
-             "lr": parse_lr(lr), **fields}
+    given = {"weight_decay": weight_decay, "epochs": None if fitter == "fast" else epochs, "lr": lr, **fields}
     return NCOptions(fitter=fitter, **{k: v for k, v in given.items() if v is not None})
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import LR_MAX, WEIGHT_DECAY_MAX, check_text, number_or_word, shown
+from nctv.checks import check_text, shown
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -490,31 +490,3 @@ def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = N
         upper = f" and at most {maximum}" if maximum is not None else ""
         raise ValueError(f"{name} must be at least {minimum}{upper}; got {n}.")
     return n
-
-
-def parse_weight_decay(value: Any) -> float | str | None:
-    """λ from the form: None for "default" (the fitter's own), a rule name ("auto", "strong"), or a
-    number from 0 to WEIGHT_DECAY_MAX."""
-    from nctv.settings import WEIGHT_DECAY_RULES
-
-    check_text(value, "Weight decay (λ)")
-    parsed = None if value is None else number_or_word(value, ("", "default", *WEIGHT_DECAY_RULES))
-    if value is None or parsed in ("", "default"):
-        return None
-    if parsed is None or (isinstance(parsed, float) and parsed > WEIGHT_DECAY_MAX):
-        raise ValueError(f"Weight decay (λ) must be a number from 0 to {WEIGHT_DECAY_MAX:,.0f}, 'default', or one of "
-                         f"{', '.join(map(repr, WEIGHT_DECAY_RULES))}; got {shown(value)}.")
-    return parsed
-
-
-def parse_lr(value: Any) -> float | None:
-    """A recipe's learning rate from the form: None for "default" (the recipe's own), else a number
-    in (0, LR_MAX]."""
-    check_text(value, "The learning rate")
-    parsed = None if value is None else number_or_word(value, ("", "default"))
-    if value is None or parsed in ("", "default"):
-        return None
-    if not isinstance(parsed, float) or not 0 < parsed <= LR_MAX:
-        raise ValueError(f"The learning rate must be 'default' (the recipe's own: 0.001 for the paper, 0.01 for the "
-                         f"toolkit) or a number above 0 and at most {LR_MAX:g}; got {shown(value)}.")
-    return parsed

@@ -1,5 +1,14 @@
 """Start the NCTV web app: python app.py  (host $GRADIO_SERVER_NAME, default 0.0.0.0; port $PORT, default 7860)."""
-from nctv.ui import launch
+import os
+
+if os.environ.get("SPACES_ZERO_GPU"):
+    # On a ZeroGPU Space the `spaces` package is imported before torch (it prepares CUDA for its workers).
+    try:
+        import spaces  # noqa: F401
+    except ImportError:
+        pass
+
+from nctv.ui import launch  # noqa: E402
 
 if __name__ == "__main__":
     launch()

@@ -26,7 +26,7 @@ from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.hub import max_model_bytes
 from nctv.settings import APP_BINS, APP_INIT_RUNS, APP_METHODS, DEFAULT_CALIBRATION_SIZE
-from nctv.ui.common import HEAVY, on_gpu, stopped_status
+from nctv.ui.common import HEAVY, stopped_status
 from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
@@ -322,7 +322,7 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
     table = gr.Markdown(first[1], elem_classes="result-table")
     files = gr.File(first[2] or None, label="Download (JSON, PNG)", file_count="multiple", interactive=False,
                     elem_classes="download-list")
-    event = run.click(_plots_fit(on_gpu()(handler)), inputs, [status, fig, table, files],
+    event = run.click(_plots_fit(handler), inputs, [status, fig, table, files],
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
@@ -367,7 +367,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
     # The status line's own text is the progress (step, time left) and, after a failure, the error:
     # Gradio's progress and error marks go on it alone and are hidden there (APP_CSS), since they
     # would cover that text. The result below stays in view until the new one replaces it.
-    event = run.click(_plots_fit(on_gpu()(cal_tab.calibrate)), inputs, outputs, api_name="calibrate",
+    event = run.click(_plots_fit(cal_tab.calibrate), inputs, outputs, api_name="calibrate",
                       concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
@@ -593,9 +593,20 @@ def page_script() -> str:
     return (Path(__file__).parent / "static" / "page.js").read_text(encoding="utf-8")
 
 
+def page_script() -> str:
+    """``static/page.js``: what the whole page does in the browser (the dataset box keeps what is typed;
+    a table too wide for its box says so)."""
+    from pathlib import Path
+
+    return (Path(__file__).parent / "static" / "page.js").read_text(encoding="utf-8")
+
+
 def launch(demo: gr.Blocks | None = None, **overrides: Any):
     """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
     (default 7860), with the upload and request caps and error display the app relies on."""
+    from nctv.ui.gpu import prepare_server
+
+    prepare_server()  # before any torch work: on ZeroGPU the server must stay safe to fork
     demo = demo or build_app()
     threading.Thread(target=warm_up, name="nctv-warm-up", daemon=True).start()
     port = os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or "7860"

@@ -53,11 +53,13 @@ _detectors = Memo(4)
 
 
 def get_model(name: str):
-    """The zoo's ``LoadedModel`` for ``name`` on the best device here (loaded once per server)."""
-    from nctv.inference import resolve_device
+    """The zoo's ``LoadedModel`` for ``name`` on the best device here (loaded once per server; on
+    ZeroGPU the server keeps it on the CPU and a GPU worker moves its inherited copy: ``nctv.ui.gpu``)."""
+    from nctv.ui.gpu import model_device, placed
     from nctv.zoo import load_model
 
-    return _models.get(name, lambda: load_model(name, device=resolve_device(None), max_weight_bytes=max_model_bytes()))
+    return placed(_models.get(name, lambda: load_model(name, device=model_device(),
+                                                       max_weight_bytes=max_model_bytes())))
 
 
 def model_hash(name: str) -> str:
@@ -93,6 +95,19 @@ def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]
         return cached.logits, cached.labels
 
     return _logits.get(key, make)
+
+
+def remember_logits(spec: SplitSpec, which: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """Keep logits a GPU worker computed (and returned) as ``spec``'s ``which`` split's, so that the
+    server does not compute them again: a ZeroGPU worker's memory does not come back."""
+    cal, test = get_splits(spec)
+    split = cal if which == "calibration" else test
+    _logits.get((spec.model, split.fingerprint), lambda: (logits, labels))
+
+
+def remember_detector(spec: SplitSpec, detector: Any) -> None:
+    """Keep an out-of-distribution detector a GPU worker fitted (and returned) for ``spec``."""
+    _detectors.get(spec, lambda: detector)
 
 
 def ts_temperature_of(spec: SplitSpec) -> float:

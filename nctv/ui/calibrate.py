@@ -22,9 +22,10 @@ from nctv.results import CALIBRATORS_FOLDER
 from nctv.calibration.clamping import RECIPES
 from nctv.checks import LR_MAX
 from nctv.settings import INIT_STDS, RECIPE_LR, NCOptions
-from nctv.ui.common import (SAME_TASK, ProgressLine, Worker, duration, export_dir, parse_whole,
+from nctv.ui.common import (SAME_TASK, ProgressLine, duration, export_dir, parse_whole,
                              user_errors, with_warnings)
-from nctv.ui.caches import get_model, get_splits, ts_temperature_of
+from nctv.ui.caches import get_model, get_splits, remember_logits, ts_temperature_of
+from nctv.ui.gpu import GpuRun, calibration_work, gpu_generator, prepare_run
 from nctv.ui.limits import resolve_dataset, resolve_model_name
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
 from nctv.ui.shipped import PRECOMPUTED_LABEL, study_folder, test_metrics
@@ -104,6 +105,33 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
     result = run_experiment(loaded, cal, test, names, options)
     say(("progress", 1.0, f"done in {result.seconds:.1f} s", "done", 1.0))
     return result, _calibration_of(result, spec, n_bins)
+
+
+def _calibration_work(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NCOptions,
+                      report: Report) -> tuple[Any, Calibration, str]:
+    """The GPU part of a Calibrate run (see ``nctv.ui.gpu``): :func:`run_calibration`, its fitted
+    calibrators written to a fresh download folder (they hold the model, which stays where it is),
+    and the result without them. Returns (result, calibration, that folder), all CPU values."""
+    import dataclasses
+
+    result, calibration = run_calibration(spec, methods, n_bins, nc, report)
+    out = export_dir("calibration")
+    result.save_calibrators(out / CALIBRATORS_FOLDER, get_model(spec.model))
+    methods_kept = {k: dataclasses.replace(m, calibrator=None) for k, m in result.methods.items()}
+    return dataclasses.replace(result, methods=methods_kept), calibration, str(out)
+
+
+#: The GPU function of the Calibrate tab: ``(seconds, spec, methods, n_bins, nc)`` → streamed items, then the result.
+calibration_on_gpu = gpu_generator(_calibration_work)
+
+
+def prepare_calibration(spec: SplitSpec, methods: Sequence[str], nc: NCOptions,
+                        report: Report) -> tuple[float, int, int]:
+    """The server's part before the GPU call (``nctv.ui.gpu.prepare_run``): the model, the splits and
+    the call's estimated seconds. Returns (seconds, calibration size, test size)."""
+    return prepare_run(spec, lambda loaded, n_cal, n_test: calibration_work(list(methods), nc, n_cal, n_test,
+                                                                           loaded.num_classes),
+                       report, lambda f, m: ("progress", f, m, "model" if f == 0 else "splits", 0.0))
 
 
 def _calibration_of(result: Any, spec: SplitSpec, n_bins: int) -> Calibration:
@@ -358,15 +386,16 @@ def calibrators_zip(result: Any, model: str, out: Path, shipped: Path | None = N
     return Path(shutil.make_archive(str(out / "calibrators"), "zip", root_dir=folder))
 
 
-def export_files(result: Any, calibration: Calibration, n_bins: int) -> list[str]:
+def export_files(result: Any, calibration: Calibration, n_bins: int, out: Path | None = None) -> list[str]:
     """Write the run's files for download: results.json, the tables (Markdown, CSV, LaTeX, JSON),
     reliability.png, delta.png, delta.safetensors (δ with its temperature) and calibrators.zip
-    (every fitted calibrator in the Hub's layout)."""
+    (every fitted calibrator in the Hub's layout), into ``out`` (where a live run's GPU part wrote
+    its calibrators) or a fresh folder."""
     from safetensors.torch import save_file
 
     from nctv import plots, report
 
-    out = export_dir("calibration")
+    out = out if out is not None else export_dir("calibration")
     (out / "results.json").write_text(result.to_json(), encoding="utf-8")
     paths = [out / "results.json"] + report.write_tables(result, out)
     paths.append(plots.save_figure(reliability_plot(result, n_bins), out / "reliability.png", dpi=120))
@@ -475,7 +504,10 @@ def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins,
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     nc = parse_nc_options(fitter, weight_decay, epochs, lr, gamma=gamma, init=init)
     names = _ordered_methods(methods or [])
-    worker = Worker(lambda report: run_calibration(spec, names, n_bins, nc, report))
+    # The model work runs in one GPU call (nctv.ui.gpu); on ZeroGPU the server loads the model and the
+    # splits first, and refuses a run that cannot fit the Space's GPU time.
+    worker = GpuRun(calibration_on_gpu, (spec, names, n_bins, nc),
+                    prepare=lambda report: prepare_calibration(spec, names, nc, report))
     live = LiveTrace()
     line = ProgressLine()
     skip = gr.skip()
@@ -497,8 +529,10 @@ def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins,
         # Yield even when nothing is new: a Stop can only close the handler between two yields.
         yield ((skip if status is None else status), gr.update(visible=True) if changed else skip,
                live.figure() if changed else skip) + rest
-    result, calibration = worker.result
-    files = export_files(result, calibration, n_bins)
+    result, calibration, folder = worker.result
+    # The test logits the Learn tab reads came back with the result: the server keeps them.
+    remember_logits(spec, "test", result.methods[REFERENCE].test_logits, result.test_labels)
+    files = export_files(result, calibration, n_bins, Path(folder))
     table, diagrams, params, delta, shown_result = show(result, calibration, n_bins)
     done = (f"**Done** in {duration(result.seconds)} ({len(result.methods)} methods, fitter {nc.fitter}); "
             "the results below are this run's.")

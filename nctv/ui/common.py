@@ -1,5 +1,6 @@
 """Plumbing every tab shares: library errors turned into messages, long work in a worker thread
-that a Gradio generator streams from (and that Stop ends), GPU placement, and input parsing.
+that a Gradio generator streams from (and that Stop ends), and input parsing (where that work
+runs, on ZeroGPU in a forked worker: ``nctv.ui.gpu``).
 
 Handlers never show a traceback: a ``ValueError`` from the library already speaks the person's
 words and becomes ``gr.Error(message)``; anything else is logged on the server with its traceback
@@ -13,7 +14,6 @@ import functools
 import inspect
 import logging
 import math
-import os
 import queue
 import re
 import shutil
@@ -140,23 +140,6 @@ def user_errors(fn: Callable | None = None, *, status_of: int | None = None) -> 
 def error_status(message: str) -> str:
     """The status line after a failed run: the message, and that what is shown below is older."""
     return f"**Error** — {message}\n\nNothing below changed: it is still the last result that finished."
-
-
-def on_gpu(duration: int = 120) -> Callable[[Callable], Callable]:
-    """``spaces.GPU`` on a ZeroGPU Space (where the ``spaces`` package exists), else unchanged.
-
-    Elsewhere the device is chosen by :func:`nctv.inference.resolve_device`: CUDA when present.
-    """
-    def deco(fn: Callable) -> Callable:
-        if "SPACES_ZERO_GPU" not in os.environ:
-            return fn
-        try:
-            import spaces  # type: ignore[import-not-found]
-        except ImportError:
-            return fn
-        return spaces.GPU(duration=duration)(fn)
-
-    return deco
 
 
 class Cancelled(Exception):

@@ -13,7 +13,8 @@ from nctv.checks import GAMMA_MAX
 from nctv.report import gamma_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
-from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.common import export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.gpu import GpuRun, gpu_generator, prepare_run, sweep_work
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
 from nctv.ui.shipped import shipped_figure, shipped_study
@@ -54,6 +55,10 @@ def run_sweep(spec: SplitSpec, gammas: list[float], n_bins: int, nc: NCOptions, 
     cal, test = get_splits(spec)
     options = RunOptions(nc=nc, progress=False, callback=lambda f, m: report(("progress", f, m)), dataset=spec.dataset)
     return run_gamma_sweep(loaded, cal, test, gammas, n_bins, spec.calibration_seed, options=options)
+
+
+#: The GPU function of the γ sweep (``nctv.ui.gpu``): ``(seconds, spec, gammas, n_bins, nc)`` → items, then the result.
+sweep_on_gpu = gpu_generator(run_sweep)
 
 
 def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | None:
@@ -99,7 +104,8 @@ def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bin
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     gammas = gamma_grid(gamma_from, gamma_to, gamma_step)
     nc = parse_nc_options(fitter, weight_decay, epochs, lr, init=init)
-    worker = Worker(lambda report: run_sweep(spec, gammas, n_bins, nc, report))
+    worker = GpuRun(sweep_on_gpu, (spec, gammas, n_bins, nc), prepare=lambda report: prepare_run(
+        spec, lambda loaded, n_cal, n_test: sweep_work(nc, gammas, n_cal, n_test), report))
     result = yield from stream_progress(worker, progress, 4)
     fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")
     out = export_dir("gamma-sweep")

@@ -10,7 +10,8 @@ import gradio as gr
 from nctv.report import init_study_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
-from nctv.ui.common import Worker, export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.common import export_dir, parse_whole, stream_progress, user_errors, with_warnings
+from nctv.ui.gpu import GpuRun, gpu_generator, init_work, prepare_run
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
 from nctv.ui.shipped import shipped_figure, shipped_study
@@ -29,6 +30,10 @@ def run_study(spec: SplitSpec, runs: int, n_bins: int, nc: NCOptions, report: Ca
     cal, test = get_splits(spec)
     options = RunOptions(nc=nc, progress=False, callback=lambda f, m: report(("progress", f, m)), dataset=spec.dataset)
     return run_init_study(loaded, cal, test, runs, n_bins, spec.calibration_seed, options=options)
+
+
+#: The GPU function of the study (``nctv.ui.gpu``): ``(seconds, spec, runs, n_bins, nc)`` → items, then the result.
+study_on_gpu = gpu_generator(run_study)
 
 
 def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | None:
@@ -74,7 +79,8 @@ def init_study(model, hub_id, dataset, calibration_size, test_size, seed, n_bins
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     runs = parse_whole(runs, "Runs", 1, MAX_RUNS)
     nc = parse_nc_options(fitter, weight_decay, epochs, lr, gamma=gamma)
-    worker = Worker(lambda report: run_study(spec, runs, n_bins, nc, report))
+    worker = GpuRun(study_on_gpu, (spec, runs, n_bins, nc), prepare=lambda report: prepare_run(
+        spec, lambda loaded, n_cal, n_test: init_work(nc, runs, n_cal, n_test), report))
     result = yield from stream_progress(worker, progress, 4)
     data = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)
     out = export_dir("init-study")

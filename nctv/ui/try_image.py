@@ -31,8 +31,9 @@ from nctv.corruptions import CORRUPTIONS, check_corruption, corrupt_image
 from nctv.inference import model_logits
 from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
-from nctv.ui.caches import get_model, get_ood_detector
+from nctv.ui.caches import get_model, get_ood_detector, remember_detector
 from nctv.ui.delta import NO_DELTA, delta_view
+from nctv.ui.gpu import gpu_call
 from nctv.ui.session import TS_METHOD, Calibration
 from nctv.ui.shipped import examples_dir, load_precomputed
 
@@ -405,6 +406,40 @@ def _scores(loaded: Any, cal: Calibration, x: torch.Tensor) -> tuple[dict[str, n
     return probs, z
 
 
+def _picture_work(cal: Calibration, x: torch.Tensor, clean: torch.Tensor | None) -> tuple:
+    """The model work of one picture (``x`` preprocessed; ``clean``: the uncorrupted one, or None):
+    (probabilities, logits, the clean picture's probabilities or None, the out-of-distribution
+    verdict, and, inside a ZeroGPU worker, the detector it used, which the server then keeps)."""
+    from nctv.ui.gpu import in_worker
+
+    loaded = get_model(cal.model)
+    probs, z = _scores(loaded, cal, x)
+    clean_probs = None if clean is None else _scores(loaded, cal, clean)[0]
+    verdict = ood_verdict(cal, x)
+    detector = get_ood_detector(cal.split) if in_worker() and verdict.flagged is not None else None
+    return probs, z, clean_probs, verdict, detector
+
+
+#: The GPU function of the Try tab (``nctv.ui.gpu``): ``(seconds, calibration, x, clean)`` → :func:`_picture_work`'s answer.
+picture_on_gpu = gpu_call(_picture_work)
+
+
+def _picture_answers(loaded: Any, cal: Calibration, x: torch.Tensor, clean: torch.Tensor | None) -> tuple:
+    """:func:`_picture_work`, on the GPU for a large model on ZeroGPU (``nctv.ui.gpu.call``); a detector
+    fitted there is kept for the next picture."""
+    from nctv.ood import MAX_FIT_IMAGES, MAX_THRESHOLD_IMAGES
+    from nctv.ui.gpu import call
+
+    # The pictures through the model: this one (with and without δ), the clean one, and the
+    # out-of-distribution check's fit, in case it is not fitted yet.
+    pictures = 4 + MAX_FIT_IMAGES + MAX_THRESHOLD_IMAGES
+    probs, z, clean_probs, verdict, detector = call(picture_on_gpu, _picture_work, (cal, x, clean),
+                                                    loaded, pictures)
+    if detector is not None and cal.split is not None:
+        remember_detector(cal.split, detector)
+    return probs, z, clean_probs, verdict
+
+
 def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFAULT_CORRUPTION,
                    severity: Any = 0) -> tuple[str, str, str, str]:
     """(verdict, confidence chart, δ view, details) for one picture, corrupted by ``corruption`` at
@@ -421,15 +456,14 @@ def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFA
     if cal.delta is not None and tuple(cal.delta.shape) != tuple(x.shape):
         raise ImageError(f"The calibration's δ has shape {tuple(cal.delta.shape)} but the model input is "
                          f"{tuple(x.shape)}.")
-    probs, z = _scores(loaded, cal, x)
-    shift = Shift(picture, name, severity, _scores(loaded, cal, loaded.preprocess(img))[0]) if severity else None
+    probs, z, clean, verdict = _picture_answers(loaded, cal, x, loaded.preprocess(img) if severity else None)
+    shift = Shift(picture, name, severity, clean) if severity else None
     view = NO_DELTA
     if cal.delta is not None:
         mean, std = loaded.data_config["mean"], loaded.data_config["std"]
         view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}"),
                           picture="Your picture", group=DELTA_GROUP,
                           effect=delta_effect(loaded.class_names, probabilities(z / cal.nc_temperature), probs["nc"]))
-    verdict = ood_verdict(cal, x)
     lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), corruption_note,
              f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "
              f"{tuple(x.shape)} (channels, height, width)."] + ([channel_note] if channel_note else [])

@@ -1,0 +1,120 @@
+"""A stand-in for the ``spaces`` package on a CPU, keeping the ZeroGPU contract that the app must
+live with (tests/test_zerogpu.py puts this folder on PYTHONPATH and sets SPACES_ZERO_GPU=1):
+
+* every call of a ``@GPU`` function runs in a worker forked from the caller (multiprocessing's
+  "fork" context), so the worker inherits the server's memory, including any OpenMP pool it used;
+* arguments cross to the worker as a pickle, results come back as pickles (a generator's items one
+  by one, as it yields them), and nothing the worker changes in memory comes back;
+* ``duration`` (seconds, or a function of the call's arguments that gives them) is honoured: a
+  worker still running past it is killed, and the call raises ``gr.Error("GPU task aborted")``;
+* closing a streaming call's generator (Gradio does on Stop) kills its worker.
+
+When ``SPACES_STANDIN_LOG`` names a file, each call appends a line there: the function's name, the
+duration asked for, the worker's process id and how the call ended (done, error, aborted, closed).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import multiprocessing
+import os
+import pickle
+import time
+from typing import Any, Callable, Iterator
+
+_FORK = multiprocessing.get_context("fork")
+
+
+def _log(name: str, seconds: float, pid: int | None, how: str) -> None:
+    path = os.environ.get("SPACES_STANDIN_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{name}\t{seconds:g}\t{pid}\t{how}\n")
+
+
+def _aborted() -> Exception:
+    import gradio as gr
+
+    return gr.Error("GPU task aborted")
+
+
+def _worker(conn: Any, fn: Callable, payload: bytes, stream: bool, seconds: float) -> None:
+    """The forked worker: unpickle the arguments, run, send every item (or the result) pickled. One
+    second before its duration ends it writes every thread's stack to stderr (why it is late)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(seconds - 1, 0.5), exit=False)
+    try:
+        args, kwargs = pickle.loads(payload)
+        if stream:
+            for item in fn(*args, **kwargs):
+                conn.send_bytes(pickle.dumps(("item", item)))
+        else:
+            conn.send_bytes(pickle.dumps(("item", fn(*args, **kwargs))))
+        conn.send_bytes(pickle.dumps(("end", None)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the real package does
+        try:
+            conn.send_bytes(pickle.dumps(("error", exc)))
+        except Exception:  # noqa: BLE001 - an error that does not pickle
+            conn.send_bytes(pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"))))
+    finally:
+        conn.close()
+        os._exit(0)  # none of the server's exit handlers run in the worker
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, seconds: float, stream: bool) -> Iterator[Any]:
+    payload = pickle.dumps((args, kwargs))  # arguments cross as a pickle
+    receive, send = _FORK.Pipe(duplex=False)
+    proc = _FORK.Process(target=_worker, args=(send, fn, payload, stream, seconds), daemon=True)
+    proc.start()
+    send.close()
+    how = "closed"
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not receive.poll(left):
+                how = "aborted"
+                raise _aborted()
+            try:
+                kind, value = pickle.loads(receive.recv_bytes())
+            except EOFError:  # the worker died without a word
+                how = "aborted"
+                raise _aborted() from None
+            if kind == "item":
+                yield value
+            elif kind == "end":
+                how = "done"
+                return
+            else:
+                how = "error"
+                raise value
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        receive.close()
+        _log(getattr(fn, "__name__", "?"), seconds, proc.pid, how)
+
+
+def GPU(fn: Callable | None = None, *, duration: float | Callable[..., float] = 60) -> Callable:  # noqa: N802
+    """``@GPU`` or ``@GPU(duration=…)``: run each call in a forked worker (see the module's text)."""
+    if fn is None:
+        return lambda f: GPU(f, duration=duration)
+
+    def seconds_of(args: tuple, kwargs: dict) -> float:
+        return float(duration(*args, **kwargs) if callable(duration) else duration)
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def streaming(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            yield from _call(fn, args, kwargs, seconds_of(args, kwargs), stream=True)
+
+        return streaming
+
+    @functools.wraps(fn)
+    def plain(*args: Any, **kwargs: Any) -> Any:
+        (result,) = _call(fn, args, kwargs, seconds_of(args, kwargs), stream=False)
+        return result
+
+    return plain

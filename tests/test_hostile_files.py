@@ -5,6 +5,7 @@ import bz2
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -435,3 +436,109 @@ def test_a_cap_set_to_nonsense_stops_at_start_in_words():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "The environment variable NCTV_MAX_CALIBRATOR_BYTES must be a whole number ≥ 1; it is 'lots'" in proc.stderr
+
+
+# ---- zips read lazily: one config.json at a time, the safetensors header capped before it is read -------
+
+#: The start of a measuring child process: ``costs(paths, run)`` prints, as JSON, for each file the rise
+#: of the peak resident size (VmHWM, reset before each) and the CPU seconds of ``run(path)``, and its
+#: outcome (``done``, or the message of the ValueError it raised).
+PEAK_PRELUDE = """
+import json, resource, sys
+from pathlib import Path
+
+def status(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+def costs(paths, run, done):
+    results = {}
+    for path in paths:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+        rss0, cpu0 = status("VmRSS"), cpu()
+        try:
+            run(path)
+            outcome = done
+        except ValueError as e:
+            outcome = str(e)
+        results[Path(path).name] = {"memory": status("VmHWM") - rss0, "cpu": cpu() - cpu0, "outcome": outcome}
+    print(json.dumps(results))
+"""
+
+
+def run_measuring(script: str, args, code_root: Path = ROOT) -> dict:
+    """What a :data:`PEAK_PRELUDE` script printed, run in a fresh process on the code under ``code_root``."""
+    env = dict(os.environ, PYTHONPATH=str(code_root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", PEAK_PRELUDE + script, *map(str, args)], env=env, cwd=code_root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_MEASURE_LOAD = """
+from nctv.ui.upload_calibrator import calibration_from_zip
+
+calibration_from_zip(sys.argv[1], None)  # the model loaded and the modules imported: what a server has already
+costs(sys.argv[2:], lambda path: calibration_from_zip(path, None), "accepted")
+"""
+
+
+def measure_loads(good: Path, paths) -> dict:
+    """For each zip, the rise of peak memory (VmHWM) and the CPU seconds of ``calibration_from_zip`` in one
+    fresh process, after a first load of ``good`` (as a running server has done)."""
+    return run_measuring(_MEASURE_LOAD, [good, *paths])
+
+
+def _json_floats(megabytes: float) -> str:
+    """A JSON list of ``megabytes`` MB of the number 1.5: about 11 bytes of Python per byte once parsed."""
+    n = int(megabytes * 2**20) // 4
+    return "[" + "1.5," * (n - 1) + "1.5]"
+
+
+@pytest.fixture(scope="module")
+def lazy_zip_costs(good_zip_files, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lazy")
+    nc_config = json.loads(good_zip_files["neural-clamping-fl/config.json"])
+    tensors = good_zip_files["neural-clamping-fl/calibrator.safetensors"]
+    zips = {"good": dict(good_zip_files)}
+    # Four folders of 8 MB config.json each, each naming a model of its own: refused once all are read.
+    many = {}
+    for i in range(4):
+        config = dict(nc_config, model={**nc_config["model"], "name": f"model-{i}"}, padding=None)
+        text = json.dumps(config)
+        many[f"c{i}/config.json"] = text.replace('"padding": null', '"padding": ' + _json_floats(8)).encode()
+        many[f"c{i}/calibrator.safetensors"] = tensors
+    zips["four-configs"] = many
+    # 8 MB of empty lists: 60 bytes of Python each, for their 3 characters.
+    zips["nested"] = {"c/config.json": ("[" + "[]," * (8 * 2**20 // 3) + "[]]").encode(),
+                      "c/calibrator.safetensors": tensors}
+    # The shipped calibrator (its model's fingerprint is public) with a 24 MB safetensors header.
+    header = ('{"__metadata__": {"padding": ' + _json_floats(24) + "}}").encode()
+    zips["long-header"] = {"nc/config.json": good_zip_files["neural-clamping-fl/config.json"],
+                           "nc/calibrator.safetensors": struct.pack("<Q", len(header)) + header}
+    paths = {}
+    for name, files in zips.items():
+        paths[name] = folder / f"{name}.zip"
+        with zipfile.ZipFile(paths[name], "w", zipfile.ZIP_DEFLATED) as z:
+            for member, data_ in files.items():
+                z.writestr(member, data_)
+        assert paths[name].stat().st_size < 4 * 2**20  # small uploads
+    return measure_loads(paths.pop("good"), paths.values())
+
+
+@pytest.mark.parametrize("kind, words, most_mb", [
+    ("four-configs", "must all name the one model", 160),  # was +390 MB: all four held at once
+    ("nested", "holds more than 262,144 lists and objects", 40),  # was +200 MB
+    ("long-header", "has a header of 25,165,8.. bytes; a saved calibrator's takes a few hundred", 40),  # +270 MB
+])
+def test_a_zips_calibrators_are_read_one_at_a_time_and_headers_capped_before_reading(lazy_zip_costs, kind, words,
+                                                                                       most_mb):
+    used = lazy_zip_costs[f"{kind}.zip"]
+    assert re.search(words, used["outcome"]), used
+    assert used["memory"] < most_mb * 2**20, used
+    assert used["cpu"] < 3, used

@@ -50,6 +50,13 @@ _FITTED_NAME = re.compile(r"[a-z][a-z0-9_]*_")
 MAX_CONFIG_BYTES = env_limit("NCTV_MAX_CONFIG_BYTES", 16 * 2**20)
 MAX_TENSORS_BYTES = env_limit("NCTV_MAX_CALIBRATOR_BYTES", 512 * 2**20)
 FILE_CAPS = {CONFIG_NAME: MAX_CONFIG_BYTES, TENSORS_NAME: MAX_TENSORS_BYTES}
+#: Most JSON objects and arrays in one config.json, counted from its bytes before it is parsed. A
+#: container costs Python 56 to 200 bytes for its 2 or 3 characters: 15 MB of ``[[],[],…]`` would
+#: take 390 MB once parsed. A long SGD history is one object a step (a 16 MB config holds ~120,000).
+MAX_CONFIG_CONTAINERS = 2**18
+#: Largest safetensors header (the JSON that lists the tensors), checked from its 8-byte length before
+#: it is read: a calibrator's few tensors take a few hundred bytes each; ``$NCTV_MAX_HEADER_BYTES``.
+MAX_HEADER_BYTES = env_limit("NCTV_MAX_HEADER_BYTES", 2**20)
 #: Most values in one model input (δ's size) when the model given does not say its input shape (a
 #: bare nn.Module) and the calibrator records none: 16 Mi values is a 3×2048×2048 image and more.
 MAX_INPUT_VALUES = env_limit("NCTV_MAX_INPUT_VALUES", 16 * 2**20)
@@ -246,8 +253,12 @@ def read_config(folder: Path) -> dict:
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ValueError(f"{path} is larger than {MAX_CONFIG_BYTES:,} bytes (NCTV_MAX_CONFIG_BYTES); a saved "
                          "calibrator's config.json is far smaller.")
+    raw = path.read_bytes()
+    if raw.count(b"[") + raw.count(b"{") > MAX_CONFIG_CONTAINERS:  # brackets in strings count too: an upper bound
+        raise ValueError(f"{path} holds more than {MAX_CONFIG_CONTAINERS:,} lists and objects; a saved calibrator's "
+                         "config.json holds far fewer.")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or a 5,000-digit number
         raise ValueError(f"{path} is not valid JSON ({e}); save the calibrator again.") from None
     version = config.get("nctv_format") if isinstance(config, dict) else None
@@ -393,6 +404,10 @@ def _read_header(path: Path) -> dict:
         if not 2 <= n <= size - 8:
             raise ValueError(f"{path} is not a safetensors file (its header length is wrong); save the calibrator "
                              "again.")
+        if n > MAX_HEADER_BYTES:  # checked before the header is read, let alone parsed
+            raise ValueError(f"{path} has a header of {n:,} bytes; a saved calibrator's takes a few hundred "
+                             f"(at most {MAX_HEADER_BYTES:,}, NCTV_MAX_HEADER_BYTES). It was not written by "
+                             "save_pretrained.")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, ValueError, RecursionError):

@@ -115,17 +115,30 @@ def _check_members(members: list[zipfile.ZipInfo]) -> None:
                              "are false, so it was not made by NCTV or a zip tool.")
 
 
-def _model_of(configs: dict[Path, dict], state: Calibration | None) -> str:
+def _model_of(names: set, state: Calibration | None) -> str:
     from nctv.zoo import ENTRIES
 
-    names = {(c.get("model") or {}).get("name") for c in configs.values()}
-    if len(names) != 1 or None in names:
+    if len(names) != 1 or not isinstance(name := next(iter(names)), str):
         raise ValueError("The calibrators in the zip must all name the one model they were fitted for.")
-    name = names.pop()
     if name not in ENTRIES and (state is None or name != state.model):
         raise ValueError(f"The calibrators were fitted for {shown(name)}, which this app does not offer; calibrate "
                          "that model in the Calibrate tab first, or use `nctv apply` on your own machine.")
     return name
+
+
+def _survey(folders: list[Path]) -> tuple[set, dict[str, Path]]:
+    """(the model names, method -> folder) of the zip's calibrators, reading one config.json at a time and
+    keeping only those two words of each: a config may be megabytes of JSON, and several held at once
+    cost several times that (4 × 15 MB of JSON: +558 MB)."""
+    names, by_method = set(), {}
+    for folder in folders:
+        config = read_config(folder)
+        name, method = (config.get("model") or {}).get("name"), config.get("method")
+        del config
+        names.add(name if isinstance(name, str) else None)
+        if isinstance(method, str):
+            by_method[method] = folder
+    return names, by_method
 
 
 def _load(folder: Path, loaded: Any) -> Any:
@@ -143,21 +156,24 @@ def calibration_from_zip(path: str | Path, state: Calibration | None) -> Calibra
     calibrator, and the temperature-scaling T from its Temperature Scaling one (fitted on the
     model's default calibration split when the zip has none)."""
     with tempfile.TemporaryDirectory(prefix="nctv-upload-") as tmp:
-        configs = {f: read_config(f) for f in unpack(path, Path(tmp))}
-        model = _model_of(configs, state)
+        names, by_method = _survey(unpack(path, Path(tmp)))
+        model = _model_of(names, state)
         loaded = get_model(model)
-        by_method = {c["method"]: f for f, c in configs.items()}
         nc_name = next((n for n in NC_METHODS if n in by_method), None)
         if nc_name is None:
-            raise ValueError(f"The zip holds no Neural Clamping calibrator (it has: {', '.join(sorted(by_method))}); "
-                             "tick Neural Clamping in the Calibrate tab, run, and download again.")
+            raise ValueError(f"The zip holds no Neural Clamping calibrator (it has: "
+                             f"{', '.join(shown(m) for m in sorted(by_method)) or 'none'}); tick Neural Clamping in "
+                             "the Calibrate tab, run, and download again.")
         nc = _load(by_method[nc_name], loaded)
+        # Only T and δ are kept: the calibrator (and its fit's history) goes before the next one is read.
+        nc_t, delta = float(nc.temperature_), nc.delta_.detach().float().cpu()
+        del nc
         split = SplitSpec(model, None, DEFAULT_CALIBRATION_SIZE, 0)
         ts_t = (float(_load(by_method[TS_METHOD], loaded).temperature_) if TS_METHOD in by_method
                 else ts_temperature_of(split))
     when = datetime.now().strftime("%H:%M:%S")
-    return Calibration(split=split, model=model, ts_temperature=ts_t, nc_temperature=float(nc.temperature_),
-                       delta=nc.delta_.detach().float().cpu(), nc_method=nc_name,
+    return Calibration(split=split, model=model, ts_temperature=ts_t, nc_temperature=nc_t,
+                       delta=delta, nc_method=nc_name,
                        source=f"loaded from {Path(path).name} at {when}")
 
 

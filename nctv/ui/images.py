@@ -22,7 +22,7 @@ from gradio.components.base import server
 from gradio.data_classes import FileData, ImageData
 
 from nctv.checks import env_limit
-from nctv.images import MAX_IMAGE_BYTES, ImageError, decoded_bytes, open_checked
+from nctv.images import ALLOWED, MAX_IMAGE_BYTES, ImageError, decoded_bytes, open_checked
 
 #: Largest uploaded file, in bytes (Gradio's ``max_file_size``), and largest picture sent inline as a
 #: ``data:`` URL once decoded; ``$NCTV_MAX_UPLOAD_BYTES``.
@@ -59,8 +59,8 @@ def _refusals():
     except PIL.Image.DecompressionBombError:
         raise gr.Error("The image is too large for this app. Please shrink it.", print_exception=False) from None
     except PIL.UnidentifiedImageError:
-        raise gr.Error("That file is not an image this app can read. Please upload a PNG, JPEG, WebP, BMP or GIF "
-                       "picture.", print_exception=False) from None
+        raise gr.Error(f"That file is not an image this app can read. Please upload a {ALLOWED} picture.",
+                       print_exception=False) from None
     except Exception:  # noqa: BLE001 - whatever the decoder met, the person gets one sentence
         raise gr.Error("The image could not be read. It may be damaged.", print_exception=False) from None
 

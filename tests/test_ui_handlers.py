@@ -227,8 +227,8 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     # Running: the status says which step runs and, once it can, the time it still needs.
     *running, finishing = [o[0] for o in outs[:-1] if isinstance(o[0], str)]
     assert running and all(r.startswith("**Running** — ") for r in running)
-    # Once the work is done, "Done" while the tables and figures are made (not "Running — done in …").
-    assert re.fullmatch(r"\*\*Done\*\* in [\d.]+ s · drawing the result…", finishing), finishing
+    # Once the work is done, "Finished" while the tables and figures are made (not "Running — done in …").
+    assert re.fullmatch(r"\*\*Finished\*\* in [\d.]+ s · drawing the result…", finishing), finishing
     # A fit this short (about half a second, updates at most every 0.25 s) may end before an estimate
     # is possible: test_time_left_follows_the_rate_of_the_running_task checks the estimate itself.
     assert any(re.search(r"Neural Clamping \(FL\) \(seed 0\): pass [\d.]+, loss [\d.]+, T [\d.]+ · ", r)

@@ -1,5 +1,5 @@
 """What the app's handlers say and offer, run here without a browser: a typed dataset refused at once
-in one sentence naming what this server takes, the time left that counts down and then says "Done",
+in one sentence naming what this server takes, the time left that counts down and then says "Finished",
 and the downloads the study tabs promise (JSON and PNG) from their first screen."""
 import json
 from pathlib import Path
@@ -79,10 +79,10 @@ def test_the_time_left_only_counts_down_while_stuck():
     assert line.text().endswith(f"about {30} s left")
     now[0] = 121.0
     line.report("done in 121.0 s", DONE, 1.0)
-    assert line.text() == "**Done** in 121.0 s · drawing the result…"
+    assert line.text() == "**Finished** in 121.0 s · drawing the result…"
 
 
-def test_a_study_says_done_once_its_work_ends():
+def test_a_study_says_finished_once_its_work_ends():
     def work(report):
         for i in range(1, 5):
             report(("progress", i / 4, f"γ = {i}"))
@@ -96,7 +96,7 @@ def test_a_study_says_done_once_its_work_ends():
     except StopIteration as end:
         assert end.value == "the result"
     said = [s for s in statuses if isinstance(s, str)]
-    assert said[-1].startswith("**Done**") and all(s.startswith("**Running**") for s in said[:-1])
+    assert said[-1].startswith("**Finished**") and all(s.startswith("**Running**") for s in said[:-1])
 
 
 @pytest.mark.parametrize("tab, names", [(gamma_tab, ("gamma_sweep.json", "gamma_sweep.png")),

@@ -373,7 +373,7 @@ DONE = "done"
 class ProgressLine:
     """The status line of a running job: its latest message, then the time the running task still
     needs (or, before that can be told, how long it has run); once the work reports :data:`DONE`,
-    "Done" and the message. :meth:`line` gives the text when it differs from the one shown last, so
+    "Finished" and the message. :meth:`line` gives the text when it differs from the one shown last, so
     an idle poll redraws only when the clock's words change."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
@@ -416,10 +416,11 @@ class ProgressLine:
 
 
 def done_line(message: str = "") -> str:
-    """The status line once the work is done, while its result is being drawn: "Done", then
-    ``message`` ("done in 34.9 s" reads "Done in 34.9 s")."""
+    """The status line once the work is done, while its result is being drawn: "Finished", then
+    ``message`` ("done in 34.9 s" reads "Finished in 34.9 s"). The handler's last status, with the
+    result, says "Done" (a page waiting for "Done" then has the result)."""
     rest = message[len("done"):] if message.lower().startswith("done ") else (f" — {message}" if message else "")
-    return f"**Done**{rest} · drawing the result…"
+    return f"**Finished**{rest} · drawing the result…"
 
 
 def stream_progress(worker: Worker, progress: Any, outputs: int) -> Iterator[tuple]:

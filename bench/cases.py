@@ -129,7 +129,7 @@ def synthetic_logits(n: int, k: int, seed: int, device: torch.device) -> tuple[t
 
 
 def case_sweep(p: dict, device: torch.device) -> dict:
-    """The 21-point γ sweep (0, 0.05, …, 1) as one warm-started continuation (fast fitter)."""
+    """The 21-point γ sweep (0, 0.05, …, 1) with the fast fitter: each γ its own fit, the first pass shared."""
     from nctv.calibration.clamping import SWEEP_GAMMAS
     from nctv.calibration.studies import gamma_sweep
 
@@ -141,7 +141,7 @@ def case_sweep(p: dict, device: torch.device) -> dict:
         sweep = gamma_sweep(loaded.model, x, y, gammas=SWEEP_GAMMAS, seed=p.get("seed", 0), progress=False)
     out.update(
         model=p["model"], cal_size=int(x.shape[0]), n_gammas=len(sweep.gammas), passes=float(sweep.n_passes),
-        passes_per_gamma=[float(v) for v in sweep.passes], gammas=[float(g) for g in sweep.gammas],
+        passes_by_gamma=[float(v) for v in sweep.passes], gammas=[float(g) for g in sweep.gammas],
         objective=[float(v) for v in sweep.objective], cal_ece=[float(v) for v in sweep.cal["ece"]],
         chosen_gamma=float(sweep.chosen_gamma), **_memory(device, rss_before),
     )

@@ -607,8 +607,8 @@ def _md_sweep(results: dict) -> list[str]:
            f"extrapolated as 21 × their mean")
     lines += [
         f"Model {sw['model']}, a subset of {sw['cal_size']} calibration images (seed 0) for both sides. "
-        f"Sweep: `gamma_sweep` with the fast fitter (one warm-started continuation: a full fit for γ = 0, "
-        f"then at most 3 passes per further γ). Sequential: independent fast fits from scratch, one per γ; {how}. "
+        f"Sweep: `gamma_sweep` with the fast fitter (each γ its own fit, as a run at that γ; the first pass "
+        f"over the calibration split shared). Sequential: independent fast fits from scratch, one per γ; {how}. "
         "Each process does one untimed warm-up forward + backward on a batch first.",
         "",
         "| | passes | seconds | peak RSS MB |",

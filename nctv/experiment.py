@@ -730,10 +730,11 @@ def _study_settings(options: RunOptions, nc: NCOptions, sets: str, dev: torch.de
 
 
 def run_gamma_sweep(model: Any, calibration: Any, test: Any | None = None, gammas: Sequence[float] = SWEEP_GAMMAS,
-                    n_bins: int = STUDY_BINS, seed: int = 0, passes_per_gamma: float = 4,
-                    options: RunOptions | None = None, **keywords: Any) -> GammaSweepResult:
+                    n_bins: int = STUDY_BINS, seed: int = 0, options: RunOptions | None = None,
+                    **keywords: Any) -> GammaSweepResult:
     """Figure 2: Neural Clamping fitted for every γ (default 0, 0.05, …, 1), with ECE, entropy and
-    training loss on the calibration and test splits (``studies.gamma_sweep``), from ``seed``.
+    training loss on the calibration and test splits (``studies.gamma_sweep``), from ``seed``. Each γ's
+    row is this run's Neural Clamping (FL) row at that γ: its options are built as a run builds them.
     ``options``, ``keywords``: as in :func:`run_experiment` (Neural Clamping's options but γ, the
     device, batch size, progress, callback, precision; a zoo model's ``input_range`` is passed when
     init="data" or clamp asks for it)."""
@@ -744,25 +745,23 @@ def run_gamma_sweep(model: Any, calibration: Any, test: Any | None = None, gamma
     calibration = as_split(calibration, "calibration")
     test = None if test is None else as_split(test, "test")
     module, info, dev = _prepare_model_run(model, options.device)
-    gammas, passes_per_gamma = list(gammas), float(passes_per_gamma)
-    nc = studies.sweep_options(options.nc)
+    gammas = list(gammas)
+    nc = _method_options(MethodPlan(COMPARED_METHOD, COMPARED_METHOD), options)
     wiring: dict[str, Any] = {"seed": seed, "device": dev, "progress": False}
     if nc.init == "data" or nc.clamp:
         wiring["input_range"] = _input_range(model, options.input_range)
-    total = studies.gamma_sweep_passes(module, len(gammas), passes_per_gamma, nc)
+    total = studies.gamma_sweep_passes(module, len(gammas), nc)
     with _passes_bar(total, "gamma sweep", "γ sweep", options.progress, options.callback) as report, \
             _run_precision(options.precision, module, calibration, dev) as chosen:
         sweep = studies.gamma_sweep(
             module, calibration.loader(batch_size=options.batch_size), None,
             None if test is None else test.loader(batch_size=options.batch_size), None,
-            gammas=gammas, n_bins=n_bins, passes_per_gamma=passes_per_gamma, options=nc.changed(
-                batch_size=options.batch_size if nc.batch_size is None else nc.batch_size),
-            callback=report, **wiring)
+            gammas=gammas, n_bins=n_bins, options=nc, callback=report, **wiring)
     if options.callback is not None:
         options.callback(1.0, f"γ sweep done; chosen γ = {sweep.chosen_gamma:g}")
     return GammaSweepResult(
         sweep, info, _split_info(calibration), _split_info(test) if test is not None else {},
-        _study_settings(options, nc, "gamma", dev, chosen, seed=seed, passes_per_gamma=passes_per_gamma),
+        _study_settings(options, nc, "gamma", dev, chosen, seed=seed),
         time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -784,7 +783,7 @@ def run_init_study(model: Any, calibration: Any, test: Any, runs: int = DEFAULT_
     if rng is None:
         raise ValueError("The initialisation study needs input_range=(alpha, beta), the preprocessed images of "
                          "pixel values 0 and 1 (a model from nctv.zoo brings its own).")
-    nc = options.nc.changed(batch_size=options.batch_size) if options.nc.batch_size is None else options.nc
+    nc = _method_options(MethodPlan(COMPARED_METHOD, COMPARED_METHOD), options)
     total = studies.init_study_passes(module, runs, nc)
     with _passes_bar(total, "init study", "initialisation study", options.progress, options.callback) as report, \
             _run_precision(options.precision, module, calibration, dev) as chosen:
@@ -797,7 +796,7 @@ def run_init_study(model: Any, calibration: Any, test: Any, runs: int = DEFAULT_
     n_classes = _n_classes(model, module, test, options.batch_size)
     return InitStudyResult(
         study, info, _split_info(calibration), _split_info(test),
-        _study_settings(options, options.nc, "init", dev, chosen, runs=runs, seed=seed),
+        _study_settings(options, nc, "init", dev, chosen, runs=runs, seed=seed),
         time.perf_counter() - t0, datetime.now(timezone.utc).isoformat(timespec="seconds"), n_classes=n_classes,
     )
 

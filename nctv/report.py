@@ -749,6 +749,8 @@ def gamma_table(result: Any) -> Table:
     s = result.sweep
     splits = [("calibration", s.cal)] + ([("test", s.test)] if s.test is not None else [])
     columns = [Column("temperature", "T", decimals=4), Column("weight_decay", "λ", decimals=4)]
+    if s.delta_l2 is not None:
+        columns.append(Column("delta_l2", "‖δ‖₂", decimals=3))
     for name, _ in splits:
         columns += [Column(f"{name}_ece", f"ECE {name}", "%", 100.0, 2),
                     Column(f"{name}_entropy", f"Entropy {name}", decimals=4),
@@ -756,6 +758,8 @@ def gamma_table(result: Any) -> Table:
     rows, cells = [], []
     for i, g in enumerate(s.gammas):
         row = [Cell(float(s.temperature[i])), Cell(float(s.weight_decay[i]))]
+        if s.delta_l2 is not None:
+            row.append(Cell(float(s.delta_l2[i])))
         for name, values in splits:
             banded = name == "test" and s.test_low is not None
             for metric, scale in (("ece", 100.0), ("entropy", 1.0)):
@@ -764,8 +768,9 @@ def gamma_table(result: Any) -> Table:
             row.append(Cell(float(values["loss"][i])))
         rows.append(f"{g:g}" + (" (chosen)" if g == s.chosen_gamma else ""))
         cells.append(row)
-    notes = [f"Model {result.model.get('name')}; {s.n_bins} bins; chosen γ = {s.chosen_gamma:g} (lowest calibration "
-             f"ECE; row in bold); Neural Clamping fitter: {s.fitter}."]
+    notes = [f"Model {result.model.get('name')}; {s.n_bins} bins; chosen γ = {s.chosen_gamma:g} (the one γ = auto "
+             f"over this grid keeps; row in bold); Neural Clamping fitter: {s.fitter}. Each row is the Neural "
+             f"Clamping (FL) fit of a run at that γ with the same settings."]
     if s.test_low is not None:
         notes.append(_study_interval_note(s.intervals, "each γ's test ECE and entropy"))
     chosen = [i for i, g in enumerate(s.gammas) if g == s.chosen_gamma]

@@ -495,6 +495,7 @@ class GammaSweepResult(_StudyResult):
             **self._header("gamma-sweep"), "n_bins": s.n_bins,
             "gammas": _jsonable(s.gammas), "chosen_gamma": s.chosen_gamma, "temperature": _jsonable(s.temperature),
             "weight_decay": _jsonable(s.weight_decay), "objective": _jsonable(s.objective),
+            **({"delta_l2": _jsonable(s.delta_l2)} if s.delta_l2 is not None else {}),
             "passes": _jsonable(s.passes), "n_passes": s.n_passes,
             "splits": {"calibration": _jsonable(s.cal), **({"test": _jsonable(s.test)} if s.test is not None else {})},
             **({"intervals": s.intervals, "test_intervals": {m: {"ci_low": _jsonable(s.test_low[m]),

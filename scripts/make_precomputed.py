@@ -9,10 +9,14 @@ anything reproduces it — plus a few test images for the "Try your own image" t
     delta.safetensors         Neural Clamping's δ (normalised input space), keyed by method name
     calibrators/<method>/     every fitted calibrator (save_pretrained), for the download's calibrators.zip
     examples/*.png            one test image per class, as stored in the dataset (28 × 28 grey)
+    arithmetic.json           what made the study: torch, the CPU's kernels, a digest of the unperturbed
+                              calibration logits (tests/test_one_answer.py compares to 1e-6 where it matches)
     shift.json                the Shift tab's study: the default methods and corruptions at every severity,
                               fitted on the clean calibration split, with 6 corrupted test images per condition
 
-``--only shift`` writes shift.json alone and leaves the rest as it is.
+``--only shift`` writes shift.json alone and leaves the rest as it is. Each file is what today's code
+makes: tests/test_one_answer.py reruns the run and parts of every study with the functions below and
+compares them with the shipped files to 1e-6, so a change of behaviour cannot land with a stale result.
 
 Any model of the menu, or any model id, on any dataset: ``--model`` and ``--dataset`` (the model's own
 by default; ``--test-size`` keeps the test logits small for a 1000-class model). Another model's study
@@ -27,6 +31,7 @@ Run from the repository root:  python scripts/make_precomputed.py
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -38,13 +43,14 @@ from nctv.experiment import RunOptions, run_experiment, run_gamma_sweep, run_ini
 from nctv.inference import resolve_device  # noqa: E402
 from nctv.results import GAMMA_SWEEP_FILE, INIT_STUDY_FILE, method_slug  # noqa: E402
 from nctv.shift import run_shift  # noqa: E402
-from nctv.settings import (APP_BINS, APP_INIT_RUNS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_CALIBRATION_SIZE,  # noqa: E402
-                           NCOptions)
+from nctv.settings import (APP_BINS, APP_INIT_RUNS, APP_METHODS, APP_SWEEP_GAMMAS, DEFAULT_BATCH_SIZE,  # noqa: E402
+                           DEFAULT_CALIBRATION_SIZE, NCOptions)
 from nctv.zoo import DEFAULT_MODEL, ENTRIES, load_model  # noqa: E402
 
 #: Corrupted test images kept per condition for the Shift tab.
 SHIFT_EXAMPLES = 6
-#: The page's Neural Clamping settings left at their defaults: γ = 1, the fast fitter, random δ₀.
+#: The page's Neural Clamping settings left at their defaults: γ = 1, the fast fitter, the fitter's own δ₀
+#: (tests/test_one_answer.py checks that the page builds these options).
 APP_NC = NCOptions(gamma=1.0, fitter="fast", init="random")
 
 
@@ -59,6 +65,63 @@ def write_examples(test, folder: Path) -> list[Path]:
         test.image(i).save(path, optimize=True)
         written.append(path)
     return written
+
+
+def default_run(loaded, cal, test, seed: int = 0, bins: int = APP_BINS, callback=None, dataset: str | None = None):
+    """The Calibrate tab's run with the page's default settings."""
+    options = RunOptions(seeds=[seed], bins=[bins], nc=APP_NC, progress=False, callback=callback, dataset=dataset)
+    return run_experiment(loaded, cal, test, APP_METHODS, options)
+
+
+def default_sweep(loaded, cal, test, seed: int = 0, bins: int = APP_BINS, gammas=APP_SWEEP_GAMMAS, callback=None):
+    """The γ sweep tab's first screen: its default grid, 0 to 1 by 0.1, with the page's other settings."""
+    return run_gamma_sweep(loaded, cal, test, gammas, bins, seed,
+                           options=RunOptions(nc=APP_NC, progress=False, callback=callback))
+
+
+def default_init_study(loaded, cal, test, seed: int = 0, bins: int = APP_BINS, runs: int = APP_INIT_RUNS,
+                       callback=None):
+    """The Initialisation tab's: its default of 5 runs per initialisation."""
+    return run_init_study(loaded, cal, test, runs, bins, seed,
+                          options=RunOptions(nc=APP_NC, progress=False, callback=callback))
+
+
+def default_shift(loaded, cal, test, seed: int = 0, bins: int = APP_BINS, corruptions=None, methods=None,
+                  callback=None):
+    """The Shift tab's: every default corruption and severity, the default methods, one seed (a part
+    of it: ``corruptions``, ``methods``)."""
+    return run_shift(loaded, cal, test, corruptions=corruptions, methods=methods,
+                     options=RunOptions(seeds=[seed], nc=APP_NC, progress=False, callback=callback),
+                     n_bins=bins, examples=SHIFT_EXAMPLES)
+
+
+def default_splits(calibration_size: int = DEFAULT_CALIBRATION_SIZE, seed: int = 0, model: str = DEFAULT_MODEL,
+                   dataset: str | None = None, test_size: int | None = None):
+    """The model (the embedded default unless named) and the splits the page draws by default."""
+    loaded = load_model(model, device=resolve_device(None))
+    cal, test = get_splits(loaded, dataset, calibration_size=calibration_size, calibration_seed=seed,
+                           test_size=test_size)
+    return loaded, cal, test
+
+
+#: What made a study: torch, the CPU's kernels and a digest of the model's unperturbed calibration logits.
+ARITHMETIC_FILE = "arithmetic.json"
+
+
+def arithmetic(loaded, cal) -> dict:
+    """The arithmetic a study was made with. The fast fitter stops on a relative decrease of its
+    objective, so logits that round differently (another CPU's kernels, another torch) can stop it one
+    iteration sooner or later: its δ then differs by about 1 % and its test ECE by about 0.1 point
+    (docs/method.md). Equal digests mean the same logits to the last bit, and so the same study."""
+    import hashlib
+
+    import torch
+
+    from nctv.inference import model_logits
+
+    z = model_logits(loaded.model, cal.tensors()[0], batch_size=DEFAULT_BATCH_SIZE).contiguous().numpy()
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "calibration_logits_sha256": hashlib.sha256(z.tobytes()).hexdigest()}
 
 
 def clear(out: Path) -> None:
@@ -87,35 +150,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         args.out = assets_dir() / "precomputed" / ("" if args.model == DEFAULT_MODEL else f"models/{args.model}")
 
-    loaded = load_model(args.model, device=resolve_device(None))
-    cal, test = get_splits(loaded, args.dataset, calibration_size=args.calibration_size, calibration_seed=args.seed,
-                           test_size=args.test_size)
+    loaded, cal, test = default_splits(args.calibration_size, args.seed, args.model, args.dataset, args.test_size)
 
     def report(fraction: float, message: str) -> None:
         print(f"[{100 * fraction:5.1f}%] {message}", flush=True)
 
-    # The Shift tab's: every default corruption and severity, the default methods, one seed.
-    shift = run_shift(loaded, cal, test, options=RunOptions(seeds=[args.seed], nc=APP_NC, progress=False,
-                                                            callback=report),
-                      n_bins=args.bins, examples=SHIFT_EXAMPLES)
+    shift = default_shift(loaded, cal, test, args.seed, args.bins, callback=report)
     if args.only == "shift":
         print(f"wrote {shift.save(args.out, indent=None)}")
         return 0
-    options = RunOptions(seeds=[args.seed], bins=[args.bins], nc=APP_NC, progress=False, callback=report,
-                         dataset=args.dataset)
-    result = run_experiment(loaded, cal, test, APP_METHODS, options)
-    # The γ sweep tab's first screen: its default grid, 0 to 1 by 0.1, with the page's other settings.
-    sweep = run_gamma_sweep(loaded, cal, test, APP_SWEEP_GAMMAS, args.bins, args.seed,
-                            options=RunOptions(nc=APP_NC, progress=False, callback=report))
-    # The Initialisation tab's: its default of 5 runs per initialisation.
-    study = run_init_study(loaded, cal, test, APP_INIT_RUNS, args.bins, args.seed,
-                           options=RunOptions(nc=APP_NC, progress=False, callback=report))
+    result = default_run(loaded, cal, test, args.seed, args.bins, report, dataset=args.dataset)
+    sweep = default_sweep(loaded, cal, test, args.seed, args.bins, callback=report)
+    study = default_init_study(loaded, cal, test, args.seed, args.bins, callback=report)
     clear(args.out)
     written = result.save(args.out, model=loaded)
     for name, study_result in ((GAMMA_SWEEP_FILE, sweep), (INIT_STUDY_FILE, study)):
         (args.out / name).write_text(study_result.to_json(), encoding="utf-8")
         written.append(args.out / name)
     written.append(shift.save(args.out, indent=None))
+    (args.out / ARITHMETIC_FILE).write_text(json.dumps(arithmetic(loaded, cal), indent=2) + "\n", encoding="utf-8")
+    written.append(args.out / ARITHMETIC_FILE)
     if args.model == DEFAULT_MODEL:  # the Try tab's examples are the embedded default's
         written += write_examples(test, args.out / "examples")
     for p in written:

@@ -441,24 +441,28 @@ def test_anchored_temperature_is_a_rule_of_the_fast_fitter(problem):
     assert float(frozen.delta_.abs().max()) == 0.0 and frozen.n_passes_ == 0.5
 
 
-def test_gamma_sweep_shapes_and_consistency(problem):
+def test_gamma_sweep_rows_are_the_fits_at_each_gamma(problem):
     model, x, y, xt, yt = problem
     gammas = [0.0, 0.25, 0.5, 0.75, 1.0]
-    sw = gamma_sweep(model, x, y, xt, yt, gammas=gammas, passes_per_gamma=4, progress=False)
+    sw = gamma_sweep(model, x, y, xt, yt, gammas=gammas, progress=False)
     for split in (sw.cal, sw.test):
         assert set(split) == {"ece", "entropy", "loss"}
         assert all(v.shape == (5,) for v in split.values())
-    assert sw.chosen_gamma == gammas[int(np.argmin(sw.cal["ece"]))]
-    assert all(p <= 4 for p in sw.passes[1:])
+    # One shared first pass, then each γ's own fit.
     assert sw.n_passes == pytest.approx(0.5 + sw.passes.sum())
-    # The first point is an ordinary fit at that γ, with the objective's T (the paper's figure).
-    first = NeuralClamping(model, gamma=0.0, temperature="fitted", **quiet()).fit(x, y)
-    assert sw.temperature[0] == pytest.approx(first.temperature_, rel=1e-6)
-    zt = first.predict_logits(xt)
-    assert sw.test["ece"][0] == pytest.approx(ece(zt, yt), abs=1e-6)
-    assert sw.test["loss"][0] == pytest.approx(float(focal_by_hand(zt, yt, 0.0)), rel=1e-5)
-    # Entropy grows with γ (focal loss pushes towards softer predictions).
-    assert sw.cal["entropy"][-1] > sw.cal["entropy"][0]
+    # Every row is the fit that Neural Clamping gives at that γ alone, with the same default options.
+    for i in (1, 4):
+        alone = NeuralClamping(model, gamma=gammas[i], **quiet()).fit(x, y)
+        assert sw.temperature[i] == pytest.approx(alone.temperature_, rel=1e-6)
+        assert sw.weight_decay[i] == pytest.approx(alone.weight_decay_, rel=1e-6)
+        assert sw.objective[i] == pytest.approx(alone.objective_, rel=1e-6)
+        zt = alone.predict_logits(xt)
+        assert sw.test["ece"][i] == pytest.approx(ece(zt, yt), abs=1e-6)
+        assert sw.test["loss"][i] == pytest.approx(float(focal_by_hand(zt, yt, gammas[i])), rel=1e-5)
+    # The γ the sweep marks is the one gamma="auto" over the same values keeps.
+    auto = NeuralClamping(model, gamma="auto", gamma_candidates=tuple(gammas), **quiet()).fit(x, y)
+    assert sw.chosen_gamma == auto.gamma_
+    assert auto.temperature_ == pytest.approx(sw.temperature[gammas.index(auto.gamma_)], rel=1e-6)
 
 
 def test_init_study_runs(problem):
@@ -626,7 +630,7 @@ def test_each_fit_gets_a_problem_built_with_its_loss(problem):
     nc = NeuralClamping(model, weight_decay=0.01, temperature="fitted", **quiet())
     prepared = nc.prepare(x, y)
     shared = dict(vars(prepared.problem))
-    fits = nc.fit_prepared(prepared, [0.0, 2.0], later_passes=2)
+    fits = nc.fit_prepared(prepared, [0.0, 2.0])
     assert vars(prepared.problem) == shared and prepared.problem.gamma == 0.0
     assert [f.gamma for f in fits] == [0.0, 2.0] and [f.weight_decay for f in fits] == [0.01, 0.01]
     assert prepared.passes == pytest.approx(0.5 + sum(f.result.passes for f in fits))

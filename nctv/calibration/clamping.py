@@ -39,10 +39,9 @@ Decisions where the paper leaves room (they hold for every class and function he
   the preprocessed images of pixel values 0 and 1 (``LoadedModel.input_range``). Without α, β the
   theorem has no room to move δ, so a missing range is an error rather than a silent δ̃ = 0.
 * **γ = "auto"** tries ``gamma_candidates`` (default ``GAMMA_CANDIDATES`` = 0, 0.5, 1, 2, 3) and
-  keeps the lowest calibration-set ECE (15 bins; ties to the smaller γ). With the fast
-  fitter the candidates are solved in ascending order, each warm-started from the previous one's
-  δ, T (re-solved exactly for the new γ) and L-BFGS memory; with the paper fitter each candidate is
-  a separate run of the recipe with the same seed.
+  keeps the lowest calibration-set ECE (15 bins; ties to the smaller γ). Every candidate is fitted
+  on its own, from the same start with the same budget (a recipe: a run of it with the same seed),
+  so the fit "auto" keeps is the fit of that γ alone, and a γ sweep's row is a run's fit at that γ.
 * **clamp=True** clamps x + δ to [α, β] element-wise (needs ``input_range``).
 * **Memory**: every pass calls the model on pieces of ``batch_size`` images on the CPU, and on CUDA
   as many as the free memory allows; a piece that runs out of memory is retried at half its size
@@ -66,7 +65,6 @@ from nctv.checks import check_gamma, check_whole
 from nctv.calibration.clamping_fit import (
     FitResult,
     InputStream,
-    LBFGSMemory,
     Problem,
     Reporter,
     SGDSettings,
@@ -466,16 +464,23 @@ class NeuralClamping(_InputCalibrator):
                            "passes": self.n_passes_, "selected": True})
         return self
 
-    def expected_passes(self, n_gammas: int | None = None, later_passes: float | None = None) -> float:
+    def expected_passes(self, n_gammas: int | None = None) -> float:
         """Passes over the calibration split a fit is planned to take: the recipe's epochs (+ the
-        unperturbed pass) per γ, or the fast fitter's budget per γ; the fast fitter may stop sooner.
-        ``n_gammas``: the γ values fitted (default: those of ``gamma``); ``later_passes``: the fast
-        fitter's cap for every γ after the first (as in ``fit_prepared``)."""
+        unperturbed pass) per γ, or the fast fitter's budget per γ (the first pass, shared by every γ,
+        counted once); the fast fitter may stop sooner. ``n_gammas``: the γ values fitted (default: those
+        of ``gamma``)."""
         n = len(self.options.gamma_values) if n_gammas is None else n_gammas
         if self._recipe() is not None:
             return (self._setting("epochs") + 0.5) * n
-        later = float(self.max_passes if later_passes is None else later_passes)
-        return float(self.max_passes) + later * max(n - 1, 0)
+        first = 1.0 if self.init == "data" else 0.5  # the shared first pass (_start)
+        return first + n * (float(self.max_passes) - first)
+
+    def _fit_budget(self, start: _Start) -> float:
+        """Passes one γ's fit may take after the shared first pass: a recipe's epochs, or the rest of
+        the fast fitter's ``max_passes`` (at least one L-BFGS step)."""
+        if self._recipe() is not None:
+            return float(self._setting("epochs"))
+        return max(float(self.max_passes) - start.passes, 1.0)
 
     # ---- the steps of fit, public for studies that share work between fits (studies.py) --
 
@@ -488,20 +493,16 @@ class NeuralClamping(_InputCalibrator):
             problem = self._problem(inputs_or_loader, labels, dev)
             return PreparedSplit(problem, self._start(problem))
 
-    def fit_prepared(self, prepared: PreparedSplit, gammas: Sequence[float] | None = None, seed: int | None = None,
-                     later_passes: float | None = None) -> list[GammaFit]:
+    def fit_prepared(self, prepared: PreparedSplit, gammas: Sequence[float] | None = None,
+                     seed: int | None = None) -> list[GammaFit]:
         """One fit per γ (default: those of ``gamma``) on a prepared split, with this object's
-        settings and ``seed`` (default ``self.seed``). Nothing is stored on ``self``.
-
-        Recipes: a separate run per γ. Fast fitter: a continuation in the given order, each γ
-        warm-started from the previous one's δ, T and L-BFGS memory; ``later_passes`` caps every γ
-        after the first (default ``max_passes``)."""
+        settings and ``seed`` (default ``self.seed``); each γ's fit is the one a fit at that γ alone
+        gives. Nothing is stored on ``self``."""
         self._validate()
         if gammas is not None:
             gammas = [check_gamma(g, "each of gammas") for g in gammas]
         with frozen(self.model):
-            return self._fit_gammas(prepared.problem, prepared.start, gammas, self.seed if seed is None else seed,
-                                    later_passes)
+            return self._fit_gammas(prepared.problem, prepared.start, gammas, self.seed if seed is None else seed)
 
     def choose(self, fits: list[GammaFit], prepared: PreparedSplit) -> tuple[GammaFit, list[dict]]:
         """The fit this object's temperature rule keeps (lowest calibration ECE; ties: the earlier),
@@ -563,59 +564,46 @@ class NeuralClamping(_InputCalibrator):
             return None
         return tqdm(total=total, unit="pass", desc=f"Neural Clamping ({self.fitter})", leave=False)
 
-    def _fit_gammas(self, problem: Problem, start: _Start, gammas: Sequence[float] | None, seed: int,
-                    later_passes: float | None = None) -> list[GammaFit]:
-        """One fit per γ (None: the options' ``gamma_values``). Paper: separate runs of the recipe.
-        Fast: a warm-started continuation in the given order (``later_passes`` caps every γ after the
-        first; default ``max_passes``)."""
+    def _fit_gammas(self, problem: Problem, start: _Start, gammas: Sequence[float] | None,
+                    seed: int) -> list[GammaFit]:
+        """One fit per γ (None: the options' ``gamma_values``), each its own: the same start, budget and
+        rules whatever the other γ values, so that a γ's fit is the one a fit at that γ alone gives
+        (a sweep's row, a run's row and a choice of "auto" agree). Recipes: a run of the recipe per γ."""
         gammas = self.options.gamma_values if gammas is None else gammas
         shape, dev = problem.split.input_shape, problem.split.device
         fits: list[GammaFit] = []
-        expected = self.expected_passes(len(gammas), later_passes)
-        bar = self._bar(expected)
-        memory: LBFGSMemory | None = None
+        bar = self._bar(self.expected_passes(len(gammas)))
         anchor = None if self._recipe() is not None else start.anchor
-        later: list[float] = []  # passes each γ after the first took (fast fitter)
+        lengths: list[float] = []  # passes each γ took (fast fitter)
         try:
             for i, gamma in enumerate(gammas):
                 if fits and fits[-1].result.stopped:
                     break
-                if later and self._recipe() is None:
-                    # The fast fitter usually stops well before its cap, so a plan of caps would stop
-                    # short and then jump to done: the γ values left are planned at the mean length of
-                    # the later ones that ended.
-                    expected = problem.split.passes + (len(gammas) - i) * sum(later) / len(later)
-                    if bar is not None:
-                        bar.total = expected
+                # A fit's budget is an upper bound (the fast fitter usually stops well before it), so the
+                # γ values left are planned at the mean length of those that ended, at the budget before.
+                per_fit = sum(lengths) / len(lengths) if lengths else self._fit_budget(start)
+                expected = problem.split.passes + (len(gammas) - i) * per_fit
+                if bar is not None:
+                    bar.total = expected
                 report = Reporter(self.callback, bar, expected)
                 before = problem.split.passes
                 generator = torch.Generator().manual_seed(int(seed))
+                delta0 = self._initial_delta(start, shape, generator, dev)
                 if self._recipe() is not None:
-                    delta0 = self._initial_delta(start, shape, generator, dev)
                     fit = replace(problem, gamma=gamma, weight_decay=self._lambda(start, problem.split.labels, gamma))
                     result = fit_sgd(fit, delta0, generator, self._sgd(), report)
                 else:
                     fit = replace(problem, gamma=gamma, weight_decay=self._lambda(
                         start, problem.split.labels, gamma, 0.0 if anchor is None else anchor))
-                    if i == 0:
-                        delta0, z_known = self._initial_delta(start, shape, generator, dev), start.z0
-                        budget = float(self.max_passes) - start.passes
-                    else:
-                        delta0, z_known = fits[-1].result.delta, fits[-1].result.logits
-                        budget = float(self.max_passes if later_passes is None else later_passes)
-                    if anchor is None:
-                        log_t0 = best_log_temperature(z_known, problem.split.labels, gamma)
-                    else:
-                        log_t0 = anchor
+                    log_t0 = best_log_temperature(start.z0, problem.split.labels, gamma) if anchor is None else anchor
                     if self.learn_delta:
-                        result, memory = fit_fast(fit, delta0, log_t0, max(budget, 1.0), float(self.tol), report,
-                                                  memory, fixed_t=anchor is not None)
+                        result = fit_fast(fit, delta0, log_t0, self._fit_budget(start), float(self.tol), report,
+                                          fixed_t=anchor is not None)
                     else:  # T alone: the exact 1-D optimum on the unperturbed logits, no further pass
-                        result = FitResult(delta0, log_t0, fit.objective_from_logits(z_known, delta0, log_t0),
-                                           z_known, report.history, 0.0)
+                        result = FitResult(delta0, log_t0, fit.objective_from_logits(start.z0, delta0, log_t0),
+                                           start.z0, report.history, 0.0)
+                lengths.append(problem.split.passes - before)
                 fits.append(GammaFit(gamma, fit.weight_decay, result))
-                if i > 0:
-                    later.append(problem.split.passes - before)
         finally:
             if bar is not None:
                 bar.close()

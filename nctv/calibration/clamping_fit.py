@@ -586,7 +586,7 @@ class LBFGSMemory:
 
     The blocks are δ and s = log T: their curvatures differ by orders of magnitude, so each block
     gets its own scale sᵀy / yᵀy from the latest pair (a single scalar would let the stiffer
-    block dictate the step of the other). The memory outlives one fit so a γ sweep can carry it.
+    block dictate the step of the other).
     """
 
     def __init__(self, size: int = 10):
@@ -681,13 +681,13 @@ def _line_search(phi, f0: float, d0: float, t: float, max_evals: int, c1: float 
 
 
 def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: float, tol: float,
-             report: Reporter, memory: LBFGSMemory | None = None, fixed_t: bool = False) -> tuple[FitResult, LBFGSMemory]:
+             report: Reporter, fixed_t: bool = False) -> FitResult:
     """Full-batch L-BFGS on (δ, log T) with a strong-Wolfe line search; every evaluation is 1 pass.
     ``fixed_t``: T stays at ``log_t0`` and δ alone moves (its gradient in log T is taken as 0).
 
     Stops when an iteration lowers F by less than ``tol`` relative to |F|, when the gradient
     vanishes, or before an evaluation would take the split's pass count past ``max_passes``.
-    Returns the best point evaluated and the L-BFGS memory (to warm-start a related problem).
+    Returns the best point evaluated.
     """
     split = problem.split
     start = split.passes
@@ -715,17 +715,15 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
         f, g, z = evaluate(x)
         if not math.isfinite(f):
             raise ValueError(f"The objective is {f} at the starting point; check the model's logits and the inputs.")
-        if memory is None:
-            memory = LBFGSMemory()
-        if memory.scale is None:
-            memory.scale = _initial_scale(problem, g, z, float(x[-1]))
+        memory = LBFGSMemory()
+        memory.scale = _initial_scale(problem, g, z, float(x[-1]))
         while True:
             budget = int(math.floor(max_passes - (split.passes - start) + 1e-9))
             if budget < 1 or float(g.abs().max()) <= 1e-9:
                 break
             d = memory.direction(g)
             d0 = float(torch.dot(g, d))
-            if not d0 < 0:  # stale curvature from a warm start: fall back to steepest descent
+            if not d0 < 0:  # curvature pairs that no longer describe the problem: fall back to steepest descent
                 memory.pairs = []
                 d = -g * memory.scale
                 d0 = float(torch.dot(g, d))
@@ -748,7 +746,7 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
     xb = best["x"]
     log_t = float(log_t0) if fixed_t else float(xb[-1])  # not the float32 copy of a fixed T
     return FitResult(xb[:-1].view(shape).clone(), log_t, best["f"], best["z"], report.history,
-                     split.passes - start, stopped), memory
+                     split.passes - start, stopped)
 
 
 def _initial_scale(problem: Problem, g: torch.Tensor, z: torch.Tensor, log_t: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from nctv.intervals import (RESAMPLED, IntervalSettings, difference, interval, m
                             seed_counts)
 from nctv.settings import STUDY_RANDOM_INIT_STD, SWEEP_GAMMAS, NCOptions
 
-__all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "sweep_options", "InitStudy", "init_study",
+__all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study",
            "init_study_passes"]
 
 _CURVES = ("ece", "entropy", "loss")
@@ -67,8 +67,9 @@ class GammaSweep:
 
     ``cal`` and ``test`` map "ece", "entropy", "loss" to arrays over ``gammas`` ("loss": mean
     FL_γ of the calibrated logits, without the λ term; ECE with ``n_bins`` bins, as fractions).
-    ``test`` is None without a test split. ``chosen_gamma``: lowest calibration ECE.
-    ``n_passes``: passes over the calibration split for the whole sweep; ``test_passes``: forward
+    ``test`` is None without a test split. ``chosen_gamma``: the γ that ``gamma="auto"`` over these γ values
+    keeps (the temperature rule's calibration criterion: by default the mean ECE over 10, 15 and 20 bins).
+    ``delta_l2``: ‖δ‖₂ of each γ's δ. ``n_passes``: passes over the calibration split for the whole sweep; ``test_passes``: forward
     passes over the test split (0.5 each). ``test_low``/``test_high``: per γ, the interval of the test
     split's "ece" and "entropy" from resampling it (``intervals``: how; None: not computed).
     """
@@ -85,6 +86,7 @@ class GammaSweep:
     test_passes: float
     fitter: str
     n_bins: int = 15
+    delta_l2: np.ndarray | None = None
     test_low: dict[str, np.ndarray] | None = None
     test_high: dict[str, np.ndarray] | None = None
     intervals: dict[str, Any] | None = None
@@ -103,6 +105,7 @@ class GammaSweep:
                    cal=curves["calibration"], test=curves.get("test"), chosen_gamma=float(data["chosen_gamma"]),
                    n_passes=float(data["n_passes"]), test_passes=0.5 * n if "test" in curves else 0.0,
                    fitter=str(data["fitter"]), n_bins=int(data["n_bins"]),
+                   delta_l2=None if "delta_l2" not in data else _finite(data["delta_l2"], "delta_l2", n),
                    test_low=None if ends is None else {m: _finite(e["ci_low"], f"{m} low", n) for m, e in ends.items()},
                    test_high=None if ends is None else {m: _finite(e["ci_high"], f"{m} high", n) for m, e in ends.items()},
                    intervals=data.get("intervals"))
@@ -123,44 +126,29 @@ def _options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOpt
     return (options.changed(**own) if own else options), {k: v for k, v in settings.items() if k not in own}
 
 
-def sweep_options(options: NCOptions) -> NCOptions:
-    """The options a γ sweep fits with: the paper's figure keeps the objective's own T
-    (temperature="fitted") unless a rule is asked for."""
-    return options.changed(temperature="fitted") if options.temperature is None else options
-
-
-def _sweep_options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOptions, dict[str, Any]]:
-    if "gamma" in settings:
-        raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
-    options, rest = _options(options, settings)
-    return sweep_options(options), rest
-
-
 def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None, test_inputs: Any = None,
                 test_labels: Any = None, gammas: Sequence[float] = SWEEP_GAMMAS, n_bins: int = 15,
-                passes_per_gamma: float = 3, options: NCOptions | None = None,
-                intervals: IntervalSettings | None = IntervalSettings(), **settings: Any) -> GammaSweep:
+                options: NCOptions | None = None, intervals: IntervalSettings | None = IntervalSettings(),
+                **settings: Any) -> GammaSweep:
     """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``options`` and
     ``settings`` go to ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …; its γ is
     not used). With a test split and ``intervals``, each γ's test ECE and entropy get an interval
     from resampling the test split.
 
-    With the fast fitter the sweep is one continuation: the first γ gets a full fit, each later γ
-    starts from the previous solution (T re-solved exactly on its cached logits, L-BFGS memory
-    kept) and gets at most ``passes_per_gamma`` passes. With an SGD recipe every γ is a separate
-    run of it (``epochs`` + 1 passes each), as in the paper. The figure is the paper's: T is the
-    objective's own (``temperature="fitted"``) unless ``settings`` ask for "selected".
+    Each γ's row is the fit that Neural Clamping with the same options gives at that γ alone (a run's
+    row, the app's Calibrate): the same start, budget and temperature rule (by default the fast
+    fitter's anchored T). The first pass over the calibration split is shared by every γ and the test
+    split is read once for all of them.
     """
     options, rest = _sweep_options(options, settings)
     gammas = [check_gamma(g, "each of gammas") for g in gammas]
     if not gammas:
         raise ValueError("gammas is empty; give at least one γ >= 0.")
-    check_positive(passes_per_gamma, "passes_per_gamma")
     nc = NeuralClamping(model, options, **rest)
     prepared = nc.prepare(cal_inputs, cal_labels)
-    fits = nc.fit_prepared(prepared, gammas, later_passes=passes_per_gamma)
+    fits = nc.fit_prepared(prepared, gammas)
     n_passes = prepared.passes
-    _, candidates = nc.choose(fits, prepared)
+    best, candidates = nc.choose(fits, prepared)
     temps = np.array([c["temperature"] for c in candidates])
     cal_rows = [_split_metrics(f.result.logits / t, prepared.labels, f.gamma, n_bins) for f, t in zip(fits, temps)]
     test_rows, bands = None, None
@@ -170,7 +158,6 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         if intervals is not None:
             draws = _test_draws([[z / t] for z, t in zip(test_z, temps)], test_y, n_bins, ("ece", "entropy"), intervals)
             bands = _curves_of([_ends(d, intervals.level) for d in draws])
-    cal_ece = np.array([r["ece"] for r in cal_rows])
     return GammaSweep(
         gammas=np.array([f.gamma for f in fits]),
         temperature=temps,
@@ -179,11 +166,12 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         passes=np.array([f.result.passes for f in fits]),
         cal=_curves(cal_rows),
         test=None if test_rows is None else _curves(test_rows),
-        chosen_gamma=float(fits[int(np.argmin(cal_ece))].gamma),
+        chosen_gamma=float(best.gamma),
         n_passes=n_passes,
         test_passes=0.0 if test_rows is None else 0.5 * len(fits),
         fitter=nc.fitter,
         n_bins=n_bins,
+        delta_l2=np.array([float(f.result.delta.norm()) for f in fits]),
         test_low=None if bands is None else bands[0],
         test_high=None if bands is None else bands[1],
         intervals=None if bands is None else intervals.to_dict(),
@@ -195,12 +183,19 @@ def _curves_of(per_point: list[dict[str, list[float]]]) -> tuple[dict[str, np.nd
     return tuple({m: np.array([p[m][end] for p in per_point]) for m in per_point[0]} for end in (0, 1))
 
 
-def gamma_sweep_passes(model: torch.nn.Module | None, n_gammas: int, passes_per_gamma: float = 3,
-                       options: NCOptions | None = None, **settings: Any) -> float:
-    """Passes over the calibration split that :func:`gamma_sweep` plans (the fast fitter may stop sooner)."""
+def gamma_sweep_passes(model: torch.nn.Module | None, n_gammas: int, options: NCOptions | None = None,
+                       **settings: Any) -> float:
+    """Passes over the calibration split that :func:`gamma_sweep` plans (the fast fitter may stop sooner):
+    the fits, then the test split read once for all of them."""
     options, rest = _sweep_options(options, settings)
     nc = NeuralClamping(model, options, **rest)
-    return 0.5 + nc.expected_passes(n_gammas, later_passes=passes_per_gamma)
+    return 0.5 + nc.expected_passes(n_gammas)
+
+
+def _sweep_options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOptions, dict[str, Any]]:
+    if "gamma" in settings:
+        raise ValueError("gamma_sweep takes the γ values in gammas=..., not gamma=.")
+    return _options(options, settings)
 
 
 @dataclass

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import math
 import os
 import re
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +51,8 @@ from PIL import Image
 from nctv.checks import check_text, shown
 from nctv.hub import hub_file
 from nctv.inference import DEFAULT_BATCH_SIZE
+from nctv.pictures import (ArrayImages, _keeps_geometry, image_mode, make_preprocess,  # noqa: F401 (nctv.data's API)
+                           pil_from_array, preprocess_arrays)
 from nctv.settings import DEFAULT_CALIBRATION_SIZE, hub_datasets_available
 
 FASHION_MNIST_CLASSES = (
@@ -83,108 +84,7 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "nctv"
 
 
-# ----------------------------------------------------------------------------- preprocessing
-
-def image_mode(data_config: dict) -> str:
-    """PIL mode a model reads: "L" for one input channel, "RGB" for three."""
-    channels = int(data_config["input_size"][0])
-    if channels == 1:
-        return "L"
-    if channels == 3:
-        return "RGB"
-    raise ValueError(f"Models with {channels} input channels are not supported; use 1 (grey) or 3 (RGB).")
-
-
-def make_preprocess(data_config: dict) -> Callable[[Image.Image], torch.Tensor]:
-    """PIL image -> float32 tensor (C, H, W): colour mode of the model, then timm's eval transform."""
-    from timm.data import create_transform
-
-    mode = image_mode(data_config)
-    transform = create_transform(**data_config, is_training=False)
-
-    def preprocess(image: Image.Image) -> torch.Tensor:
-        if not isinstance(image, Image.Image):
-            raise ValueError(f"preprocess expects a PIL image, got {type(image).__name__}.")
-        return transform(image if image.mode == mode else image.convert(mode))
-
-    return preprocess
-
-
-def _keeps_geometry(data_config: dict, height: int, width: int) -> bool:
-    """True when timm's eval transform leaves an (height, width) image's pixels where they are.
-
-    That is the case when the resize target equals the image size (crop_pct = 1 at native size),
-    so resize and centre crop are identities and only ToTensor + Normalize act.
-    """
-    size = tuple(int(s) for s in data_config["input_size"][1:])
-    if size != (height, width):
-        return False
-    mode = data_config.get("crop_mode") or "center"
-    if mode not in ("center", "squash") or data_config.get("crop_border_pixels"):
-        return False
-    crop_pct = data_config.get("crop_pct") or 1.0
-    return tuple(math.floor(s / crop_pct) for s in size) == size
-
-
-def preprocess_arrays(images: np.ndarray, data_config: dict) -> torch.Tensor | None:
-    """Vectorised eval preprocessing of uint8 images (N, H, W) or (N, H, W, C).
-
-    Computes (x / 255 − mean) / std exactly as ``ToTensor`` + ``Normalize`` do, so the result is
-    bit-identical to :func:`make_preprocess` on each image. Returns ``None`` where that equality
-    does not hold (a resize or crop would move pixels, or a colour conversion other than grey → RGB
-    is needed); callers then use the PIL path.
-    """
-    if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        return None
-    if images.ndim == 4 and images.shape[3] == 1:
-        images = images[..., 0]
-    if not _keeps_geometry(data_config, images.shape[1], images.shape[2]):
-        return None
-    channels = int(data_config["input_size"][0])
-    # torch.from_numpy needs writable memory; arrays read from bytes are not.
-    x = torch.from_numpy(images.copy() if not images.flags.writeable else np.ascontiguousarray(images))
-    if x.ndim == 3:
-        x = x[:, None]
-    else:
-        if x.shape[3] != 3:
-            return None
-        x = x.permute(0, 3, 1, 2)
-    if x.shape[1] != channels:
-        if x.shape[1] != 1 or channels != 3:
-            return None  # RGB -> L uses PIL's integer luma rounding; leave it to PIL
-        x = x.expand(-1, 3, -1, -1)
-    mean = torch.tensor(data_config["mean"], dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(data_config["std"], dtype=torch.float32).view(1, -1, 1, 1)
-    return x.float().div(255).sub(mean).div(std).contiguous()
-
-
 # ----------------------------------------------------------------------------- image sources
-
-def pil_from_array(image: np.ndarray) -> Image.Image:
-    """uint8 (H, W), (H, W, 1) or (H, W, 3) -> PIL image in mode L or RGB."""
-    if image.ndim == 3 and image.shape[2] == 1:
-        image = image[..., 0]
-    return Image.fromarray(np.ascontiguousarray(image))
-
-
-class ArrayImages:
-    """Images held in memory as one uint8 array (N, H, W[, C])."""
-
-    def __init__(self, images: np.ndarray, description: str):
-        if images.dtype != np.uint8 or images.ndim not in (3, 4):
-            raise ValueError(f"Images must be a uint8 array (N, H, W) or (N, H, W, C); got {images.dtype} {images.shape}.")
-        self.images = images
-        self.description = description
-
-    def __len__(self) -> int:
-        return self.images.shape[0]
-
-    def pil(self, i: int) -> Image.Image:
-        return pil_from_array(self.images[i])
-
-    def digest(self, indices: np.ndarray) -> bytes:
-        return hashlib.sha256(np.ascontiguousarray(self.images[indices]).tobytes()).digest()
-
 
 class FileImages:
     """Images read from files on demand (a folder in the ImageFolder layout)."""

@@ -292,7 +292,7 @@ class Prepare:
         from timm.data import create_transform
         from torchvision import transforms as T
 
-        from nctv.data import image_mode
+        from nctv.pictures import image_mode
 
         self.mode = image_mode(data_config)
         steps = list(getattr(create_transform(**data_config, is_training=False), "transforms", []))
@@ -322,7 +322,7 @@ class Prepare:
         preprocessing of the picture (checked on the first picture, as Split does for arrays)."""
         import torch
 
-        from nctv.data import make_preprocess, pil_from_array
+        from nctv.pictures import make_preprocess, pil_from_array
 
         if kept.shape[:2] != tuple(int(v) for v in self.model_config["input_size"][1:]):
             return False
@@ -676,7 +676,7 @@ def load_hub_images(source: HubSource, model_names: Sequence[str], calibration_s
         labels = mapping[labels]
     description = f"{source.name} ({read} of {len(shards)} shards, commit {listing.commit[:8]})"
     if reader.arrays:
-        from nctv.data import ArrayImages
+        from nctv.pictures import ArrayImages
 
         return ArrayImages(_stack(reader.arrays), description), labels, reader.prepare.data_config
     return EncodedImages(reader.encoded, description), labels, None

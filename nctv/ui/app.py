@@ -593,14 +593,6 @@ def page_script() -> str:
     return (Path(__file__).parent / "static" / "page.js").read_text(encoding="utf-8")
 
 
-def page_script() -> str:
-    """``static/page.js``: what the whole page does in the browser (the dataset box keeps what is typed;
-    a table too wide for its box says so)."""
-    from pathlib import Path
-
-    return (Path(__file__).parent / "static" / "page.js").read_text(encoding="utf-8")
-
-
 def launch(demo: gr.Blocks | None = None, **overrides: Any):
     """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
     (default 7860), with the upload and request caps and error display the app relies on."""

@@ -128,3 +128,18 @@ def get_ood_detector(spec: SplitSpec):
         return fit_on_splits(get_model(spec.model).model, cal, test)
 
     return _detectors.get(spec, make)
+
+
+def prepare_run(spec: Any, work_of: Callable[[Any, int, int], Work], report: Callable[[Any], None],
+                item: Callable[[float, str], tuple] = lambda f, m: ("progress", f, m)) -> tuple[float, int, int]:
+    """A heavy run's part in the server before its GPU call: the model and the splits of ``spec``
+    (which the GPU worker then inherits through the fork instead of decoding them again), and the
+    call's estimated seconds for ``work_of(model, calibration size, test size)``. ``item(fraction,
+    message)`` makes the progress items ``report`` gets. Returns (seconds, calibration size, test size)."""
+    from nctv.ui.gpu import estimate_seconds, forward_flops
+
+    report(item(0.0, f"loading model {spec.model}"))
+    loaded = get_model(spec.model)
+    report(item(0.01, "loading the calibration and test splits"))
+    cal, test = get_splits(spec)
+    return estimate_seconds(forward_flops(loaded), work_of(loaded, len(cal), len(test))), len(cal), len(test)

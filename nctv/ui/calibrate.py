@@ -25,7 +25,8 @@ from nctv.settings import INIT_STDS, RECIPE_LR, NCOptions
 from nctv.ui.common import (SAME_TASK, ProgressLine, duration, export_dir, parse_whole,
                              user_errors, with_warnings)
 from nctv.ui.caches import get_model, get_splits, remember_logits, ts_temperature_of
-from nctv.ui.gpu import GpuRun, calibration_work, gpu_generator, prepare_run
+from nctv.ui.caches import prepare_run
+from nctv.ui.gpu import GpuRun, calibration_work, gpu_generator
 from nctv.ui.limits import resolve_dataset, resolve_model_name
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
 from nctv.ui.shipped import PRECOMPUTED_LABEL, study_folder, test_metrics
@@ -127,7 +128,7 @@ calibration_on_gpu = gpu_generator(_calibration_work)
 
 def prepare_calibration(spec: SplitSpec, methods: Sequence[str], nc: NCOptions,
                         report: Report) -> tuple[float, int, int]:
-    """The server's part before the GPU call (``nctv.ui.gpu.prepare_run``): the model, the splits and
+    """The server's part before the GPU call (``nctv.ui.caches.prepare_run``): the model, the splits and
     the call's estimated seconds. Returns (seconds, calibration size, test size)."""
     return prepare_run(spec, lambda loaded, n_cal, n_test: calibration_work(list(methods), nc, n_cal, n_test,
                                                                            loaded.num_classes),

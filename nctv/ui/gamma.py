@@ -14,7 +14,8 @@ from nctv.report import gamma_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
 from nctv.ui.common import export_dir, parse_whole, stream_progress, user_errors, with_warnings
-from nctv.ui.gpu import GpuRun, gpu_generator, prepare_run, sweep_work
+from nctv.ui.caches import prepare_run
+from nctv.ui.gpu import GpuRun, gpu_generator, sweep_work
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
 from nctv.ui.shipped import shipped_figure, shipped_study

@@ -238,21 +238,6 @@ def init_work(nc: Any, runs: int, n_cal: int, n_test: int) -> Work:
     return Work(forward=2 * n_cal + n_test) + Work(forward=one.forward * 2 * runs, trained=one.trained * 2 * runs)
 
 
-def prepare_run(spec: Any, work_of: Callable[[Any, int, int], Work], report: Callable[[Any], None],
-                item: Callable[[float, str], tuple] = lambda f, m: ("progress", f, m)) -> tuple[float, int, int]:
-    """A heavy run's part in the server before its GPU call: the model and the splits of ``spec``
-    (which the GPU worker then inherits through the fork instead of decoding them again), and the
-    call's estimated seconds for ``work_of(model, calibration size, test size)``. ``item(fraction,
-    message)`` makes the progress items ``report`` gets. Returns (seconds, calibration size, test size)."""
-    from nctv.ui.caches import get_model, get_splits
-
-    report(item(0.0, f"loading model {spec.model}"))
-    loaded = get_model(spec.model)
-    report(item(0.01, "loading the calibration and test splits"))
-    cal, test = get_splits(spec)
-    return estimate_seconds(forward_flops(loaded), work_of(loaded, len(cal), len(test))), len(cal), len(test)
-
-
 def estimate_seconds(flops: float, work: Work) -> float:
     """Seconds of a GPU call: :data:`OVERHEAD_SECONDS` + FLOPs × (forward + BACKWARD_FACTOR × trained
     pictures) / :func:`gpu_flops` + the other fits' seconds."""

@@ -11,7 +11,8 @@ from nctv.report import init_study_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
 from nctv.ui.common import export_dir, parse_whole, stream_progress, user_errors, with_warnings
-from nctv.ui.gpu import GpuRun, gpu_generator, init_work, prepare_run
+from nctv.ui.caches import prepare_run
+from nctv.ui.gpu import GpuRun, gpu_generator, init_work
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
 from nctv.ui.shipped import shipped_figure, shipped_study

@@ -202,8 +202,10 @@ def _add_common(p: argparse.ArgumentParser, command: str, seeds: bool = True, bi
                    help="zoo name, hf-hub:<org>/<name> or local-dir:<folder> (default: the embedded model; "
                         "see `nctv models`)")
     g.add_argument("--dataset", default=None, metavar="NAME",
-                   help="fashion-mnist, bloodmnist, cifar100, folder:<path>"
-                        + (", hf-dataset:<id>" if hub_datasets_available() else "") + " (default: the model's own)")
+                   help="fashion-mnist, bloodmnist, cifar100, cifar100-train-tail, imagenet (from the Hub: imagenet-1k "
+                        "with a token, else imagenette), imagenet-1k, imagenette, folder:<path>"
+                        + (", hf-dataset:<org/name>[@split]" if hub_datasets_available() else "")
+                        + " (default: the model's own; docs/datasets.md)")
     g.add_argument("--calibration-seed", type=_seed, default=0, metavar="S",
                    help="seed of the calibration subsample drawn from the pool (default 0)")
     g.add_argument("--calibration-size", type=_size, default=DEFAULT_CALIBRATION_SIZE, metavar="N",
@@ -769,19 +771,17 @@ def _print_top(path: Path, probabilities, class_names: Sequence[str], k: int) ->
 
 
 def _image_file(text: str) -> Path:
-    """An image path that exists and that PIL recognises (its header is read, not its pixels)."""
-    from PIL import Image, UnidentifiedImageError
+    """An image path that exists, in a format nctv reads and within its limits (checked as the app checks
+    an upload: nctv.images.open_checked reads the header and the structure, not the pixels)."""
+    from nctv.images import ImageError, open_checked
 
     path = Path(text).expanduser()
     if not path.is_file():
         raise CLIError(f"{path} does not exist{' (it is a folder)' if path.is_dir() else ''}; give image files.")
     try:
-        with Image.open(path):
-            pass
-    except UnidentifiedImageError:
-        raise CLIError(f"{path} is not an image nctv can read; give PNG, JPEG, WebP, BMP or GIF files.") from None
-    except (OSError, Image.DecompressionBombError):
-        pass  # damaged or too large: reading the pixels (_image_input) says which, in its words
+        open_checked(path, path.name).close()
+    except ImageError as e:
+        raise CLIError(f"{path}: {e}") from None
     return path
 
 

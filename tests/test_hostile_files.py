@@ -542,3 +542,17 @@ def test_a_zips_calibrators_are_read_one_at_a_time_and_headers_capped_before_rea
     assert re.search(words, used["outcome"]), used
     assert used["memory"] < most_mb * 2**20, used
     assert used["cpu"] < 3, used
+
+
+def test_apply_reads_only_the_formats_the_app_reads(tmp_path, capsys):
+    # A TIFF's header is where tag aliasing costs memory (inside PIL.Image.open): nctv apply refuses it
+    # from its first bytes, as the app refuses an upload, before PIL opens it.
+    from PIL import Image
+
+    tiff = tmp_path / "picture.tiff"
+    Image.open(EXAMPLE).save(tiff)
+    status = cli.main(["apply", "--calibrator", str(SHIPPED / "temperature-scaling"), "--device", "cpu",
+                       str(tiff)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(f"nctv apply: error: {tiff}:") and "Traceback" not in err
+    assert "PNG" in err and "JPEG" in err and len(err.strip().splitlines()) == 1

@@ -329,10 +329,15 @@ def test_the_gamma_tab_opens_on_the_shipped_sweep(page):
     assert "pre-computed, shipped with the app" in page.locator("#gamma-status").inner_text()
     chosen = shipped["chosen_gamma"]
     row = page.locator("table tr", has_text=f"{chosen:g} (chosen)").first
+    table = row.locator("xpath=ancestor::table[1]")
+    header = [c.strip() for c in table.locator("tr").first.inner_text().split("\t")]
     cells = [c.strip() for c in row.inner_text().split("\t")]
     assert cells[0] == f"{chosen:g} (chosen)"
     i = shipped["gammas"].index(chosen)
-    assert cells[6].startswith(f"{100 * shipped['splits']['test']['ece'][i]:.2f} [")
+    column = next(k for k, h in enumerate(header) if h.startswith("ECE test"))
+    assert cells[column].startswith(f"{100 * shipped['splits']['test']['ece'][i]:.2f} [")
+    # Every row records its δ's size, as a run's Neural Clamping row does.
+    assert cells[header.index("‖δ‖₂")] == f"{shipped['delta_l2'][i]:.3f}"
     assert page.locator("#gamma-plot .js-plotly-plot .scatterlayer .trace").count() >= 4
     page.get_by_role("tab", name="Calibrate").click()
 

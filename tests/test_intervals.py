@@ -246,7 +246,7 @@ def test_gamma_sweep_and_init_study_carry_test_split_intervals():
     xt, yt = make_data(model, 800, seed=2)
     settings = iv.IntervalSettings(resamples=400, seed=3)
     sw = gamma_sweep(model, x, y, xt, yt, gammas=[0.0, 1.0], intervals=settings, progress=False)
-    first = NeuralClamping(model, gamma=0.0, temperature="fitted", progress=False).fit(x, y)
+    first = NeuralClamping(model, gamma=0.0, progress=False).fit(x, y)  # the sweep's row at γ = 0 is this fit
     zt = first.predict_logits(xt).double()
     counts = iv.resample_counts(len(yt), 400, 3)
     direct = iv.method_draws([zt], yt, counts, 15, ["ece", "entropy"])

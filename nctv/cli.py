@@ -773,11 +773,14 @@ def _print_top(path: Path, probabilities, class_names: Sequence[str], k: int) ->
 def _image_file(text: str) -> Path:
     """An image path that exists, in a format nctv reads and within its limits (checked as the app checks
     an upload: nctv.images.open_checked reads the header and the structure, not the pixels)."""
-    from nctv.images import ImageError, open_checked
+    from nctv.images import ALLOWED, ImageError, format_of, open_checked
 
     path = Path(text).expanduser()
     if not path.is_file():
         raise CLIError(f"{path} does not exist{' (it is a folder)' if path.is_dir() else ''}; give image files.")
+    with open(path, "rb") as f:
+        if format_of(f.read(12)) is None:  # the app's own sentence asks for an upload
+            raise CLIError(f"{path.name} is not an image nctv can read; give {ALLOWED} files.")
     try:
         open_checked(path, path.name).close()
     except ImageError as e:

@@ -98,7 +98,7 @@ class Survey:
     extra: int = 0
 
 
-def _format_of(head: bytes) -> str | None:
+def format_of(head: bytes) -> str | None:
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"
     if head.startswith(b"\xff\xd8\xff"):
@@ -258,7 +258,7 @@ _WALKS = {"PNG": _png, "JPEG": _jpeg, "WEBP": _webp, "GIF": _gif, "BMP": lambda 
 def survey(data) -> Survey:
     """Check a file's bytes (``bytes`` or an mmap) before PIL sees them: its format from its first bytes
     (PNG, JPEG, WebP, GIF or BMP), its parts counted and its metadata bounded. Messages hold ``{name}``."""
-    kind = _format_of(bytes(data[:12]))
+    kind = format_of(bytes(data[:12]))
     if kind is None:
         raise ImageError(f"{{name}} is not an image this app can read. Please upload a {ALLOWED} picture.")
     try:

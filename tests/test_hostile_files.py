@@ -554,5 +554,5 @@ def test_apply_reads_only_the_formats_the_app_reads(tmp_path, capsys):
     status = cli.main(["apply", "--calibrator", str(SHIPPED / "temperature-scaling"), "--device", "cpu",
                        str(tiff)])
     err = capsys.readouterr().err
-    assert status == 2 and err.startswith(f"nctv apply: error: {tiff}:") and "Traceback" not in err
-    assert "PNG" in err and "JPEG" in err and len(err.strip().splitlines()) == 1
+    assert status == 2 and err.startswith("nctv apply: error: picture.tiff") and "Traceback" not in err
+    assert "is not an image nctv can read" in err and "PNG, JPEG" in err and len(err.strip().splitlines()) == 1

@@ -82,11 +82,12 @@ def test_corrupted_confidences_are_the_models_own_on_corrupt_images_output(defau
 
 
 def test_the_out_of_distribution_check_judges_the_corrupted_picture(default_model):
-    """The shipped example passes the check as it is; faded to a tenth of its contrast it is flagged."""
+    """The shipped example passes the check as it is; faded to a tenth of its contrast it is flagged, and its
+    answer is marked so (not greyed out: it keeps its contrast)."""
     verdict, page, *_ = try_image.classify(EXAMPLE, None, "contrast", 0)
-    assert 'data-flagged="false"' in verdict and "nctv-chart nctv-dim" not in page
+    assert 'data-flagged="false"' in verdict and '<div class="nctv-chart" data-flagged="false">' in page
     verdict, page, *_ = try_image.classify(EXAMPLE, None, "contrast", 5)
-    assert 'data-flagged="true"' in verdict and "nctv-chart nctv-dim" in page
+    assert 'data-flagged="true"' in verdict and '<div class="nctv-chart" data-flagged="true">' in page
 
 
 def test_a_large_picture_is_shrunk_before_it_is_corrupted(default_model, tmp_path):

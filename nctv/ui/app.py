@@ -384,8 +384,8 @@ def _calibrate_tab(shared: Shared, state: gr.State):
 
 
 def _gamma_tab(shared: Shared):
-    gr.Markdown("Neural Clamping fitted for each γ of the grid (the fast fitter continues from the previous γ). "
-                "The chosen γ has the lowest ECE on the calibration split.")
+    gr.Markdown("Neural Clamping fitted for each γ of the grid: each row is the fit **Run calibration** gives at that "
+                "γ with the same settings. The chosen γ is the one γ = auto would keep (lowest calibration ECE).")
     status0, *first = gamma_tab.shipped_view()
     bar = _run_bar("Run γ sweep", "gamma-status", status0)
     with gr.Row():

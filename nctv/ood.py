@@ -198,3 +198,115 @@ def fit_on_splits(model: torch.nn.Module, calibration: Any, held_out: Any, *,
     f, y = penultimate_features(model, *_sample(calibration, max_fit_images, seed, "calibration"), return_labels=True)
     h = penultimate_features(model, _sample(held_out, max_threshold_images, seed, "held-out")[0])
     return (detector or MahalanobisDetector()).fit(f, y, h)
+
+
+# --------------------------------------------------------------------------- saving and loading
+
+#: A fitted detector beside a pre-computed study (``scripts/make_precomputed.py``), so that the Try tab
+#: of a pre-computed calibration needs neither the model's calibration images nor a pass over them.
+OOD_FILE = "ood.safetensors"
+#: Largest detector file read: ImageNet's 1,000 class means and a 2,048-wide covariance take 50 MB.
+MAX_DETECTOR_BYTES = 256 * 2**20
+#: Largest safetensors header read (a detector's has four tensors and a few metadata strings).
+MAX_DETECTOR_HEADER_BYTES = 64 * 2**10
+_TENSORS = ("classes", "means", "covariance", "held_out_scores")
+
+
+def split_about(model: str, dataset: str | None, calibration_size: int, calibration_seed: int,
+                test_size: int | None) -> dict[str, str]:
+    """What a detector was fitted on, as the strings :func:`save_detector` stores: the model and the
+    calibration / test draw (a detector is reused only for the same draw)."""
+    return {"model": model, "dataset": dataset or "", "calibration_size": str(int(calibration_size)),
+            "calibration_seed": str(int(calibration_seed)), "test_size": "" if test_size is None else str(int(test_size))}
+
+
+def save_detector(detector: MahalanobisDetector, path: Any, about: dict[str, str] | None = None) -> None:
+    """Write a fitted ``detector`` as safetensors: its class labels, class means, shared covariance
+    and held-out scores, with its quantile, shrinkage and image count (and ``about``, strings that
+    say what it was fitted on) as metadata. :func:`load_detector` reads it back."""
+    from safetensors.torch import save_file
+
+    detector._check_fitted()
+    tensors = {"classes": detector.classes_.to(torch.int64).contiguous(), "means": detector.means_.contiguous(),
+               "covariance": detector.covariance_.contiguous(),
+               "held_out_scores": detector.held_out_scores_.contiguous()}
+    meta = {"kind": "nctv-ood-detector", "quantile": repr(float(detector.quantile)),
+            "shrinkage": repr(float(detector.shrinkage_)), "n_samples_fit": str(int(detector.n_samples_fit_))}
+    save_file(tensors, str(path), metadata={**(about or {}), **meta})
+
+
+def _number(meta: dict[str, str], key: str, low: float, high: float, whole: bool = False) -> float:
+    import math
+
+    text = meta.get(key, "")
+    try:
+        value = float(text) if not whole else int(text) if text.isascii() and text.isdigit() else None
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"its {key} must be a {'whole ' if whole else ''}number from {low:g} to {high:g}")
+    return value
+
+
+def load_detector(path: Any, n_classes: int | None = None) -> tuple[MahalanobisDetector, dict[str, str]]:
+    """A detector written by :func:`save_detector` and the strings it was saved with. Every value is
+    checked before use (sizes from the header before any tensor is read; finite numbers; class labels
+    distinct and below ``n_classes``; a covariance that is symmetric and positive definite; the
+    threshold recomputed from the held-out scores, not trusted); a file that fails raises
+    ``ValueError`` saying why."""
+    from pathlib import Path
+
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    where = f"The out-of-distribution detector {p.name}"
+    size = p.stat().st_size
+    with p.open("rb") as f:
+        head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if size > MAX_DETECTOR_BYTES or not 2 <= n <= min(size - 8, MAX_DETECTOR_HEADER_BYTES):
+        raise ValueError(f"{where} is not a detector file nctv wrote (its size or header length is wrong).")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            keys = set(f.keys())
+            if meta.get("kind") != "nctv-ood-detector" or keys != set(_TENSORS):
+                raise ValueError("it is not a detector file nctv wrote")
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in _TENSORS}
+            (k, d), m = shapes["means"], shapes["held_out_scores"]
+            if shapes["classes"] != (k,) or shapes["covariance"] != (d, d) or len(m) != 1 or min(k, d, m[0]) < 1:
+                raise ValueError("its tensors' shapes do not fit together")
+            tensors = {name: f.get_tensor(name) for name in _TENSORS}
+    except SafetensorError:
+        raise ValueError(f"{where} cannot be read as safetensors.") from None
+    except ValueError as e:
+        raise ValueError(f"{where} cannot be used: {e}.") from None
+    try:
+        classes = tensors["classes"]
+        if classes.dtype != torch.int64 or len(torch.unique(classes)) != len(classes) or int(classes.min()) < 0 or (
+                n_classes is not None and int(classes.max()) >= n_classes):
+            raise ValueError(f"its class labels must be distinct class indices{'' if n_classes is None else f' below {n_classes}'}")
+        floats = {name: tensors[name] for name in _TENSORS[1:]}
+        if any(t.dtype != torch.float64 or not torch.isfinite(t).all() for t in floats.values()):
+            raise ValueError("its means, covariance and scores must be finite 64-bit numbers")
+        cov = floats["covariance"]
+        if not torch.allclose(cov, cov.T, rtol=0, atol=1e-9 * float(cov.abs().max())):
+            raise ValueError("its covariance is not symmetric")
+        detector = MahalanobisDetector(quantile=_number(meta, "quantile", 1e-6, 1 - 1e-6),
+                                       shrinkage=_number(meta, "shrinkage", 0, 1))
+        detector.shrinkage_ = detector.shrinkage
+        detector.classes_, detector.means_, detector.covariance_ = classes, floats["means"], cov
+        chol, info = torch.linalg.cholesky_ex(cov)
+        if int(info) != 0:
+            raise ValueError("its covariance is not positive definite")
+        detector._chol, detector.precision_ = chol, torch.cholesky_inverse(chol)
+        detector.n_features_in_ = cov.shape[0]
+        detector.n_samples_fit_ = int(_number(meta, "n_samples_fit", 2, 10**9, whole=True))
+        detector.held_out_scores_ = floats["held_out_scores"]
+        if bool((detector.held_out_scores_ < 0).any()):
+            raise ValueError("its held-out scores must be distances, at least 0")
+        detector.threshold_ = float(torch.quantile(detector.held_out_scores_, float(detector.quantile)))
+    except ValueError as e:
+        raise ValueError(f"{where} cannot be used: {e}.") from None
+    about = {key: value for key, value in meta.items() if key not in ("kind", "quantile", "shrinkage", "n_samples_fit")}
+    return detector, about

@@ -13,8 +13,11 @@ anything reproduces it — plus a few test images for the "Try your own image" t
                               calibration logits (tests/test_one_answer.py compares to 1e-6 where it matches)
     shift.json                the Shift tab's study: the default methods and corruptions at every severity,
                               fitted on the clean calibration split, with 6 corrupted test images per condition
+    ood.safetensors           the Try tab's out-of-distribution detector (class means, covariance, held-out
+                              scores), fitted as the app fits it: a pre-computed calibration's Try tab then
+                              needs neither the calibration images nor a model pass over them
 
-``--only shift`` writes shift.json alone and leaves the rest as it is. Each file is what today's code
+``--only shift`` (or ``--only ood``) writes shift.json (or ood.safetensors) alone and leaves the rest as it is. Each file is what today's code
 makes: tests/test_one_answer.py reruns the run and parts of every study with the functions below and
 compares them with the shipped files to 1e-6, so a change of behaviour cannot land with a stale result.
 
@@ -104,6 +107,18 @@ def default_splits(calibration_size: int = DEFAULT_CALIBRATION_SIZE, seed: int =
     return loaded, cal, test
 
 
+def default_ood(loaded, cal, test, model: str, dataset: str | None, calibration_size: int, seed: int,
+                test_size: int | None, out: Path) -> Path:
+    """The Try tab's out-of-distribution detector, fitted as the app fits it on these splits
+    (``nctv.ood.fit_on_splits``, seed 0), written to ``out/ood.safetensors`` with the draw it belongs to."""
+    from nctv.ood import OOD_FILE, fit_on_splits, save_detector, split_about
+
+    path = out / OOD_FILE
+    save_detector(fit_on_splits(loaded.model, cal, test), path,
+                  split_about(model, dataset, calibration_size, seed, test_size))
+    return path
+
+
 #: What made a study: torch, the CPU's kernels and a digest of the model's unperturbed calibration logits.
 ARITHMETIC_FILE = "arithmetic.json"
 
@@ -142,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-size", type=int, default=DEFAULT_CALIBRATION_SIZE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bins", type=int, default=APP_BINS)
-    ap.add_argument("--only", choices=["all", "shift"], default="all",
-                    help="shift: write shift.json alone, keeping every other file")
+    ap.add_argument("--only", choices=["all", "shift", "ood"], default="all",
+                    help="shift: write shift.json alone, keeping every other file; ood: the same for "
+                         "ood.safetensors, the Try tab's out-of-distribution detector")
     args = ap.parse_args(argv)
     if args.out is None and args.model not in ENTRIES:
         ap.error(f"--out is needed for {args.model!r}: the app opens the studies of its menu's models only")
@@ -155,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     def report(fraction: float, message: str) -> None:
         print(f"[{100 * fraction:5.1f}%] {message}", flush=True)
 
+    # The menu's models are pre-computed on part of their test pool; the default on all of it (the app's draw).
+    test_size = None if args.model == DEFAULT_MODEL else len(test)
+    if args.only == "ood":
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {default_ood(loaded, cal, test, args.model, args.dataset, len(cal), args.seed, test_size, args.out)}")
+        return 0
     shift = default_shift(loaded, cal, test, args.seed, args.bins, callback=report)
     if args.only == "shift":
         print(f"wrote {shift.save(args.out, indent=None)}")
@@ -168,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / name).write_text(study_result.to_json(), encoding="utf-8")
         written.append(args.out / name)
     written.append(shift.save(args.out, indent=None))
+    written.append(default_ood(loaded, cal, test, args.model, args.dataset, len(cal), args.seed, test_size, args.out))
     (args.out / ARITHMETIC_FILE).write_text(json.dumps(arithmetic(loaded, cal), indent=2) + "\n", encoding="utf-8")
     written.append(args.out / ARITHMETIC_FILE)
     if args.model == DEFAULT_MODEL:  # the Try tab's examples are the embedded default's

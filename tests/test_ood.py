@@ -218,3 +218,98 @@ def test_default_model_flags_foreign_pictures(default_model, fitted, kind):
     x = torch.stack([default_model.preprocess(FOREIGN[kind](rng).convert("L")) for _ in range(10)])
     flagged = det.is_outlier(penultimate_features(default_model.model, x))
     assert flagged.double().mean().item() >= 0.8, f"only {int(flagged.sum())} of 10 {kind} pictures flagged"
+
+
+# --------------------------------------------------------------------------- saved detectors
+
+def _saved(tmp_path, weight=0.3):
+    from nctv.ood import save_detector
+
+    f, y = gaussian(400, 0)
+    h, _ = gaussian(200, 1)
+    det = MahalanobisDetector(quantile=0.95, shrinkage=weight).fit(f, y, h)
+    path = tmp_path / "ood.safetensors"
+    save_detector(det, path, {"model": "m", "dataset": ""})
+    return det, path, (f, y, h)
+
+
+def test_a_saved_detector_scores_as_the_fitted_one_and_by_hand(tmp_path):
+    from nctv.ood import load_detector
+
+    det, path, (f, y, h) = _saved(tmp_path)
+    back, about = load_detector(path, n_classes=3)
+    assert about == {"model": "m", "dataset": ""}
+    queries, _ = gaussian(50, 2)
+    assert np.allclose(back.score(queries).numpy(), by_hand(f, y, queries, back.shrinkage_), rtol=1e-9)
+    assert back.threshold_ == pytest.approx(np.quantile(by_hand(f, y, h, back.shrinkage_), 0.95), rel=1e-9)
+    assert torch.equal(back.is_outlier(queries), det.is_outlier(queries))
+    assert (back.n_samples_fit_, back.quantile, back.shrinkage_) == (400, 0.95, det.shrinkage_)
+
+
+def _rewrite(path, change):
+    """The saved detector at ``path`` written again after ``change(tensors, metadata)``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors, meta)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def _set_meta(key, value):
+    return lambda t, m: m.update({key: value})
+
+
+def _set_tensor(key, fn):
+    return lambda t, m: t.update({key: fn(t[key])})
+
+
+def _asymmetric(c):
+    c = c.clone()
+    c[0, 1] += 1.0
+    return c
+
+
+CRAFTED = [
+    (_set_meta("kind", "other"), "it is not a detector file nctv wrote"),
+    (lambda t, m: t.update(extra=torch.zeros(1)), "it is not a detector file nctv wrote"),
+    (_set_tensor("means", lambda v: v[:, :2].contiguous()), "shapes do not fit together"),
+    (_set_tensor("means", lambda v: v.index_fill(0, torch.tensor([1]), float("nan"))), "must be finite 64-bit"),
+    (_set_tensor("covariance", lambda c: c.float()), "must be finite 64-bit"),
+    (_set_tensor("covariance", _asymmetric), "covariance is not symmetric"),
+    (_set_tensor("covariance", lambda c: -c), "covariance is not positive definite"),
+    (_set_tensor("classes", lambda c: torch.tensor([0, 0, 2])), "class labels must be distinct class indices below 3"),
+    (_set_tensor("classes", lambda c: torch.tensor([0, 1, 7])), "class labels must be distinct class indices below 3"),
+    (_set_tensor("held_out_scores", lambda s: -s), "held-out scores must be distances"),
+    (_set_meta("quantile", "nan"), "quantile must be a number from"),
+    (_set_meta("quantile", "1.5"), "quantile must be a number from"),
+    (_set_meta("shrinkage", "-0.1"), "shrinkage must be a number from 0 to 1"),
+    (_set_meta("n_samples_fit", "1.5"), "n_samples_fit must be a whole number"),
+    (_set_meta("n_samples_fit", "٣٠"), "n_samples_fit must be a whole number"),
+]
+
+
+@pytest.mark.parametrize("change, words", CRAFTED)
+def test_a_crafted_detector_file_is_refused_in_words(tmp_path, change, words):
+    from nctv.ood import load_detector
+
+    _, path, _ = _saved(tmp_path)
+    _rewrite(path, change)
+    with pytest.raises(ValueError, match=r"^The out-of-distribution detector ood\.safetensors cannot be used: .*"
+                                         + words):
+        load_detector(path, n_classes=3)
+
+
+def test_a_detector_file_with_a_huge_header_or_no_header_is_refused_unread(tmp_path):
+    from nctv.ood import MAX_DETECTOR_HEADER_BYTES, load_detector
+
+    path = tmp_path / "ood.safetensors"
+    for head in ((MAX_DETECTOR_HEADER_BYTES + 1).to_bytes(8, "little") + b"{" * 100,  # header past the cap
+                 (2**62).to_bytes(8, "little"), b"\x01", b""):
+        path.write_bytes(head)
+        with pytest.raises(ValueError, match=r"is not a detector file nctv wrote \(its size or header length"):
+            load_detector(path)
+    path.write_bytes((10).to_bytes(8, "little") + b"not json!!")
+    with pytest.raises(ValueError, match="cannot be read as safetensors"):
+        load_detector(path)

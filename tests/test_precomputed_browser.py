@@ -1,6 +1,6 @@
 """A visitor picks a menu model whose pre-computed study the operator serves from a Hub dataset
 repository (NCTV_PRECOMPUTED_REPO, here in the Hub's cache layout, the server offline): the launched
-app shows that study at once, labelled as the default's, in Calibrate, γ sweep and Initialisation."""
+app shows that study at once, labelled as the default's, in Calibrate, γ sweep, Initialisation and Shift."""
 import pytest
 
 from conftest import start_app, stop_app
@@ -53,4 +53,10 @@ def test_picking_a_menu_model_shows_its_precomputed_study(browser, served):
         pg.wait_for_function(f"document.querySelector({status!r}).innerText.includes('model {MODEL}')",
                              timeout=30_000)
         assert "pre-computed, shipped with the app" in pg.locator(status).inner_text()
+    # The Shift tab, never opened before the pick: its status and the page's own numbers are that model's.
+    pg.get_by_role("tab", name="Shift").click()
+    pg.wait_for_function("document.querySelector('#shift-status').innerText.includes('model fmnist-vit')",
+                         timeout=30_000)
+    pg.wait_for_selector("#shift-diagrams .ns-card svg")
+    assert pg.locator("#shift-note").inner_text().startswith(f"Model {MODEL};")
     pg.context.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import nctv.ui.shipped as shipped
@@ -291,3 +292,100 @@ def test_the_study_tabs_show_a_picked_menu_models_studies(studies):
     status, *rest = shipped.menu_study_view(gamma.shipped_view, "fmnist-mixer", "", outputs=4)
     assert status.startswith("**No pre-computed study shown:** The pre-computed gamma_sweep.json in ")
     assert "temperature must be 11 finite numbers" in status and rest == [gr.skip()] * 3
+
+
+def test_the_shift_tab_shows_a_picked_menu_models_study(studies):
+    """The Shift tab's answer to a picked menu model: that model's own shift.json (status, table,
+    downloads and the page's numbers), the default's again when the default is picked back, and the
+    tab as it is where the model has no study."""
+    import gradio as gr
+
+    from nctv.ui import shift as shift_tab
+
+    def change(name, data):  # a study that differs from the default's in a figure the page shows
+        if name == "shift.json":
+            data["test"]["size"] = 1234
+
+    folder = write_study(studies / "models" / "fmnist-vit", "fmnist-vit", change)
+    status, table, versus, files, page = shipped.menu_study_view(shift_tab.menu_view, "fmnist-vit", "", outputs=5)
+    assert status.startswith("Showing the study *pre-computed, shipped with the app*: model fmnist-vit, ")
+    assert "scored on the 1,234 test pictures" in status and table.startswith("**ECE under distribution shift**") and versus
+    assert files[0] == str(folder / "shift.json") and Path(files[1]).read_text(encoding="utf-8").startswith("corruption,severity,method")
+    assert page["model"] == "fmnist-vit" and page["n_test"] == 1234
+    shipped_page = shift_tab.first_view()
+    assert shipped_page["model"] == "fmnist-resnet-overconfident" and page["conditions"] == shipped_page["conditions"]
+    back = shipped.menu_study_view(shift_tab.menu_view, "fmnist-resnet-overconfident", "", outputs=5)
+    assert back[4]["model"] == "fmnist-resnet-overconfident" and back[3][0] == str(studies / "shift.json")
+    assert shipped.menu_study_view(shift_tab.menu_view, "fmnist-mixer", "", outputs=5) == (gr.skip(),) * 5
+    assert shipped.menu_study_view(shift_tab.menu_view, "fmnist-vit", "org/model", outputs=5) == (gr.skip(),) * 5
+
+
+def test_a_study_of_a_downloaded_dataset_is_shown_without_fetching_its_pictures(studies, monkeypatch):
+    """A menu model's study made on a downloaded dataset (here one this server cannot reach): picking
+    it fetches none of its pictures. δ is shown on a mid-grey picture, an opened group says where the
+    pictures are, and Try's out-of-distribution check uses the detector shipped with the study (the
+    same verdict and distance as that detector gives), or says it is unavailable without one."""
+    import dataclasses
+    import re
+
+    import nctv.ui.caches as caches
+    from nctv.data import get_splits
+    from nctv.ood import fit_on_splits, penultimate_features, save_detector, split_about
+    from nctv.ui import calibrate, try_image
+
+    monkeypatch.setattr(caches, "_detectors", caches.Memo(4))
+    monkeypatch.setattr(caches, "_view_only", set())
+    nowhere = "hf-dataset:nctv-test/nowhere"
+
+    def change(name, data):
+        if name == "results.json":
+            data["settings"]["dataset"] = nowhere
+
+    folder = write_study(studies / "models" / "fmnist-vit", "fmnist-vit", change)
+    status, _, _, _, delta, _, state, shown = calibrate.menu_model_view("fmnist-vit", "")
+    assert status.startswith("Showing the result **pre-computed, shipped with the app** (model fmnist-vit")
+    assert state.split.dataset == nowhere
+    assert "A mid-grey picture (this study&#x27;s test pictures are not on this server)" in delta
+    pixels = np.array(json.loads(re.search(r'data-input="([^"]*)"', delta).group(1)))
+    assert pixels.size == 28 * 28 and np.allclose(pixels, 127.5, atol=0.5)
+    with pytest.raises(ValueError, match="^The pictures of this pre-computed study are not on this server"):
+        calibrate.group_pictures(shown, "Vector Scaling", 14)
+    picture = sorted((SHIPPED / "examples").glob("*.png"))[0]
+    verdict = try_image.classify(str(picture), state)[0]
+    assert 'data-flagged="unknown"' in verdict and "this pre-computed study came without its detector" in verdict
+    # The operator's study ships the detector fitted on the study's own draw: Try uses it, no pictures needed.
+    loaded = caches.get_model("fmnist-vit")
+    cal, test = get_splits(loaded, None, calibration_size=5000, calibration_seed=0, test_size=10000)
+    detector = fit_on_splits(loaded.model, cal, test, max_fit_images=300, max_threshold_images=200)
+    save_detector(detector, folder / "ood.safetensors", split_about(**dataclasses.asdict(state.split)))
+    caches._detectors = caches.Memo(4)
+    verdict = try_image.classify(str(picture), state)[0]
+    x = loaded.preprocess(Image.open(picture).convert("L"))
+    distance = float(detector.score(penultimate_features(loaded.model, x[None]))[0])
+    flagged = "true" if distance > detector.threshold_ else "false"
+    assert f'data-flagged="{flagged}"' in verdict
+    assert f"distance {distance:.1f}; pictures above {detector.threshold_:.1f} are flagged" in verdict
+    # A detector of another draw is not used for this one.
+    save_detector(detector, folder / "ood.safetensors", split_about("fmnist-vit", nowhere, 5000, 1, 10000))
+    caches._detectors = caches.Memo(4)
+    assert 'data-flagged="unknown"' in try_image.classify(str(picture), state)[0]
+
+
+def test_the_shipped_detector_is_the_one_the_app_fits(monkeypatch):
+    """assets/precomputed/ood.safetensors is what the app would fit on the embedded default's draw
+    (scripts/make_precomputed.py --only ood): same class means, covariance and threshold."""
+    import nctv.ui.caches as caches
+    from nctv.ood import OOD_FILE, load_detector
+
+    monkeypatch.setattr(caches, "_detectors", caches.Memo(4))
+    shipped.load_precomputed.cache_clear()
+    spec = shipped.load_precomputed().split
+    fitted = caches.get_ood_detector(spec)  # nothing saved offered: fitted on the splits
+    found = shipped.shipped_detector(spec)
+    assert found is not None and found is not fitted
+    for name in ("means_", "covariance_", "held_out_scores_"):
+        assert torch.allclose(getattr(found, name), getattr(fitted, name), rtol=1e-4, atol=1e-6), name
+    assert found.threshold_ == pytest.approx(fitted.threshold_, rel=1e-4)
+    assert load_detector(SHIPPED / OOD_FILE)[1]["model"] == spec.model
+    monkeypatch.setattr(caches, "_detectors", caches.Memo(4))
+    assert torch.equal(shipped.ood_detector(spec).means_, found.means_)

@@ -118,6 +118,41 @@ def test_a_calibration_in_a_forked_worker_equals_this_process_and_learn_and_try_
     assert [c[3] for c in _calls(zerogpu.log) if c[0] == "_picture_work"] == ["done"]
 
 
+def test_the_gamma_sweep_and_the_initialisation_study_run_in_forked_workers_as_in_this_process(zerogpu):
+    """The two study tabs through the HTTP API: each in one GPU call of its own, in a worker, for the
+    duration its work was estimated at, with the figures this process computes (one γ and two runs
+    each, to keep the test short; the grid and the run count are the handlers' own arguments)."""
+    from nctv.ui import gamma, initialisation
+
+    client = Client(zerogpu.url, verbose=False)
+    spec = SplitSpec(DEFAULT_MODEL, None, 300, 0, 1000)
+    status, _, table, files = client.predict(*SHARED, 1.0, 1.0, 0.1, "auto", "random", "fast", 100, "default",
+                                             api_name="/gamma_sweep")
+    assert status.startswith("**Done**: 1 γ values"), status
+    served = json.loads(Path(next(f for f in files if f.endswith("gamma_sweep.json"))).read_text())
+    nc = parse_nc_options("fast", "auto", 100, "default", init="random")
+    here = gamma.run_sweep(spec, [1.0], 15, nc, lambda item: None).to_dict()
+    for key in ("temperature", "weight_decay", "delta_l2", "passes"):
+        assert served[key] == pytest.approx(here[key], rel=1e-6), key
+    for split in ("calibration", "test"):
+        for metric, values in here["splits"][split].items():
+            assert served["splits"][split][metric] == pytest.approx(values, rel=1e-6, abs=1e-9), (split, metric)
+
+    status, _, table, files = client.predict(*SHARED, 2, "1", "auto", "fast", 100, "default", api_name="/init_study")
+    assert status.startswith("**Done**: 2 runs per initialisation"), status
+    served = json.loads(Path(next(f for f in files if f.endswith("init_study.json"))).read_text())
+    nc = parse_nc_options("fast", "auto", 100, "default", gamma="1")
+    here = initialisation.run_study(spec, 2, 15, nc, lambda item: None).to_dict()
+    for init, runs in here["runs"].items():
+        for got, run in zip(served["runs"][init], runs, strict=True):
+            assert got == pytest.approx(run, rel=1e-6, abs=1e-9), init
+
+    calls = {c[0]: c for c in _calls(zerogpu.log)}
+    for name in ("run_sweep", "run_study"):
+        _, seconds, worker, how = calls[name]
+        assert how == "done" and worker != zerogpu.pid and seconds > 0
+
+
 def _children(pid: int) -> set[int]:
     """The live child processes of ``pid`` (from /proc)."""
     found = set()

@@ -33,10 +33,10 @@ from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber
 from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
-from nctv.ui.caches import get_logits, get_ood_detector
+from nctv.ui.caches import get_logits
 from nctv.ui.limits import DEFAULT_DATASET_CHOICE, dataset_choices, dataset_hint, dataset_refusal, model_choices
 from nctv.ui.session import SplitSpec
-from nctv.ui.shipped import examples_dir, load_precomputed
+from nctv.ui.shipped import examples_dir, load_precomputed, ood_detector
 
 log = logging.getLogger("nctv.ui")
 
@@ -520,19 +520,28 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
           api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
 
 
-def _shift_tab() -> None:
+def _shift_tab(shared: Shared) -> None:
+    import functools
+
+    from nctv.ui.shipped import menu_study_view
+
     status0, table0, versus0, files0 = shift_tab.shipped_view()
     # Controls, pictures, verdict, curves and diagrams live in the page, which draws every condition from
-    # the study's numbers: they go to the page on its first view of the tab, never with a move.
+    # the study's numbers: they go to the page on its first view of the tab, or when a menu model with a
+    # study of its own is picked, never with a move.
     view = shift_tab.page_view()
-    gr.Markdown(status0, elem_id="shift-status")
-    gr.Markdown(table0, elem_id="shift-table", elem_classes="result-table")
+    status = gr.Markdown(status0, elem_id="shift-status")
+    table = gr.Markdown(table0, elem_id="shift-table", elem_classes="result-table")
     with gr.Accordion("Neural Clamping against temperature scaling, every condition", open=False):
-        gr.Markdown(versus0, elem_id="shift-versus", elem_classes="result-table")
-    gr.File(files0 or None, label="Download this study (shift.json, table.csv)", file_count="multiple",
-            interactive=False, elem_id="shift-files", elem_classes="download-list")
-    view.first_view(shift_tab.first_view, None, [view], show_progress="hidden",
+        versus = gr.Markdown(versus0, elem_id="shift-versus", elem_classes="result-table")
+    files = gr.File(files0 or None, label="Download this study (shift.json, table.csv)", file_count="multiple",
+                    interactive=False, elem_id="shift-files", elem_classes="download-list")
+    view.first_view(shift_tab.first_view, [shared.model, shared.hub_id], [view], show_progress="hidden",
                     concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+    # A picked menu model's own shift study, shown at once like the other tabs' (no model pass).
+    shared.model.change(functools.partial(menu_study_view, shift_tab.menu_view, outputs=5),
+                        [shared.model, shared.hub_id], [status, table, versus, files, view], show_progress="hidden",
+                        concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
 
 
 def _initial_learn() -> tuple[str, str]:
@@ -561,7 +570,7 @@ def build_app() -> gr.Blocks:
             with gr.Tab("Learn", id="learn"):
                 _learn_tab(state, run_event, loaded)
             with gr.Tab("Shift", id="shift"):
-                _shift_tab()
+                _shift_tab(shared)
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
                   show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)
@@ -580,7 +589,7 @@ def warm_up() -> None:
         get_logits(spec, "test")
         pre = load_precomputed()
         if pre is not None:
-            get_ood_detector(pre.split)  # the Try tab's first picture then pays nothing for its check
+            ood_detector(pre.split)  # the Try tab's first picture then pays nothing for its check
     except Exception:  # noqa: BLE001 - a failed warm-up only costs time later, where errors are shown
         log.exception("warming up the default model failed")
 

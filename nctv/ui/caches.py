@@ -24,6 +24,10 @@ class Memo:
         self._locks: dict[Any, threading.Lock] = {}
         self._guard = threading.Lock()
 
+    def holds(self, key: Any) -> bool:
+        with self._guard:
+            return key in self._data
+
     def get(self, key: Any, compute: Callable[[], Any]) -> Any:
         with self._guard:
             if key in self._data:
@@ -81,6 +85,30 @@ def get_splits(spec: SplitSpec):
     return _splits.get(spec, make)
 
 
+#: Splits of pre-computed studies whose pictures are not on this server (a downloaded dataset): a view
+#: of the study never fetches them, only a run does (:func:`mark_view_only`, :func:`test_pictures`).
+_view_only: set[SplitSpec] = set()
+
+
+def mark_view_only(spec: SplitSpec) -> None:
+    """Say that ``spec`` is a pre-computed study's draw whose pictures are downloaded, not embedded:
+    showing the study must not fetch them (ImageNet's would be a gigabyte on the server, for one
+    picture; or, without a token, Imagenette's pictures in place of the study's)."""
+    _view_only.add(spec)
+
+
+def test_pictures(spec: SplitSpec):
+    """``spec``'s test split, for showing its pictures: refused in words (``ValueError``) for a
+    pre-computed study's downloaded dataset that this server has not loaded for a run."""
+    if spec in _view_only and not _splits.holds(spec):
+        raise ValueError(PICTURES_NOT_HERE)
+    return get_splits(spec)[1]
+
+
+PICTURES_NOT_HERE = ("The pictures of this pre-computed study are not on this server: its dataset is downloaded "
+                     "only for a run. Press Run calibration to see them.")
+
+
 def get_logits(spec: SplitSpec, which: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Unperturbed logits (N, K) and labels (N,) of the model on its ``which`` ("calibration"/"test")
     split, from memory, else from the on-disk logit cache of :func:`nctv.cache.split_logits`."""
@@ -110,6 +138,11 @@ def remember_detector(spec: SplitSpec, detector: Any) -> None:
     _detectors.get(spec, lambda: detector)
 
 
+def has_ood_detector(spec: SplitSpec) -> bool:
+    """Whether this server already holds ``spec``'s out-of-distribution detector."""
+    return _detectors.holds(spec)
+
+
 def ts_temperature_of(spec: SplitSpec) -> float:
     """Temperature scaling fitted on ``spec``'s cached calibration logits (the Try tab always
     compares with it; on cached logits it costs nothing)."""
@@ -118,12 +151,17 @@ def ts_temperature_of(spec: SplitSpec) -> float:
     return float(METHODS[TS_METHOD].factory().fit(*get_logits(spec, "calibration")).temperature_)
 
 
-def get_ood_detector(spec: SplitSpec):
-    """The out-of-distribution detector (:mod:`nctv.ood`) of ``spec``'s model: fitted on its
-    calibration split, threshold set on its test split, once per server."""
+def get_ood_detector(spec: SplitSpec, saved: Callable[[], Any] | None = None):
+    """The out-of-distribution detector (:mod:`nctv.ood`) of ``spec``'s model: ``saved()`` when it
+    gives one (a detector shipped with a pre-computed study: ``nctv.ui.shipped.ood_detector``), else
+    fitted on its calibration split, threshold set on its test split; once per server."""
     from nctv.ood import fit_on_splits
 
     def make():
+        found = saved() if saved is not None else None
+        if found is not None:
+            return found
+        test_pictures(spec)  # a pre-computed study's downloaded pictures are not fetched for a view
         cal, test = get_splits(spec)
         return fit_on_splits(get_model(spec.model).model, cal, test)
 

@@ -24,7 +24,7 @@ from nctv.checks import LR_MAX
 from nctv.settings import INIT_STDS, RECIPE_LR, NCOptions
 from nctv.ui.common import (SAME_TASK, ProgressLine, duration, export_dir, parse_whole,
                              user_errors, with_warnings)
-from nctv.ui.caches import get_model, get_splits, remember_logits, ts_temperature_of
+from nctv.ui.caches import get_model, get_splits, remember_logits, test_pictures, ts_temperature_of
 from nctv.ui.caches import prepare_run
 from nctv.ui.gpu import GpuRun, calibration_work, gpu_generator
 from nctv.ui.limits import resolve_dataset, resolve_model_name
@@ -318,15 +318,24 @@ def delta_panel(result: Any, calibration: Calibration) -> str:
     """The learned δ made visible in the page (:mod:`nctv.ui.delta`, amplified and blended there) on the
     first test picture, with what δ does to that picture's answer, read off the run's own test logits
     (no model pass). The Learned-parameters text above it says what δ is and how large."""
+    import torch
+
     from nctv import plots
     from nctv.ui.delta import NO_DELTA, delta_view
     from nctv.ui.try_image import delta_effect, probabilities
 
     if calibration.delta is None:
         return NO_DELTA
-    test = get_splits(calibration.split)[1]
-    row = slice(EXAMPLE_ROW, EXAMPLE_ROW + 1)
     s = result.settings
+    try:
+        test = test_pictures(calibration.split)
+    except ValueError:  # a pre-computed study of a downloaded dataset: δ on a mid-grey picture instead
+        grey = [(0.5 - m) / d for m, d in zip(s["mean"], s["std"])]
+        example = torch.tensor(grey, dtype=calibration.delta.dtype)[:, None, None].expand_as(calibration.delta)
+        data = plots.delta_image_data(calibration.delta, s["mean"], s["std"], example=example)
+        return delta_view(data, picture="A mid-grey picture (this study's test pictures are not on this server)",
+                          group="calibrate-amplify", sentence=False)
+    row = slice(EXAMPLE_ROW, EXAMPLE_ROW + 1)
     data = plots.delta_image_data(calibration.delta, s["mean"], s["std"],
                                   example=test.preprocess(test.image(EXAMPLE_ROW)))
     effect = delta_effect(test.class_names,

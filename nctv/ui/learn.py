@@ -17,7 +17,7 @@ import torch
 from nctv import metrics, report
 from nctv.settings import APP_BINS
 from nctv.ui.common import parse_whole, user_errors
-from nctv.ui.caches import get_splits
+from nctv.ui.caches import test_pictures
 from nctv.ui.session import Calibration, SplitSpec
 from nctv.ui.shipped import load_precomputed, test_logits_of
 
@@ -220,7 +220,7 @@ def pictures(spec: SplitSpec, rows: list[int], labels: Any, before: tuple[Any, A
     of the whole split), the model's prediction (class names) and its confidence before and after
     calibration: ``before`` and ``after`` are (top-label confidence, predicted class) of the asked rows,
     in their order. A picture is right when the calibrated prediction is."""
-    split = get_splits(spec)[1]
+    split = test_pictures(spec)
     names = split.class_names
     out = []
     for i, row in enumerate(rows):

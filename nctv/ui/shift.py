@@ -5,13 +5,16 @@ diagram and ECE with its interval, the curves of ECE against severity with the c
 marked, and the verdict of Neural Clamping against temperature scaling from their paired interval.
 
 Every number comes from the shift study shipped beside the pre-computed result
-(``assets/precomputed/shift.json``, a :class:`nctv.shift.ShiftResult` of the embedded default). It
-travels to the page once, when the tab is first shown (:func:`page_data`); moving the severity or
-changing the corruption costs no request.
+(``assets/precomputed/shift.json``, a :class:`nctv.shift.ShiftResult` of the embedded default), or,
+when a visitor picks a menu model that has a pre-computed study of its own (``nctv.ui.shipped``), from
+that model's ``shift.json`` (:func:`menu_view`). It travels to the page once, when the tab is first
+shown or the model is picked (:func:`page_data`); moving the severity or changing the corruption costs
+no request.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -100,25 +103,30 @@ def _shipped_page() -> dict[str, Any]:
 
 
 @user_errors
-def first_view() -> dict[str, Any]:
-    """The page's "first_view" event: the shipped study's numbers (computed once per server)."""
+def first_view(model: Any = None, hub_id: Any = None) -> dict[str, Any]:
+    """The page's "first_view" event: the numbers of the picked menu model's own study when it has
+    one (:func:`menu_view`), else the shipped study's (computed once per server)."""
+    if isinstance(model, str) and not (isinstance(hub_id, str) and hub_id.strip()):
+        try:
+            found = menu_view(model)
+        except ValueError:  # the status line says why; the page shows the shipped study
+            found = None
+        if found is not None:
+            return found[-1]
     return _shipped_page()
 
 
-@lru_cache(maxsize=1)
-def _table_csv() -> str:
-    """table.csv of the shipped study, written once per server beside the other downloads."""
-    path = export_dir("shift") / "table.csv"
-    path.write_text(to_csv(shipped_shift()), encoding="utf-8")
-    return str(path)
+@lru_cache(maxsize=8)
+def _table_csv(path: str) -> str:
+    """table.csv of the study in ``path``, written once per server beside the other downloads."""
+    out = export_dir("shift") / "table.csv"
+    out.write_text(to_csv(ShiftResult.load(path)), encoding="utf-8")
+    return str(out)
 
 
-def shipped_view() -> tuple[str, str, str, list[str]]:
+def study_view(result: ShiftResult, path: Path) -> tuple[str, str, str, list[str]]:
     """(what is shown, the ECE table, Neural Clamping against temperature scaling, files) of the
-    shipped study; with none shipped, a sentence saying so."""
-    result = shipped_shift()
-    if result is None:
-        return NO_STUDY, "", "", []
+    pre-computed study ``result``, read from ``path``."""
     calibrated = "the clean calibration split" if not result.calibrate_on else condition_title(result.calibrate_on)
     status = (f"Showing the study *{PRECOMPUTED_LABEL}*: model {result.model.get('name')}, every method fitted once "
               f"on {calibrated} ({result.calibration.get('size', '?'):,} pictures), then scored on the "
@@ -128,7 +136,30 @@ def shipped_view() -> tuple[str, str, str, list[str]]:
     lines = "\n".join(f"- {s}" for s in summary_sentences(result))
     table = to_markdown(shift_table(result, "ece"))
     versus = to_markdown(comparison_table(result)) if COMPARED_METHOD in result.methods else ""
-    return status + ("\n\n" + lines if lines else ""), table, versus, [str(precomputed_dir() / SHIFT_FILE), _table_csv()]
+    return status + ("\n\n" + lines if lines else ""), table, versus, [str(path), _table_csv(str(path))]
+
+
+def shipped_view() -> tuple[str, str, str, list[str]]:
+    """:func:`study_view` of the shipped study; with none shipped, a sentence saying so."""
+    result = shipped_shift()
+    if result is None:
+        return NO_STUDY, "", "", []
+    return study_view(result, precomputed_dir() / SHIFT_FILE)
+
+
+def menu_view(model: str) -> tuple[str, str, str, list[str], dict[str, Any]] | None:
+    """:func:`study_view` and :func:`page_data` of the shift study beside menu model ``model``'s
+    pre-computed result (the embedded default's for the default model), or None where it has none.
+    Read and checked by :func:`nctv.ui.shipped.study_of`; a study that fails its checks raises
+    ``ValueError`` saying why."""
+    from nctv.ui.shipped import study_of
+
+    found = study_of(model, SHIFT_FILE)
+    if found is None:
+        return None
+    data, path = found
+    result = ShiftResult.from_dict(data)
+    return (*study_view(result, path), page_data(result))
 
 
 def page_view() -> gr.HTML:

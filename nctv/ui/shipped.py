@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from nctv.data import assets_dir
-from nctv.ui.caches import get_logits
+from nctv.ui.caches import get_logits, get_ood_detector, mark_view_only
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
 
 PRECOMPUTED_LABEL = "pre-computed, shipped with the app"
@@ -27,7 +27,7 @@ PRECOMPUTED_REPO_VARIABLE = "NCTV_PRECOMPUTED_REPO"
 #: A run's files: the result, with every method's test logits (both needed), and NC's δ.
 RUN_FILES = ("results.json", "test_logits.safetensors", "delta.safetensors")
 #: The studies beside a run: the γ sweep, the initialisation study, the shift study.
-STUDY_FILES = ("gamma_sweep.json", "init_study.json", "shift.json")
+STUDY_FILES = ("gamma_sweep.json", "init_study.json", "shift.json", "ood.safetensors")
 
 
 def precomputed_dir() -> Path:
@@ -107,7 +107,18 @@ def load_precomputed(model: str | None = None) -> Precomputed | None:
         settings=dict(result.settings),
         metrics=test_metrics(result, result.bins[0]),
     )
+    if model is not None and _downloaded(cal.split):
+        mark_view_only(cal.split)
     return Precomputed(result, cal)
+
+
+def _downloaded(spec: SplitSpec) -> bool:
+    """Whether ``spec``'s pictures come from a download (not the embedded Fashion-MNIST)."""
+    from nctv.zoo import ENTRIES
+
+    entry = ENTRIES.get(spec.model)
+    dataset = spec.dataset or (entry.datasets[0] if entry is not None and entry.datasets else None)
+    return dataset != "fashion-mnist"
 
 
 def study_folder(model: str) -> Path | None:
@@ -262,3 +273,31 @@ def test_logits_of(cal: Calibration | None) -> tuple[torch.Tensor, torch.Tensor,
     r = pre.result
     where = f"{r.model['name']}, {r.test['name']} ({PRECOMPUTED_LABEL})"
     return r.methods["Uncalibrated"].test_logits, r.test_labels, where
+
+
+def shipped_detector(spec: SplitSpec) -> Any:
+    """The out-of-distribution detector shipped beside ``spec.model``'s pre-computed study
+    (``ood.safetensors``, :func:`nctv.ood.save_detector`) when it was fitted on the very draw ``spec``
+    names; None otherwise, or when it fails its checks (logged: the detector is then fitted anew)."""
+    import dataclasses
+    import logging
+
+    from nctv.ood import OOD_FILE, load_detector, split_about
+
+    try:
+        folder = study_folder(spec.model)
+        path = None if folder is None else folder / OOD_FILE
+        if path is None or not path.is_file():
+            return None
+        detector, about = load_detector(path)
+    except ValueError as e:
+        logging.getLogger(__name__).warning("%s It is fitted on the calibration images instead.", e)
+        return None
+    return detector if about == split_about(**dataclasses.asdict(spec)) else None
+
+
+def ood_detector(spec: SplitSpec) -> Any:
+    """``spec``'s out-of-distribution detector: the shipped one (:func:`shipped_detector`) when there
+    is one for that draw, so that a pre-computed calibration's Try tab needs neither its calibration
+    images nor a model pass over them; else fitted on them (``nctv.ui.caches.get_ood_detector``)."""
+    return get_ood_detector(spec, lambda: shipped_detector(spec))

@@ -31,11 +31,11 @@ from nctv.corruptions import CORRUPTIONS, check_corruption, corrupt_image
 from nctv.inference import model_logits
 from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
-from nctv.ui.caches import get_model, get_ood_detector, remember_detector
+from nctv.ui.caches import PICTURES_NOT_HERE, get_model, has_ood_detector, remember_detector
 from nctv.ui.delta import NO_DELTA, delta_view
 from nctv.ui.gpu import gpu_call
 from nctv.ui.session import TS_METHOD, Calibration
-from nctv.ui.shipped import examples_dir, load_precomputed
+from nctv.ui.shipped import examples_dir, load_precomputed, ood_detector, shipped_detector
 
 log = logging.getLogger("nctv.ui")
 
@@ -117,8 +117,12 @@ def ood_verdict(cal: Calibration, x: torch.Tensor) -> Verdict:
     if spec is None:
         return Verdict(None, "The out-of-distribution check is unavailable: this calibration came without its images.")
     try:
-        detector = get_ood_detector(spec)
+        detector = ood_detector(spec)
     except ValueError as exc:
+        if str(exc) == PICTURES_NOT_HERE:
+            return Verdict(None, "The out-of-distribution check is unavailable: this pre-computed study came without "
+                                 "its detector, and its calibration pictures are not on this server (they are "
+                                 "downloaded only for a run).")
         return Verdict(None, "The out-of-distribution check is unavailable: its images could not be loaded "
                              f"({redact(str(exc))}).")
     except Exception:  # noqa: BLE001 - the check is an extra; the picture's confidences still show
@@ -416,7 +420,7 @@ def _picture_work(cal: Calibration, x: torch.Tensor, clean: torch.Tensor | None)
     probs, z = _scores(loaded, cal, x)
     clean_probs = None if clean is None else _scores(loaded, cal, clean)[0]
     verdict = ood_verdict(cal, x)
-    detector = get_ood_detector(cal.split) if in_worker() and verdict.flagged is not None else None
+    detector = ood_detector(cal.split) if in_worker() and verdict.flagged is not None else None
     return probs, z, clean_probs, verdict, detector
 
 
@@ -431,8 +435,12 @@ def _picture_answers(loaded: Any, cal: Calibration, x: torch.Tensor, clean: torc
     from nctv.ui.gpu import call
 
     # The pictures through the model: this one (with and without δ), the clean one, and the
-    # out-of-distribution check's fit, in case it is not fitted yet.
-    pictures = 4 + MAX_FIT_IMAGES + MAX_THRESHOLD_IMAGES
+    # out-of-distribution check's fit, unless this server holds its detector or a study shipped one.
+    spec = cal.split
+    if spec is not None and not has_ood_detector(spec) and (found := shipped_detector(spec)) is not None:
+        remember_detector(spec, found)
+    fit = spec is not None and not has_ood_detector(spec)
+    pictures = 4 + (MAX_FIT_IMAGES + MAX_THRESHOLD_IMAGES if fit else 0)
     probs, z, clean_probs, verdict, detector = call(picture_on_gpu, _picture_work, (cal, x, clean),
                                                     loaded, pictures)
     if detector is not None and cal.split is not None:

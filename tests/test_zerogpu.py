@@ -41,11 +41,13 @@ NC_FIELDS = ("1", "auto", "random", "fast", 100)  # γ, λ, δ₀, fitter, epoch
 
 
 def _calls(log: Path) -> list[tuple[str, float, int, str]]:
-    """The stand-in's record of GPU calls: (function, duration asked, worker pid, how it ended)."""
+    """The stand-in's record of GPU calls: (function, duration asked, worker pid, how it ended). Every
+    call must have been made inside the visitor's Gradio request (ZeroGPU charges that visitor)."""
     if not log.exists():
         return []
-    return [(f, float(d), int(p), how) for f, d, p, how in
-            (line.split("\t") for line in log.read_text().splitlines())]
+    rows = [line.split("\t") for line in log.read_text().splitlines()]
+    assert all(r[4] == "request" for r in rows), [r for r in rows if r[4] != "request"]
+    return [(f, float(d), int(p), how) for f, d, p, how, _ in rows]
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +285,25 @@ def test_closing_the_stream_kills_the_worker_at_once(standin):
     stream.close()  # Gradio closes the handler's generator on Stop
     assert time.monotonic() - t0 < 3
     assert not Path(f"/proc/{pid}").exists()
+
+
+def _refusing(words: str, kind: type, report=None):
+    raise kind(words)
+
+
+def test_a_workers_error_comes_back_in_its_own_words(standin, default_model, monkeypatch):
+    """ZeroGPU returns a worker's exception other than gr.Error as its class name alone (the stand-in
+    does as the real package does): the worker sends its errors back as values, so a refusal keeps
+    its words and a fault is named."""
+    words = "The calibration split holds 3 pictures for 10 classes; use at least 20."
+    with pytest.raises(ValueError, match=f"^{re.escape(words)}$"):
+        list(gpu.GpuRun(gpu.gpu_generator(_refusing), (words, ValueError)).stream())
+    with pytest.raises(RuntimeError, match=r"^ZeroDivisionError in the GPU worker: float division by zero$"):
+        list(gpu.GpuRun(gpu.gpu_generator(_refusing), ("float division by zero", ZeroDivisionError)).stream())
+    monkeypatch.setenv("NCTV_SERVER_MAX_FLOPS", "0")  # the embedded model's pictures go to the "GPU" too
+    with pytest.raises(ValueError, match=f"^{re.escape(words)}$"):
+        gpu.call(gpu.gpu_call(_refusing), _refusing, (words, ValueError), default_model, 4)
+    assert gpu.call(gpu.gpu_call(max), max, (3, 7), default_model, 4) == 7
 
 
 # --------------------------------------------------------------------------- the fork hazard

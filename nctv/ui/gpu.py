@@ -297,6 +297,34 @@ def _spaces_gpu(fn: Callable) -> Callable:
     return spaces.GPU(duration=lambda seconds, *args, **kwargs: seconds)(fn)
 
 
+def failed(exc: BaseException) -> tuple[str, str, str]:
+    """An error in a GPU worker, as a value: ``("failed", kind, message)``. ZeroGPU hands a worker's
+    exception back as ``gr.Error`` only when it is one; any other comes back as its class name alone
+    ("ValueError"), its words lost. So the worker sends every error as an item, and the server raises
+    it again (:func:`raise_failed`) with the visitor's words intact."""
+    kind = "value" if isinstance(exc, ValueError) else type(exc).__name__
+    if "OutOfMemory" in kind:
+        return ("failed", "value", "The GPU ran out of memory for this run: try a smaller calibration or test size, "
+                                   "or fewer methods.")
+    return ("failed", kind, str(exc))
+
+
+def _from_zerogpu(exc: BaseException) -> bool:
+    """Whether ``exc`` is ZeroGPU's own (a ``gr.Error``: aborted, out of quota), not a worker's error
+    that :func:`raise_failed` raised again in the server."""
+    import gradio as gr
+
+    return isinstance(exc, (gr.Error, TimeoutError))
+
+
+def raise_failed(kind: str, message: str) -> None:
+    """Raise the error a GPU worker sent (:func:`failed`): a ``ValueError`` in the visitor's words as it
+    was, anything else as a ``RuntimeError`` naming its kind (the app reports it as a server fault)."""
+    if kind == "value":
+        raise ValueError(message)
+    raise RuntimeError(f"{kind} in the GPU worker: {message}")
+
+
 def gpu_generator(work: Callable[..., Any]) -> Callable[..., Iterator[tuple]]:
     """The GPU function of a streaming handler: called as ``fn(seconds, *args)``, it runs
     ``work(*args, report)`` in a :class:`nctv.ui.common.Worker` (``report`` hands progress items on,
@@ -307,8 +335,12 @@ def gpu_generator(work: Callable[..., Any]) -> Callable[..., Iterator[tuple]]:
     def run(seconds: int, *args: Any) -> Iterator[tuple]:
         _enter_worker()
         worker = Worker(lambda report: work(*args, report))
-        for items in worker.stream():
-            yield ("items", items)
+        try:
+            for items in worker.stream():
+                yield ("items", items)
+        except Exception as exc:  # noqa: BLE001 - sent back as a value: see failed()
+            yield failed(exc)
+            return
         yield ("done", portable(worker.result), list(worker.warnings))
 
     functools.update_wrapper(run, work)
@@ -316,10 +348,14 @@ def gpu_generator(work: Callable[..., Any]) -> Callable[..., Iterator[tuple]]:
 
 
 def gpu_call(work: Callable[..., Any]) -> Callable[..., Any]:
-    """The GPU function of a handler with one answer: ``fn(seconds, *args)`` = portable ``work(*args)``."""
+    """The GPU function of a handler with one answer: ``fn(seconds, *args)`` = ``("done", portable
+    work(*args))``, or :func:`failed`'s value when it raises (:func:`call` unpacks both)."""
     def run(seconds: int, *args: Any) -> Any:
         _enter_worker()
-        return portable(work(*args))
+        try:
+            return ("done", portable(work(*args)))
+        except Exception as exc:  # noqa: BLE001 - sent back as a value: see failed()
+            return failed(exc)
 
     functools.update_wrapper(run, work)
     return _spaces_gpu(run)
@@ -341,12 +377,15 @@ def call(fn: Callable[..., Any], work: Callable[..., Any], args: tuple, loaded: 
         return work(*args)
     seconds = check_fits(estimate_seconds(flops, Work(forward=pictures)), 0, 0)
     try:
-        return fn(seconds, *args)
-    except Exception as exc:  # noqa: BLE001 - ZeroGPU's own errors, said in words
-        words = aborted_message(exc, seconds)
+        kind, *answer = fn(seconds, *args)
+    except Exception as exc:  # noqa: BLE001 - ZeroGPU's own errors (gr.Error), said in words
+        words = aborted_message(exc, seconds) if _from_zerogpu(exc) else None
         if words is None:
             raise
         raise ValueError(words) from None
+    if kind == "failed":
+        raise_failed(*answer)
+    return answer[0]
 
 
 class GpuRun:
@@ -387,10 +426,12 @@ class GpuRun:
             for kind, *payload in gen:
                 if kind == "items":
                     yield payload[0]
+                elif kind == "failed":
+                    raise_failed(*payload)
                 else:
                     self.result, self.warnings = payload
-        except Exception as exc:  # noqa: BLE001 - ZeroGPU's own errors, said in words
-            words = aborted_message(exc, self.seconds) if zero_gpu() else None
+        except Exception as exc:  # noqa: BLE001 - ZeroGPU's own errors (gr.Error), said in words
+            words = aborted_message(exc, self.seconds) if zero_gpu() and _from_zerogpu(exc) else None
             if words is None:
                 raise
             raise ValueError(words) from None

@@ -7,10 +7,14 @@ live with (tests/test_zerogpu.py puts this folder on PYTHONPATH and sets SPACES_
   by one, as it yields them), and nothing the worker changes in memory comes back;
 * ``duration`` (seconds, or a function of the call's arguments that gives them) is honoured: a
   worker still running past it is killed, and the call raises ``gr.Error("GPU task aborted")``;
-* closing a streaming call's generator (Gradio does on Stop) kills its worker.
+* closing a streaming call's generator (Gradio does on Stop) kills its worker;
+* an exception in the worker comes back as the real package (0.51) hands it: a ``gr.Error`` as it
+  is, any other as ``gr.Error`` whose message is only the exception's class name ("ValueError").
 
 When ``SPACES_STANDIN_LOG`` names a file, each call appends a line there: the function's name, the
-duration asked for, the worker's process id and how the call ended (done, error, aborted, closed).
+duration asked for, the worker's process id, how the call ended (done, error, aborted, closed) and
+whether the caller was inside a Gradio request (``request`` or ``none``): the real package reads the
+visitor's request from Gradio's context when the call is made, to charge the visitor's own quota.
 """
 from __future__ import annotations
 
@@ -25,11 +29,26 @@ from typing import Any, Callable, Iterator
 _FORK = multiprocessing.get_context("fork")
 
 
-def _log(name: str, seconds: float, pid: int | None, how: str) -> None:
+def _log(name: str, seconds: float, pid: int | None, how: str, request: bool) -> None:
     path = os.environ.get("SPACES_STANDIN_LOG")
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{name}\t{seconds:g}\t{pid}\t{how}\n")
+            f.write(f"{name}\t{seconds:g}\t{pid}\t{how}\t{'request' if request else 'none'}\n")
+
+
+def _in_request() -> bool:
+    """Whether this call sees the visitor's Gradio request, where the real package looks for it."""
+    from gradio.context import LocalContext
+
+    return LocalContext.request.get(None) is not None
+
+
+def _as_real_package_hands_it(exc: BaseException) -> Exception:
+    import gradio as gr
+
+    if isinstance(exc, gr.Error):
+        return exc
+    return gr.Error(type(exc).__name__, title="ZeroGPU worker error")
 
 
 def _aborted() -> Exception:
@@ -53,16 +72,14 @@ def _worker(conn: Any, fn: Callable, payload: bytes, stream: bool, seconds: floa
             conn.send_bytes(pickle.dumps(("item", fn(*args, **kwargs))))
         conn.send_bytes(pickle.dumps(("end", None)))
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the real package does
-        try:
-            conn.send_bytes(pickle.dumps(("error", exc)))
-        except Exception:  # noqa: BLE001 - an error that does not pickle
-            conn.send_bytes(pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"))))
+        conn.send_bytes(pickle.dumps(("error", _as_real_package_hands_it(exc))))
     finally:
         conn.close()
         os._exit(0)  # none of the server's exit handlers run in the worker
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, seconds: float, stream: bool) -> Iterator[Any]:
+    request = _in_request()
     payload = pickle.dumps((args, kwargs))  # arguments cross as a pickle
     receive, send = _FORK.Pipe(duplex=False)
     proc = _FORK.Process(target=_worker, args=(send, fn, payload, stream, seconds), daemon=True)
@@ -94,7 +111,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, seconds: float, stream: bool)
             proc.kill()
         proc.join()
         receive.close()
-        _log(getattr(fn, "__name__", "?"), seconds, proc.pid, how)
+        _log(getattr(fn, "__name__", "?"), seconds, proc.pid, how, request)
 
 
 def GPU(fn: Callable | None = None, *, duration: float | Callable[..., float] = 60) -> Callable:  # noqa: N802

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.panel import MILD, OVERCONFIDENT, model_id  # noqa: E402
+from nctv.results import COMPARED_METHOD  # noqa: E402
 from nctv.shift import ShiftComparison, signed_points  # noqa: E402
 
 MODELS = OVERCONFIDENT + MILD
@@ -151,7 +152,7 @@ def render(report: dict) -> str:
                 "the unperturbed logits of each corrupted split (cached afterwards) and Neural Clamping's "
                 "f(x + δ); scoring is every logit-space map, metric and interval."]
         lines.append("")
-    lines += ["## Verdicts: Neural Clamping (FL) against temperature scaling, test ECE", "",
+    lines += [f"## Verdicts: {NC} against temperature scaling, test ECE", "",
               "Counts over the 40 corrupted conditions (8 corruptions × 5 severities) of where the 95 % paired "
               "interval of (NC − reference) lies; then the mean over corruptions at severity 5.", "",
               "| model | uncal. clean ECE % | vs TS grid: lower / tied / higher | mean, sev. 5 (pt) | vs TS: lower / tied / higher | mean, sev. 5 (pt) |",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nctv import __version__
+from nctv.methods import short_names
 from nctv.settings import (
     CORRUPTION_NAMES,
     DEFAULT_GAMMA,
@@ -51,21 +52,6 @@ from nctv.settings import (
 
 #: ``nctv train --arch`` presets: name -> (timm architecture, its size arguments).
 ARCH_PRESETS = {"small-resnet": ("resnet10t", {"channels": [16, 32, 64, 128], "stem_width": 8})}
-
-#: Short names accepted by --methods (case-insensitive), besides the full method names.
-METHOD_ALIASES = {
-    "uncal": "Uncalibrated",
-    "ts": "Temperature Scaling",
-    "ts-grid": "TS by Grid Search",
-    "ts-fl": "Temperature Scaling (FL)",
-    "vs": "Vector Scaling",
-    "ms": "Matrix Scaling",
-    "ms-odir": "MS-ODIR",
-    "dir-odir": "Dir-ODIR",
-    "nc-ce": "Neural Clamping (CE)",
-    "nc-fl": "Neural Clamping (FL)",
-    "nc-eff": "NC (Eff.)",
-}
 
 EPILOG = """\
 examples:
@@ -306,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "Neural Clamping against TS by grid search.")
     _add_common(p, "run")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="methods to run (full names in quotes, or short names: " + ", ".join(METHOD_ALIASES)
+                   help="methods to run (full names in quotes, or short names: " + ", ".join(short_names())
                         + "); default: all ten")
     _add_intervals(p)
 
@@ -415,7 +401,7 @@ def resolve_methods(names: Sequence[str] | None) -> list[str] | None:
         for part in str(raw).split(","):
             part = part.strip()
             if part:
-                out.append(METHOD_ALIASES.get(part.lower(), part))
+                out.append(short_names().get(part.lower(), part))
     if not out:
         raise CLIError("--methods was given without method names.")
     return out

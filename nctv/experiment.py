@@ -313,14 +313,15 @@ def _make(ctx: _Context, plan: MethodPlan, seed: int):
     spec = _registry()[plan.name]
     kw: dict[str, Any] = dict(plan.overrides)
     nc = ctx.options.nc
-    # The run's own progress reports every method; a method's own bar stays off.
-    if "progress" in _param_names(spec):
+    # The run's settings the registry says the method takes. The run's own progress reports every
+    # method, so a method's own bar stays off.
+    if "progress" in spec.run_options:
         kw.setdefault("progress", False)
     gamma = nc.setting("gamma")
-    if plan.name == "Temperature Scaling (FL)" and gamma != "auto":
-        kw.setdefault("gamma", gamma)  # "auto" is Neural Clamping's own choice of γ
     if not spec.needs_model:
-        if "callback" in _param_names(spec):  # the affine fits report their folds
+        if "gamma" in spec.run_options and gamma != "auto":  # "auto" is Neural Clamping's own choice of γ
+            kw.setdefault("gamma", gamma)
+        if "callback" in spec.run_options:  # the affine fits report their folds
             kw.setdefault("callback", _fit_callback(ctx, plan.label))
         return spec.factory(**kw)
     kw.setdefault("device", ctx.device)
@@ -356,10 +357,6 @@ def _class(spec: Any) -> Any:
     from nctv.calibration.registry import calibration_class
 
     return calibration_class(spec.cls)
-
-
-def _param_names(spec: Any) -> tuple[str, ...]:
-    return _class(spec)._param_names()
 
 
 def _nc_callback(ctx: _Context, label: str, seed: int):

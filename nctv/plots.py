@@ -869,9 +869,6 @@ def _init_plotly(data: InitStudyData, inits: list[str]):
 # --------------------------------------------------------------------------- distribution shift
 
 
-#: Colours of a shift study's methods (the app's page uses the same).
-SHIFT_COLOURS = {"Uncalibrated": GREY, "Temperature Scaling": "#ff7f0e", "TS by Grid Search": BLUE,
-                 "Vector Scaling": "#8c564b", "Dir-ODIR": "#9467bd", "Neural Clamping (FL)": RED}
 
 
 @dataclass(frozen=True)
@@ -920,8 +917,12 @@ def shift_curve_data(result: Any, metric: str = "ece", methods: Sequence[str] | 
 
 
 def _shift_colour(method: str, i: int) -> str:
-    palette = [BLUE, "#ff7f0e", GREEN, RED, "#9467bd", "#8c564b", "#e377c2", GREY]
-    return SHIFT_COLOURS.get(method, palette[i % len(palette)])
+    """A method's colour in figures (the registry's, :mod:`nctv.methods`; the app's pages use the
+    same); a row the registry does not hold takes the ``i``-th of a fixed cycle."""
+    from nctv.methods import colour
+
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+    return colour(method, palette[i % len(palette)])
 
 
 def shift_figure(data: ShiftCurveData, backend: str = "matplotlib", per_row: int = 3):

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from nctv.methods import abbreviation
 from nctv.metrics import HIGHER_IS_BETTER, METRIC_NAMES
 from nctv.settings import INTERVAL_STYLES
 from nctv.results import COMPARED_METHOD, GRID_SEARCH_METHOD, REFERENCE_METHOD, RunResult, best_method
@@ -424,7 +425,8 @@ def welch_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = TA
             Cell(text=verdict),
             Cell(text=w.note),
         ])
-    notes = [f"Welch's t-test (unequal variances) over seeds, {n_bins} bins; t > 0: NC (FL) has the larger mean.",
+    notes = [f"Welch's t-test (unequal variances) over seeds, {n_bins} bins; t > 0: {abbreviation(COMPARED_METHOD)} has "
+             "the larger mean.",
              f"Neural Clamping fitter: {result.fitter}."]
     title = f"{COMPARED_METHOD} against the best baseline ({n_bins} bins)"
     return Table(title, columns, rows, cells, notes, [], n_bins, "Metric")

@@ -559,7 +559,7 @@ def comparison_table(result: ShiftResult, method: str = COMPARED_METHOD, referen
     refs = [r for r in references if r in result.methods]
     columns = []
     for r in refs:
-        columns += [Column(f"diff:{r}", f"{col.title}, NC − {_short(r)}", "pt" if col.unit == "%" else col.unit,
+        columns += [Column(f"diff:{r}", f"{col.title}, {_short(method)} − {_short(r)}", "pt" if col.unit == "%" else col.unit,
                            col.scale, col.decimals),
                     Column(f"verdict:{r}", "verdict")]
     keys = result.conditions + [f"{AVERAGE}/{s}" for s in result.severities]
@@ -582,8 +582,9 @@ def comparison_table(result: ShiftResult, method: str = COMPARED_METHOD, referen
 
 
 def _short(method: str) -> str:
-    return {"Uncalibrated": "uncal.", "Temperature Scaling": "TS", "TS by Grid Search": "TS grid",
-            "Vector Scaling": "VS", "Matrix Scaling": "MS", COMPARED_METHOD: "NC"}.get(method, method)
+    from nctv.methods import abbreviation
+
+    return abbreviation(method)
 
 
 def _cell(f: dict[str, float | None], scale: float):

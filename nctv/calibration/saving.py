@@ -464,12 +464,6 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], sequence: type = list)
     return value
 
 
-# The fitted values each class maps logits or inputs with: loading without them would fail only later.
-_NEEDS = {"TemperatureScaling": ("temperature_",), "GridSearchTemperature": ("temperature_",),
-          "FocalTemperatureScaling": ("temperature_",), "VectorScaling": ("weight_", "bias_"),
-          "MatrixScaling": ("weight_", "bias_"), "MatrixScalingODIR": ("weight_", "bias_"),
-          "DirichletODIR": ("weight_", "bias_"), "NeuralClamping": ("delta_", "temperature_"),
-          "EfficientNeuralClamping": ("delta_", "temperature_")}
 # Fitted values that are tensors in every saved calibrator; a number there would broadcast silently.
 _TENSORS = ("delta_", "weight_", "bias_", "grid_", "ece_grid_")
 
@@ -479,7 +473,7 @@ def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | No
     ``delta_bound``: twice the width of the model's input range, which no entry of δ may exceed."""
 
     path = folder / CONFIG_NAME
-    missing = [k for k in _NEEDS.get(spec.cls, ()) if k not in fitted]
+    missing = [k for k in spec.fitted if k not in fitted]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}, which {spec.name} needs; save the calibrator again.")
     for key in (k for k in _TENSORS if k in fitted):

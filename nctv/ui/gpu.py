@@ -215,9 +215,14 @@ def fit_work(nc: Any, n_cal: int, n_test: int) -> Work:
 def calibration_work(methods: list[str], nc: Any, n_cal: int, n_test: int, n_classes: int) -> Work:
     """A Calibrate run: the unperturbed logits of both splits, one fit per model-based method, and
     the logit-space fits that grow with the classes."""
+    from nctv.experiment import NC_REFITS, NC_VARIANTS
+    from nctv.methods import METHODS
+
     work = Work(forward=n_cal + n_test)
     for name in methods:
-        if name.startswith("Neural Clamping") or name.startswith("NC "):
+        spec = METHODS.get(name)
+        # A method on the model's inputs, or an ablation row of Neural Clamping (counted as a fit of its own).
+        if spec.needs_model if spec is not None else name in {**NC_VARIANTS, **NC_REFITS}:
             work += fit_work(nc, n_cal, n_test)
         elif name in LOGIT_FIT_SECONDS:
             s, n0, k0 = LOGIT_FIT_SECONDS[name]

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nctv.methods import trained_input_methods
+from nctv.results import COMPARED_METHOD
 from nctv.settings import APP_BINS, DEFAULT_CALIBRATION_SIZE
 
 #: Method names (paper names) of the two calibrations the Try tab compares with the raw model.
 TS_METHOD = "Temperature Scaling"
-NC_METHODS = ("Neural Clamping (FL)", "Neural Clamping (CE)")
+NC_METHODS = tuple(sorted(trained_input_methods(), key=lambda name: name != COMPARED_METHOD))
 
 
 @dataclass(frozen=True)

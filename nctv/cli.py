@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "baseline), reliability diagrams and the NC δ image. Prints the main table and the verdict of "
                  "Neural Clamping against TS by grid search.")
     _add_common(p, "run")
+    p.add_argument("--logits", type=Path, default=None, metavar="FILE",
+                   help="calibrate any classifier's logits instead of a model's: a .npz, .safetensors or .csv file "
+                        "of calibration and test logits and labels, or of one set split in halves by "
+                        "--calibration-seed (docs/logits.md); the logit methods only")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                    help="methods to run (full names in quotes, or short names: " + ", ".join(short_names())
                         + "); default: all ten")
@@ -503,12 +507,32 @@ def cmd_run(args: argparse.Namespace, nc: NCOptions) -> str:
     # Names are checked before the model and data load, so a typo fails at once.
     from nctv.intervals import IntervalSettings
 
-    methods = experiment.check_methods(resolve_methods(args.methods) or experiment.DEFAULT_METHODS)
     options = _table_options(args, nc, intervals=IntervalSettings(args.interval_level, args.resamples,
                                                                   args.interval_seed))
+    if args.logits is not None:
+        return _run_logits(args, options)
+    methods = experiment.check_methods(resolve_methods(args.methods) or experiment.DEFAULT_METHODS)
     loaded, cal, test = _load(args)
     result = experiment.run_experiment(loaded, cal, test, methods, options)
     line = _finish(result, args.out, lambda: _run_figures(result, test), model=loaded, style=args.interval_style)
+    return _shown_run(result, args.interval_style) + line if line else line
+
+
+def _run_logits(args: argparse.Namespace, options: Any) -> str:
+    """``nctv run --logits FILE``: the logit methods on a file's logits (nctv.logits_file)."""
+    from nctv import experiment, logits_file
+
+    if args.model is not None or args.dataset is not None:
+        raise CLIError("--logits replaces --model and --dataset: the file holds the logits and labels.")
+    chosen = resolve_methods(args.methods)
+    methods = logits_file.logit_methods(experiment.check_methods(chosen) if chosen else
+                                        logits_file.default_logit_methods())
+    try:
+        data = logits_file.read_logits(args.logits, seed=args.calibration_seed)
+        result = logits_file.run_on_logits(data, methods, options)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    line = _finish(result, args.out, lambda: _run_figures(result, None), style=args.interval_style)
     return _shown_run(result, args.interval_style) + line if line else line
 
 

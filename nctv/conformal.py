@@ -207,14 +207,14 @@ class ConformalPredictor:
 @dataclass(frozen=True)
 class ClassCoverage:
     """One class's row: its test points ``n``, the share of them whose set holds the class (``coverage``,
-    with its Wilson interval ``low``–``high``) and their mean set size."""
+    with its Wilson interval ``low``–``high``) and their mean set size; None where the class has no test point."""
 
     label: int
     n: int
-    coverage: float
-    low: float
-    high: float
-    mean_size: float
+    coverage: float | None
+    low: float | None
+    high: float | None
+    mean_size: float | None
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,8 @@ def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = N
     covered = m.gather(1, y[:, None]).squeeze(1).double()
     size = m.sum(1).double()
     onehot = torch.nn.functional.one_hot(y, k).double()
-    counts = resample_counts(n, st.resamples, st.seed).double()
+    # Float32 counts as nctv.intervals keeps them: sums of whole numbers, exact below 2**24.
+    counts = resample_counts(n, st.resamples, st.seed)
     eligible = onehot.sum(0) >= min_class_points
     if not bool(eligible.any()):
         raise ValueError(f"No class has {min_class_points} test points; the worst class's coverage needs more test data.")
@@ -276,19 +277,19 @@ def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = N
     per_class_cov = (onehot * covered[:, None]).sum(0) / per_class_n.clamp(min=1)
     worst_point = float(torch.where(eligible, per_class_cov, torch.inf).min())
     worst_class = int(torch.where(eligible, per_class_cov, torch.inf).argmin())
-    hit = counts @ (onehot * covered[:, None])
-    drawn = counts @ onehot
+    hit = (counts @ (onehot * covered[:, None]).float()).double()
+    drawn = (counts @ onehot.float()).double()
     ratio = torch.where((drawn > 0) & eligible[None, :], hit / drawn.clamp(min=1), torch.inf)
     worst_draws = ratio.min(1).values
 
     lo, hi = wilson_interval((onehot * covered[:, None]).sum(0).numpy(), per_class_n.numpy(), st.level)
     size_sum = (onehot * size[:, None]).sum(0)
     rows = tuple(ClassCoverage(c, int(per_class_n[c]), float(per_class_cov[c]), float(lo[c]), float(hi[c]),
-                               float(size_sum[c] / per_class_n[c]) if per_class_n[c] > 0 else math.nan)
-                 for c in range(k))
+                               float(size_sum[c] / per_class_n[c])) if per_class_n[c] > 0
+                 else ClassCoverage(c, 0, None, None, None, None) for c in range(k))
     return SetEvaluation(
-        coverage=_interval(float(covered.mean()), counts @ covered / n, st.level, 0.0, 1.0),
-        mean_size=_interval(float(size.mean()), counts @ size / n, st.level, 0.0, float(k)),
+        coverage=_interval(float(covered.mean()), (counts @ covered.float()).double() / n, st.level, 0.0, 1.0),
+        mean_size=_interval(float(size.mean()), (counts @ size.float()).double() / n, st.level, 0.0, float(k)),
         worst_class_coverage=_interval(worst_point, worst_draws, st.level, 0.0, 1.0),
         worst_class=worst_class, empty=float((size == 0).double().mean()), n=n, min_class_points=min_class_points,
         classes=rows, settings=st)

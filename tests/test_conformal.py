@@ -190,6 +190,9 @@ def test_evaluation_by_hand():
     assert [(c.label, c.n, c.coverage, c.mean_size) for c in ev.classes] == [(0, 30, 1.0, 2.0), (1, 20, 0.5, 1.0), (2, 5, 0.0, 0.0)]
     with_small = C.evaluate_sets(sets, labels, IntervalSettings(0.95, 1000, 0), min_class_points=5)
     assert with_small.worst_class == 2 and with_small.worst_class_coverage.estimate == 0.0
+    # A class with no test point is listed without figures (no NaN in the JSON).
+    four = C.evaluate_sets(torch.cat([sets, torch.zeros(55, 1, dtype=torch.bool)], 1), labels)
+    assert four.classes[3] == C.ClassCoverage(3, 0, None, None, None, None)
     d = ev.to_dict()
     assert d["coverage"]["estimate"] == pytest.approx(40 / 55) and d["settings"]["resamples"] == 1000
 

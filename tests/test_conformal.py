@@ -285,3 +285,20 @@ def test_bad_inputs_say_what_is_wrong():
         C.aps_mean_set_size(torch.zeros(2, 3), [0, 1], torch.zeros(1, 3), 0.0)
     with pytest.raises(ValueError, match="must match"):
         C.aps_mean_set_size(torch.zeros(2, 3), [0, 1], torch.zeros(1, 4), 1.0)
+
+
+def test_class_conditional_sets_cover_every_class():
+    # A calibrated model whose class 0 is favoured (logit + 1.5): one q̂ for all leaves the rarer classes below
+    # 90 %; one q̂ per class (Mondrian) gives each class its own guarantee, coverage ≥ 90 % on average.
+    trials, n, m, k = 60, 90, 300, 3
+    z, y = _exchangeable(trials, n, m, k, 1.5, seed=7)
+    z = z + torch.tensor([1.5, 0.0, 0.0], dtype=torch.float64)
+    y = torch.multinomial(torch.softmax(z, -1).reshape(-1, k), 1, generator=torch.Generator().manual_seed(8)).reshape(trials, -1)
+    per_class = {False: torch.zeros(k), True: torch.zeros(k)}
+    for t in range(trials):
+        for cc in (False, True):
+            sets = C.ConformalPredictor(C.ConformalSettings("lac", 0.9, class_conditional=cc)).fit(z[t, :n], y[t, :n]).predict_sets(z[t, n:])
+            hit = sets.gather(1, y[t, n:, None]).squeeze(1).double()
+            per_class[cc] += torch.stack([hit[y[t, n:] == c].mean() for c in range(k)]).float() / trials
+    assert float(per_class[True].min()) > 0.9 - 0.015   # measured 0.91–0.92 (sd over 60 draws about 0.005)
+    assert float(per_class[False].min()) < 0.85          # measured 0.80

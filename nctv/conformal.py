@@ -1,0 +1,366 @@
+"""Split conformal prediction sets on top of any calibrator's probabilities (SPEC §7, docs/conformal.md).
+
+A calibrator gives probabilities p(x); a conformal predictor turns them into a *set* of classes that holds
+the true class with probability at least 1 − α over the draw of the calibration and test points, whatever
+the model, as long as they are exchangeable:
+
+1. a score s(x, y) ≥ 0 (large: y looks unlikely) is computed for every calibration point at its label;
+2. q̂ is the k-th smallest of these n scores, k = ⌈(n + 1)(1 − α)⌉ (q̂ = +∞, every class, when k > n);
+3. the set of a test point is {y : s(x, y) ≤ q̂}.
+
+Scores (``SCORES``), with classes ranked by p, largest first, ties to the lower class index, and
+v ∈ [0, 1) the randomisation of APS and RAPS (v = 0 when not randomised):
+
+* ``"lac"`` (Sadinle, Lei & Wasserman 2019; "THR" in some papers): s = 1 − p_y.
+* ``"aps"`` (Romano, Sesia & Candès 2020): s = Σ p over the classes ranked at or above y − v · p_y, i.e. the
+  mass ranked above y plus u · p_y with u = 1 − v ~ U(0, 1]; not randomised: u = 1.
+* ``"raps"`` (Angelopoulos, Bates, Malik & Jordan 2021): APS + λ · max(0, rank(y) − k_reg), rank 1 for the
+  most probable class.
+
+``v`` is drawn per sample from a seeded generator, one stream for the calibration scores and another for
+the test sets, so a seed reproduces every set. All arithmetic is float64 on the CPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nctv.checks import NotFittedError, check_labels, check_logits, shown
+from nctv.intervals import Interval, IntervalSettings, _bounds, resample_counts, wilson_interval
+from nctv.metrics import _prepare
+
+SCORES = ("lac", "aps", "raps")
+#: The coverage 1 − α a set aims at by default.
+DEFAULT_COVERAGE = 0.9
+#: RAPS's λ and k_reg by default: the values the RAPS authors' code documents as working for many models
+#: (``kreg=5, lamda=0.01``); their paper tunes both on a held-out part of the calibration split instead.
+RAPS_PENALTY = 0.01
+RAPS_K_REG = 5
+#: A class enters the worst-class coverage only with at least this many test points.
+MIN_CLASS_POINTS = 10
+
+
+@dataclass(frozen=True)
+class ConformalSettings:
+    """How sets are made: the ``score`` (``SCORES``), the target ``coverage`` 1 − α, whether APS / RAPS are
+    ``randomized`` (and the ``seed`` of their draws), RAPS's ``penalty`` λ and ``k_reg``, and whether each
+    class gets its own threshold (``class_conditional``, Mondrian: q̂_y from the calibration points of class y).
+
+    LAC by default: the smallest sets of the three on the embedded default (about one class at 90 %).
+    Not randomised by default: the same picture then always gets the same set, and coverage is still
+    at least 1 − α (the randomised sets reach 1 − α exactly on average and, for APS, are far smaller
+    on an over-confident model; docs/conformal.md has the figures).
+    """
+
+    score: str = "lac"
+    coverage: float = DEFAULT_COVERAGE
+    randomized: bool = False
+    penalty: float = RAPS_PENALTY
+    k_reg: int = RAPS_K_REG
+    class_conditional: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"Unknown conformal score {shown(self.score)}; use one of {', '.join(SCORES)}.")
+        c = self.coverage
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 < c < 1:
+            raise ValueError(f"The coverage must be a fraction between 0 and 1, e.g. 0.9 for 90 %; got {shown(c)}.")
+        if not isinstance(self.randomized, bool) or not isinstance(self.class_conditional, bool):
+            raise ValueError("randomized and class_conditional must be True or False.")
+        p = self.penalty
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+            raise ValueError(f"The RAPS penalty λ must be a finite number >= 0; got {shown(p)}.")
+        for name in ("k_reg", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be a whole number >= 0; got {shown(v)}.")
+
+    @property
+    def alpha(self) -> float:
+        return 1.0 - float(self.coverage)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- scores and threshold
+
+
+def probabilities(logits: Any, from_probabilities: bool = False) -> torch.Tensor:
+    """(N, K) CPU float64 probabilities from logits (or, with ``from_probabilities=True``, checked
+    probabilities), as every NCTV metric reads them."""
+    return _prepare(logits, None, from_probabilities)[1]
+
+
+def noise(n: int, seed: int, stream: int) -> torch.Tensor:
+    """v ~ U[0, 1) for ``n`` samples: stream 0 for calibration scores, 1 for test sets (independent
+    streams of one seed, numpy's PCG64 from ``SeedSequence(seed).spawn``)."""
+    child = np.random.SeedSequence(int(seed)).spawn(2)[stream]
+    return torch.from_numpy(np.random.default_rng(child).random(n))
+
+
+def class_scores(p: torch.Tensor, score: str, v: torch.Tensor | None = None, penalty: float = RAPS_PENALTY,
+                 k_reg: int = RAPS_K_REG) -> torch.Tensor:
+    """s(x, y) of every class: (N, K) from (N, K) probabilities ``p`` (float64).
+
+    ``v``: the APS / RAPS randomisation, (N,) per sample or (N, K) per class; None: not randomised (v = 0).
+    """
+    if score == "lac":
+        return 1.0 - p
+    order = torch.sort(p, dim=1, descending=True, stable=True).indices
+    ranked = p.gather(1, order)
+    s = torch.cumsum(ranked, dim=1)
+    if v is not None:
+        v = v.to(p.dtype)
+        s = s - (v[:, None] if v.ndim == 1 else v.gather(1, order)) * ranked
+    if score == "raps":
+        rank = torch.arange(1, p.shape[1] + 1, dtype=p.dtype)
+        s = s + penalty * torch.clamp(rank - k_reg, min=0)
+    return torch.empty_like(s).scatter_(1, order, s)
+
+
+def quantile_index(n: int, coverage: float) -> int:
+    """k = ⌈(n + 1)(1 − α)⌉, computed exactly from the decimal ``coverage`` (0.9 is 9/10, not the float
+    just above it): q̂ is the k-th smallest of n scores."""
+    return math.ceil((n + 1) * Fraction(str(float(coverage))))
+
+
+def conformal_threshold(scores: torch.Tensor, coverage: float) -> float:
+    """q̂: the ⌈(n + 1)(1 − α)⌉-th smallest of the 1-D ``scores``; +∞ when that index exceeds n (or n = 0)."""
+    n = int(scores.numel())
+    k = quantile_index(n, coverage)
+    if n == 0 or k > n:
+        return math.inf
+    return float(torch.sort(scores.reshape(-1).double()).values[k - 1])
+
+
+# --------------------------------------------------------------------------- the predictor
+
+
+class ConformalPredictor:
+    """Split conformal sets: ``fit`` on the conformal calibration split, then ``predict_sets``.
+
+    Example::
+
+        cp = ConformalPredictor(ConformalSettings("aps", coverage=0.9)).fit(cal_logits, cal_labels)
+        sets = cp.predict_sets(test_logits)            # (N, K) bool
+        report = cp.evaluate(test_logits, test_labels)  # coverage, mean size, worst class, with intervals
+
+    Logits by default; probabilities with ``from_probabilities=True`` (as every NCTV metric).
+    """
+
+    def __init__(self, settings: ConformalSettings | None = None):
+        self.settings = settings if settings is not None else ConformalSettings()
+
+    def _scores(self, logits: Any, from_probabilities: bool, stream: int, draws: Any) -> torch.Tensor:
+        st = self.settings
+        p = probabilities(logits, from_probabilities)
+        v = None
+        if st.randomized and st.score != "lac":
+            v = noise(p.shape[0], st.seed, stream) if draws is None else torch.as_tensor(draws).to(torch.float64)
+        return class_scores(p, st.score, v, st.penalty, st.k_reg)
+
+    def fit(self, logits: Any, labels: Any, from_probabilities: bool = False, draws: Any = None) -> "ConformalPredictor":
+        """Compute q̂ (``threshold_``; per class in ``thresholds_``) from the calibration split.
+
+        ``draws``: the randomisation v (N,) to use instead of the seeded one (to replay another library's)."""
+        s = self._scores(logits, from_probabilities, 0, draws)
+        n, k = s.shape
+        y = check_labels(labels, n, k)
+        own = s.gather(1, y[:, None]).squeeze(1)
+        self.n_classes_ = k
+        self.n_calibration_ = n
+        self.threshold_ = conformal_threshold(own, self.settings.coverage)
+        if self.settings.class_conditional:
+            self.thresholds_ = torch.tensor([conformal_threshold(own[y == c], self.settings.coverage) for c in range(k)],
+                                            dtype=torch.float64)
+        else:
+            self.thresholds_ = torch.full((k,), self.threshold_, dtype=torch.float64)
+        return self
+
+    def predict_sets(self, logits: Any, from_probabilities: bool = False, draws: Any = None) -> torch.Tensor:
+        """(N, K) bool: class y is in the set of row i when s(x_i, y) ≤ q̂ (q̂_y when class-conditional).
+
+        ``draws``: the randomisation v, (N,) or (N, K) per class, instead of the seeded one."""
+        if not hasattr(self, "thresholds_"):
+            raise NotFittedError("Fit the conformal predictor on the calibration split first (ConformalPredictor.fit).")
+        s = self._scores(logits, from_probabilities, 1, draws)
+        if s.shape[1] != self.n_classes_:
+            raise ValueError(f"The predictor was fitted on {self.n_classes_} classes; these logits have {s.shape[1]}.")
+        return s <= self.thresholds_[None, :]
+
+    def evaluate(self, logits: Any, labels: Any, from_probabilities: bool = False,
+                 intervals: IntervalSettings | None = None, min_class_points: int = MIN_CLASS_POINTS) -> "SetEvaluation":
+        """The sets of the test split scored with intervals (:func:`evaluate_sets`)."""
+        return evaluate_sets(self.predict_sets(logits, from_probabilities), labels, intervals, min_class_points)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class ClassCoverage:
+    """One class's row: its test points ``n``, the share of them whose set holds the class (``coverage``,
+    with its Wilson interval ``low``–``high``) and their mean set size; None where the class has no test point."""
+
+    label: int
+    n: int
+    coverage: float | None
+    low: float | None
+    high: float | None
+    mean_size: float | None
+
+
+@dataclass(frozen=True)
+class SetEvaluation:
+    """Coverage, mean set size and the worst class's coverage on the test split, each with its bootstrap
+    interval (nctv.intervals: the test split resampled, ``settings``); ``empty`` is the share of empty sets,
+    ``worst_class`` the class of lowest coverage among those with at least ``min_class_points`` test points."""
+
+    coverage: Interval
+    mean_size: Interval
+    worst_class_coverage: Interval
+    worst_class: int
+    empty: float
+    n: int
+    min_class_points: int
+    classes: tuple[ClassCoverage, ...]
+    settings: IntervalSettings
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["settings"] = self.settings.to_dict()
+        d["classes"] = [asdict(c) for c in self.classes]
+        return d
+
+
+def _interval(point: float, draws: torch.Tensor, level: float, low: float, high: float) -> Interval:
+    lo, hi = _bounds(point, point, draws, level)
+    return Interval(point, min(max(lo, low), high), min(max(hi, low), high))
+
+
+def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = None,
+                  min_class_points: int = MIN_CLASS_POINTS) -> SetEvaluation:
+    """Score (N, K) boolean ``sets`` against the true ``labels``.
+
+    Intervals: every figure is recomputed on each resample of the test split (one seeded count matrix,
+    :func:`nctv.intervals.resample_counts`, so two methods evaluated with the same settings are paired) and
+    the interval is the project's union of the basic and percentile bootstrap intervals. They cover the test
+    split's randomness with the calibration split (so q̂) and the randomisation held fixed.
+
+    Worst class: the minimum over the classes that have at least ``min_class_points`` test points of their
+    coverage (classes with fewer are listed per class but left out of the minimum, whose noise they would
+    dominate); in a resample, a listed class that drew no point is skipped.
+    """
+    st = intervals if intervals is not None else IntervalSettings()
+    m = torch.as_tensor(sets)
+    if m.ndim != 2 or m.dtype != torch.bool:
+        raise ValueError("sets must be an (N, K) array of True/False, as ConformalPredictor.predict_sets gives.")
+    n, k = m.shape
+    y = check_labels(labels, n, k)
+    covered = m.gather(1, y[:, None]).squeeze(1).double()
+    size = m.sum(1).double()
+    onehot = torch.nn.functional.one_hot(y, k).double()
+    # Float32 counts as nctv.intervals keeps them: sums of whole numbers, exact below 2**24.
+    counts = resample_counts(n, st.resamples, st.seed)
+    eligible = onehot.sum(0) >= min_class_points
+    if not bool(eligible.any()):
+        raise ValueError(f"No class has {min_class_points} test points; the worst class's coverage needs more test data.")
+
+    per_class_n = onehot.sum(0)
+    per_class_cov = (onehot * covered[:, None]).sum(0) / per_class_n.clamp(min=1)
+    worst_point = float(torch.where(eligible, per_class_cov, torch.inf).min())
+    worst_class = int(torch.where(eligible, per_class_cov, torch.inf).argmin())
+    hit = (counts @ (onehot * covered[:, None]).float()).double()
+    drawn = (counts @ onehot.float()).double()
+    ratio = torch.where((drawn > 0) & eligible[None, :], hit / drawn.clamp(min=1), torch.inf)
+    worst_draws = ratio.min(1).values
+
+    lo, hi = wilson_interval((onehot * covered[:, None]).sum(0).numpy(), per_class_n.numpy(), st.level)
+    size_sum = (onehot * size[:, None]).sum(0)
+    rows = tuple(ClassCoverage(c, int(per_class_n[c]), float(per_class_cov[c]), float(lo[c]), float(hi[c]),
+                               float(size_sum[c] / per_class_n[c])) if per_class_n[c] > 0
+                 else ClassCoverage(c, 0, None, None, None, None) for c in range(k))
+    return SetEvaluation(
+        coverage=_interval(float(covered.mean()), (counts @ covered.float()).double() / n, st.level, 0.0, 1.0),
+        mean_size=_interval(float(size.mean()), (counts @ size.float()).double() / n, st.level, 0.0, float(k)),
+        worst_class_coverage=_interval(worst_point, worst_draws, st.level, 0.0, 1.0),
+        worst_class=worst_class, empty=float((size == 0).double().mean()), n=n, min_class_points=min_class_points,
+        classes=rows, settings=st)
+
+
+# --------------------------------------------------------------------------- helpers for callers
+
+
+def split_calibration(n: int, conformal_share: float = 0.5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (fit, conformal) of a calibration split of ``n`` points cut in two at random (seeded).
+
+    A calibrator fitted on the same points that q̂ is computed from makes their scores lower than a new
+    point's, and the guarantee no longer holds; fit the calibrator on the first part and :meth:`ConformalPredictor.fit`
+    on the second. ``conformal_share`` of the points (rounded down, at least 1) go to the second part.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError(f"Splitting the calibration split needs at least 2 points; got {shown(n)}.")
+    if isinstance(conformal_share, bool) or not isinstance(conformal_share, (int, float)) or not 0 < conformal_share < 1:
+        raise ValueError(f"The conformal share must be a fraction between 0 and 1; got {shown(conformal_share)}.")
+    perm = torch.randperm(int(n), generator=torch.Generator().manual_seed(int(seed)))
+    m = min(max(1, int(n * conformal_share)), int(n) - 1)
+    return perm[m:].sort().values, perm[:m].sort().values
+
+
+def describe_set(row: Any, class_names: Sequence[str], coverage: float = DEFAULT_COVERAGE) -> str:
+    """One sentence for a person: 'With 90 % confidence the answer is one of: Sandal, Sneaker.'"""
+    mask = torch.as_tensor(row).reshape(-1)
+    names = [str(class_names[i]) for i in torch.nonzero(mask).reshape(-1).tolist()]
+    level = f"{100 * coverage:g} %"
+    if not names:
+        return f"At {level} confidence no class is likely enough to name: the set is empty."
+    if len(names) == 1:
+        return f"With {level} confidence the answer is {names[0]}."
+    return f"With {level} confidence the answer is one of: {', '.join(names)}."
+
+
+# --------------------------------------------------------------------------- the Learn tab's curve
+
+
+def aps_mean_set_size(cal_logits: Any, cal_labels: Any, test_logits: Any, temperature: float,
+                      coverage: float = DEFAULT_COVERAGE) -> float:
+    """Mean size of non-randomised APS sets at ``coverage`` on ``test_logits`` after dividing every logit
+    by ``temperature`` (q̂ recomputed at that T from ``cal_logits``).
+
+    The exact steps, so that the page's script can repeat them (docs/conformal.md, "APS set size against T"),
+    all in float64 with sums taken left to right:
+
+    1. p_ij = exp(z_ij / T − max_j z_ij / T) / Σ_j exp(z_ij / T − max_j z_ij / T);
+    2. rank each row's classes by p, largest first, ties to the lower class index; c_ir = p of ranks 1..r summed;
+    3. calibration score s_i = c_ir at the rank r of the label y_i;
+    4. k = ⌈(n + 1) · coverage⌉ (coverage as a decimal fraction); q̂ = the k-th smallest s_i, or +∞ if k > n;
+    5. a test row's set size is the number of ranks r with c_ir ≤ q̂; return the mean over test rows.
+    """
+    ConformalSettings(coverage=coverage)  # checks the coverage
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        t = math.nan
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"The temperature T must be a number > 0; got {shown(temperature)}.")
+    zc = check_logits(cal_logits, "calibration logits").detach().to("cpu", torch.float64)
+    zt = check_logits(test_logits, "test logits").detach().to("cpu", torch.float64)
+    if zt.shape[1] != zc.shape[1]:
+        raise ValueError(f"The calibration logits have {zc.shape[1]} classes and the test logits {zt.shape[1]}; they must match.")
+    y = check_labels(cal_labels, zc.shape[0], zc.shape[1])
+    q = conformal_threshold(class_scores(_softmax_sequential(zc / t), "aps").gather(1, y[:, None]).squeeze(1), coverage)
+    return float((class_scores(_softmax_sequential(zt / t), "aps") <= q).sum(1).double().mean())
+
+
+def _softmax_sequential(z: torch.Tensor) -> torch.Tensor:
+    # Σ_j taken left to right (cumsum's last column), as a plain loop in the page's script sums.
+    e = torch.exp(z - z.max(1, keepdim=True).values)
+    return e / torch.cumsum(e, dim=1)[:, -1:]
+

@@ -1129,3 +1129,43 @@ def test_the_downloaded_reliability_diagrams_are_drawn_as_nctv_run_draws_them(mo
     # Drawn: a smoothed diagram under each binned one.
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes]
     assert [t for t in titles if t.endswith("(smoothed)")] == [f"{d.method} (smoothed)" for d in data]
+
+
+def test_try_names_the_pictures_conformal_set_made_by_hand():
+    """Try's sentence "With 90 % confidence the answer is one of: …" is the LAC set of split conformal
+    prediction on temperature scaling's probabilities, computed here with numpy from the calibration
+    split's logits: q̂ is the ⌈(n + 1)·0.9⌉-th smallest 1 − p_y, and the set holds every class with
+    1 − p ≤ q̂. A picture unlike the model's data gets no set."""
+    import math
+
+    from nctv.ui import try_image
+    from nctv.ui.caches import get_logits
+    from nctv.ui.shipped import examples_dir, load_precomputed
+
+    cal = load_precomputed().calibration
+    z, y = get_logits(cal.split, "calibration")
+    z, y = z.double().numpy(), y.numpy()
+    p = np.exp(z / cal.ts_temperature - (z / cal.ts_temperature).max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    scores = np.sort(1 - p[np.arange(len(y)), y])
+    q = scores[math.ceil((len(y) + 1) * 0.9) - 1]
+    loaded = try_image.get_model(cal.model)
+    seen = set()
+    for picture in sorted(examples_dir().glob("*.png")):
+        chart = try_image.classify(str(picture), None)[1]
+        sentence = html.unescape(re.search(r'<p class="nctv-set">(.*?)</p>', chart).group(1)).replace("\u00a0", " ")
+        x = loaded.preprocess(Image.open(picture))
+        zi = try_image.model_logits(loaded.model, x[None]).double().numpy()[0] / cal.ts_temperature
+        pi = np.exp(zi - zi.max())
+        pi /= pi.sum()
+        names = [loaded.class_names[k] for k in range(len(pi)) if 1 - pi[k] <= q]
+        want = (f"With 90 % confidence the answer is {names[0]}." if len(names) == 1 else
+                f"With 90 % confidence the answer is one of: {', '.join(names)}.")
+        assert sentence == want
+        seen.add(len(names))
+    assert seen  # every example picture was answered with a set
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8))
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "nctv-noise.png"
+    noise.save(path)
+    verdict, chart, _, _ = try_image.classify(str(path), None)
+    assert 'data-flagged="true"' in verdict and 'class="nctv-set"' not in chart

@@ -168,6 +168,26 @@ def get_ood_detector(spec: SplitSpec, saved: Callable[[], Any] | None = None):
     return _detectors.get(spec, make)
 
 
+_conformal = Memo(8)
+
+
+def conformal_predictor(spec: SplitSpec, temperature: float):
+    """The Try tab's conformal sets: LAC at 90 % (:mod:`nctv.conformal`'s defaults) on temperature
+    scaling's probabilities (``temperature``), made on ``spec``'s calibration split, once per server;
+    None where that split's pictures are not on this server (a pre-computed study of a downloaded
+    dataset: its logits would need them)."""
+    from nctv.conformal import ConformalPredictor
+
+    if spec in _view_only and not _splits.holds(spec):
+        return None
+
+    def make():
+        z, y = get_logits(spec, "calibration")
+        return ConformalPredictor().fit(z.double() / temperature, y)
+
+    return _conformal.get((spec, float(temperature)), make)
+
+
 def prepare_run(spec: Any, work_of: Callable[[Any, int, int], Work], report: Callable[[Any], None],
                 item: Callable[[float, str], tuple] = lambda f, m: ("progress", f, m)) -> tuple[float, int, int]:
     """A heavy run's part in the server before its GPU call: the model and the splits of ``spec``

@@ -31,7 +31,8 @@ from nctv.corruptions import CORRUPTIONS, check_corruption, corrupt_image
 from nctv.inference import model_logits
 from nctv.ui.common import parse_whole, redact, user_errors
 from nctv.images import ImageError, match_channels, to_pil
-from nctv.ui.caches import PICTURES_NOT_HERE, get_model, has_ood_detector, remember_detector
+from nctv.conformal import describe_set
+from nctv.ui.caches import PICTURES_NOT_HERE, conformal_predictor, get_model, has_ood_detector, remember_detector
 from nctv.ui.delta import NO_DELTA, delta_view
 from nctv.ui.gpu import gpu_call
 from nctv.ui.session import TS_METHOD, Calibration
@@ -268,7 +269,7 @@ def _check_probabilities(class_names: list[str], probs: dict[str, np.ndarray]) -
 
 
 def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagged: bool | None = False,
-                     shift: "Shift | None" = None, trust: str = "") -> str:
+                     shift: "Shift | None" = None, trust: str = "", conformal: str = "") -> str:
     """One chart of the classes' confidences: the model's answer first, then ``trust`` (what a
     calibrated confidence means and which bar to believe, :func:`trust_sentence`), then per class its
     name on a line of its own and a bar per method in ``probs`` ({"raw"|"ts"|"nc": (K,)
@@ -276,7 +277,8 @@ def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagg
     ``data-method`` and ``data-confidence``. A ``flagged`` picture's answer is marked, in words, as
     meaning little; nothing is dimmed, so that every word keeps its contrast. With ``shift`` (a
     corrupted picture) the chart shows that picture and says how the answer's confidences moved from
-    the clean picture's (``shift.clean``), each bar marked where the clean one was (``data-clean``)."""
+    the clean picture's (``shift.clean``), each bar marked where the clean one was (``data-clean``).
+    ``conformal``: the picture's conformal set in a sentence (:func:`set_sentence`), after ``trust``."""
     if not probs:
         return ""
     _check_probabilities(class_names, probs)
@@ -305,6 +307,8 @@ def confidence_chart(class_names: list[str], probs: dict[str, np.ndarray], flagg
         moved = f'<p class="nctv-moved">{shift.moves(class_names, probs, [m[:3] for m in methods])}</p>'
         legend += '<span class="nctv-key"><i class="nctv-clean-swatch"></i>the clean picture\'s confidence</span>'
     trust = f'<p class="nctv-trust">{html.escape(trust)}</p>' if trust else ""
+    if conformal:
+        trust += f'<p class="nctv-set">{html.escape(conformal)}</p>'
     return (f'<div class="nctv-chart" data-flagged="{str(bool(flagged)).lower()}">'
             f'<p class="nctv-answer">{line}</p>{trust}{top}{moved}'
             f'<div class="nctv-title">How sure the model is, per class</div><div class="nctv-legend">{legend}</div>'
@@ -332,6 +336,27 @@ def trust_sentence(cal: Calibration, methods: list[str]) -> str:
     against = f", against {' and '.join(others)}" if others else ""
     return (f"{means} Trust the {tags[best]} bar: on the test pictures its confidences were off by "
             f"{100 * ece[best]:.1f}{NBSP}points on average (ECE){against}.")
+
+
+def set_sentence(cal: Calibration, z: torch.Tensor, class_names: list[str], flagged: bool | None,
+                 severity: int) -> str:
+    """"With 90 % confidence the answer is one of: Sandal, Sneaker.": the picture's conformal set
+    (:func:`nctv.ui.caches.conformal_predictor`: LAC on temperature scaling's probabilities, made on the
+    calibration split). None for a picture unlike the model's data, whose set would promise nothing;
+    a corrupted picture's set is said to promise less."""
+    if flagged or cal.split is None:
+        return ""
+    try:
+        predictor = conformal_predictor(cal.split, cal.ts_temperature)
+    except ValueError:  # the calibration split could not be loaded: the chart goes on without a set
+        return ""
+    if predictor is None:
+        return ""
+    sentence = describe_set(predictor.predict_sets(z.double() / cal.ts_temperature)[0], class_names,
+                            predictor.settings.coverage).replace(" %", f"{NBSP}%")
+    if severity:
+        sentence = sentence[:-1] + ", though a corrupted picture is unlike the calibration pictures, so the promise is weaker."
+    return sentence
 
 
 #: Styles of the chart (scoped by Gradio to its component).
@@ -475,7 +500,8 @@ def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFA
     lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), corruption_note,
              f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "
              f"{tuple(x.shape)} (channels, height, width)."] + ([channel_note] if channel_note else [])
-    chart = confidence_chart(loaded.class_names, probs, verdict.flagged, shift, trust_sentence(cal, list(probs)))
+    chart = confidence_chart(loaded.class_names, probs, verdict.flagged, shift, trust_sentence(cal, list(probs)),
+                             set_sentence(cal, z, loaded.class_names, verdict.flagged, severity))
     return (verdict_html(verdict), chart, view,
             "\n\n".join(line for line in lines if line))
 

@@ -99,6 +99,27 @@ def test_readouts_equal_the_library_metrics(page, shipped):
 
 
 @DESKTOP
+def test_aps_set_size_in_the_page_equals_the_library(page, shipped):
+    """The page's APS set size at 90 % follows T as nctv.conformal.aps_mean_set_size computes it on the
+    same logits (as the page gets them, float32): the threshold from the even rows, sizes on the odd."""
+    from nctv.conformal import aps_mean_set_size
+
+    z, y = shipped
+    z = z.float().double()
+    sizes = []
+    for t in (0.5, 1.0, 2.0, 3.61):
+        set_range(page, "#learn-t", t)
+        got = page.evaluate("() => document.querySelector('#learn-aps').dataset.value")
+        want = aps_mean_set_size(z[0::2], y[0::2], z[1::2], t)
+        # At small T many probabilities round to 1 and the running sums tie with q̂ = 1: there the page's
+        # Math.exp and torch's exp, a last bit apart, may put a few sets one class apart (< 0.1 % of them).
+        assert float(got) == pytest.approx(want, abs=5e-3), t
+        assert page.locator("#learn-aps").inner_text() == f"{float(got):.2f} classes"
+        sizes.append(want)
+    assert len(set(sizes)) > 1  # T changes the set size
+
+
+@DESKTOP
 def test_smooth_ece_equals_the_library(page, shipped):
     """The page's smooth ECE, its bandwidth and, once T settles, its band of resamples: the read-out
     equals nctv.metrics.smooth_ece to 1e-6 at several T, the bandwidth that of smooth_reliability."""

@@ -9,7 +9,7 @@ const range = pick("#learn-t"), box = pick("#learn-t-box"), binsInput = pick("#l
 const binsOut = pick("#learn-bins-value"), message = pick("#learn-message"), plot = pick("#learn-plot");
 const presenter = pick("#learn-presenter"), fitButton = pick("#learn-fit"), note = pick("#learn-note");
 const out = {ece: pick("#learn-ece"), accuracy: pick("#learn-accuracy"), confidence: pick("#learn-confidence")};
-const outSmooth = pick("#learn-smooth-ece"), smoothPlot = pick("#learn-smooth");
+const outSmooth = pick("#learn-smooth-ece"), smoothPlot = pick("#learn-smooth"), outAps = pick("#learn-aps");
 const panel = groupPanel(root, "learn");
 // An opened group lists this many of its pictures (the server accepts up to 200 rows a request).
 const BIN_SHOWN = 24;
@@ -42,7 +42,7 @@ function load(value) {
   }
   // rows: where each row of a sample lies in the test split (the server's pictures are numbered so).
   const rows = value.rows ? decode(value.rows, Int32Array) : null;
-  data = {n, k, z, top, correct, rows, fitted: value.ts_temperature};
+  data = {n, k, z, top, correct, rows, labels, fitted: value.ts_temperature};
   const sample = value.n < value.n_total
     ? `a seeded sample of ${value.n.toLocaleString("en")} of its ${value.n_total.toLocaleString("en")} test pictures`
     : `its ${value.n.toLocaleString("en")} test pictures`;
@@ -74,6 +74,41 @@ function compute(d, temperature, m) {
   return {counts, sumConf, sumAcc, n: d.n, ece: gap / d.n, accuracy: right / d.n, confidence: confTotal / d.n};
 }
 
+// APS sets at 90 % (nctv.conformal.aps_mean_set_size, step for step; docs/conformal.md): p = softmax(z / T)
+// with its sum taken left to right; classes ranked by p, largest first, ties to the lower class; a
+// row's running sums c_r over those ranks; the calibration score is c_r at the label's rank; q̂ is the
+// ⌈(n + 1)·0.9⌉-th smallest score of the even rows (+∞ past n); a set holds the ranks with c_r ≤ q̂,
+// counted over the odd rows.
+function apsSetSize(d, temperature) {
+  const k = d.k, p = new Float64Array(k), order = Array.from({length: k}, (_, j) => j), running = new Float64Array(k);
+  const ranked = (i) => {
+    const o = i * k;
+    let top = -Infinity;
+    for (let j = 0; j < k; j++) top = Math.max(top, d.z[o + j] / temperature);
+    let sum = 0;
+    for (let j = 0; j < k; j++) { p[j] = Math.exp(d.z[o + j] / temperature - top); sum += p[j]; }
+    for (let j = 0; j < k; j++) p[j] /= sum;
+    order.sort((a, b) => p[b] - p[a] || a - b);
+    let c = 0;
+    for (let r = 0; r < k; r++) { c += p[order[r]]; running[r] = c; }
+  };
+  const scores = [];
+  for (let i = 0; i < d.n; i += 2) {
+    ranked(i);
+    scores.push(running[order.indexOf(d.labels[i])]);
+  }
+  scores.sort((a, b) => a - b);
+  const at = Math.ceil(((scores.length + 1) * 9) / 10);
+  const q = at > scores.length ? Infinity : scores[at - 1];
+  let size = 0, rows = 0;
+  for (let i = 1; i < d.n; i += 2) {
+    ranked(i);
+    for (let r = 0; r < k; r++) if (running[r] <= q) size += 1;
+    rows += 1;
+  }
+  return rows ? size / rows : NaN;
+}
+
 const tText = (x) => (Math.abs(x * 100 - Math.round(x * 100)) < 1e-9 ? x.toFixed(2) : String(Number(x.toFixed(3))));
 
 function readouts() {
@@ -83,6 +118,9 @@ function readouts() {
   }
   root.dataset.temperature = String(t);
   root.dataset.bins = String(bins);
+  const aps = data && data.n >= 4 ? apsSetSize(data, t) : NaN;
+  outAps.dataset.value = Number.isFinite(aps) ? String(aps) : "";
+  outAps.textContent = Number.isFinite(aps) ? `${aps.toFixed(2)} classes` : "–";
 }
 
 // The binned diagram from the page's own counts.

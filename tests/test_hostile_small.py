@@ -264,6 +264,22 @@ def test_a_cancel_that_names_no_event_still_ends_the_stopped_runs_page(app):
     messages.close()
 
 
+def test_no_server_path_in_the_page_or_the_apps_description(app):
+    from gradio.utils import get_upload_folder
+
+    folder = get_upload_folder()  # the server's, as this process has the same settings
+    for route in ("/", "/config", "/gradio_api/info"):
+        text = app.http.get(route).text
+        assert folder not in text and "/tmp/" not in text and "gradio-cache/" in text, route
+    # The shipped example is fetched and classified under the alias, as the page does.
+    image = next(c for c in app.config["components"] if c["props"].get("elem_id") == "try-image")["props"]["value"]
+    assert image["path"].startswith("gradio-cache/") and "/file=gradio-cache/" in image["url"]
+    fetched = app.http.get(image["url"])
+    assert fetched.status_code == 200 and fetched.content.startswith(b"\x89PNG")
+    kind, out = app.call("classify", [image, "gaussian-noise", 0])
+    assert kind == "complete" and "The model's answer" in out[1]
+
+
 def test_an_aborted_upload_costs_the_log_one_line_at_most(app):
     before = app.log.read_text(errors="replace")
     body = (b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.png\"\r\n"

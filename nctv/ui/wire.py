@@ -10,6 +10,10 @@ is in its words and every run a page waits for ends:
   run now gets a last message, and a Run button's status says "Stopped".
 - :class:`QuietDisconnects`: a client that goes away while it sends a body (an aborted upload) is
   one line in the log, not a traceback.
+- :class:`NoServerPaths`: the page, ``/config`` and ``/gradio_api/info`` name the files Gradio
+  serves from its cache (the shipped examples and downloads) by :data:`CACHE_ALIAS` instead of the
+  cache's folder on the server (``/tmp/gradio/<hash>/…``); a file address or a value sent back
+  with the alias is read with the folder again.
 """
 from __future__ import annotations
 
@@ -190,3 +194,71 @@ class QuietDisconnects:
             await self.app(scope, receive, send)
         except ClientDisconnect:
             log.info("a client went away before its request to %s was read", scope.get("path", "?"))
+
+
+# --------------------------------------------------------------------------- server paths
+
+#: What the page and the API descriptions call Gradio's cache folder.
+CACHE_ALIAS = "gradio-cache"
+#: Routes whose answers describe the app (its components' values among them).
+_DESCRIPTIONS = ("/config", "/info")
+
+
+def _cache_folder() -> bytes:
+    from gradio.utils import get_upload_folder
+
+    return get_upload_folder().rstrip("/").encode()
+
+
+class NoServerPaths:
+    """ASGI middleware: the alias for Gradio's cache folder out (the page and the descriptions of the
+    app), the folder for the alias in (file addresses, JSON bodies)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.folder = _cache_folder()
+        self.alias = CACHE_ALIAS.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        marker = "file=" + CACHE_ALIAS + "/"
+        if marker in path:  # a file the page found under the alias
+            scope = dict(scope, path=path.replace(marker, "file=" + self.folder.decode() + "/"))
+            scope["raw_path"] = scope["path"].encode()
+        if scope["method"] == "POST":
+            headers = dict(scope["headers"])
+            if headers.get(b"content-type", b"").lower().startswith(b"application/json"):
+                body, _ = await _body(receive)
+                back = body.replace(b'"' + self.alias + b"/", b'"' + self.folder + b"/").replace(
+                    b"file=" + self.alias + b"/", b"file=" + self.folder + b"/")
+                if back != body:
+                    scope = dict(scope, headers=[(k, str(len(back)).encode() if k == b"content-length" else v)
+                                                 for k, v in scope["headers"]])
+                return await self.app(scope, replaying(back, receive), send)
+        if scope["method"] in ("GET", "HEAD") and (path.rstrip("/") == "" or path.endswith(_DESCRIPTIONS)):
+            return await self.app(scope, receive, self._aliasing(send))
+        return await self.app(scope, receive, send)
+
+    def _aliasing(self, send):
+        """A ``send`` that holds the answer back until it is whole, then sends it with the alias."""
+        start, chunks = None, []
+
+        async def aliased(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(chunks).replace(self.folder + b"/", self.alias + b"/")
+            headers = [(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+                       for k, v in start["headers"]]
+            await send(dict(start, headers=headers))
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        return aliased

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,11 +85,32 @@ def check_bins(n_bins: int) -> int:
     return int(n_bins)
 
 
+#: A number as a person types it: ASCII digits, an optional sign, point and exponent ("inf" and "nan"
+#: too, for the callers to name as not finite). Python's float() also reads other scripts' digits ("٣"
+#: is 3), full-width ones ("１e-3") and underscores ("1_0").
+_NUMBER = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[+-]?[0-9]+)?|inf|infinity|nan)", re.I | re.A)
+
+
+def read_number(value: Any) -> float | None:
+    """A number (not a bool), or text that writes one in ASCII (surrounding spaces allowed), as a
+    float; None for anything else. Infinite and NaN pass: each caller says what range it takes."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        return float(text) if _NUMBER.fullmatch(text) else None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond a float's range
+            return math.inf if value > 0 else -math.inf
+    return None
+
+
 def check_nonnegative(value: float, name: str) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number; got {shown(value)}.") from None
+    v = read_number(value)
+    if v is None:
+        raise ValueError(f"{name} must be a number; got {shown(value)}.")
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0; got {shown(value)}.")
     return v
@@ -114,11 +136,8 @@ def number_or_word(text: Any, words: tuple[str, ...] = ()) -> float | str | None
     word = str(text).strip().lower()
     if word in words:
         return word
-    try:
-        value = float(word)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) and value >= 0 else None
+    value = read_number(word)
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
 
 
 #: Largest focal-loss γ accepted anywhere (the paper's appendix sweeps 0.01–5). Far above that the
@@ -156,9 +175,8 @@ def env_number(name: str, default: float, minimum: float, whole: bool = False) -
     text = os.environ.get(name, "").strip()
     if not text:
         return default
-    try:
-        value = float(text)
-    except ValueError:
+    value = read_number(text)
+    if value is None:
         value = math.nan
     if not math.isfinite(value) or value < minimum or (whole and value != int(value)):
         kind = "a whole number" if whole else "a number"
@@ -182,11 +200,8 @@ def check_finite(value: Any, name: str) -> float:
     """A real number (not a bool) that is finite: neither NaN nor ±infinity, nor too large for a float."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number; got {shown(value)}.")
-    try:
-        v = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be a finite number; got {shown(value)}.") from None
-    if not math.isfinite(v):
+    v = read_number(value)
+    if v is None or not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number; got {shown(value)}.")
     return v
 

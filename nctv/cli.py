@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -113,10 +114,10 @@ class CLIError(Exception):
 
 
 def _whole(text: str, minimum: int, maximum: int) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    # ASCII digits only: int() also reads other scripts' digits ("٣" is 3) and underscores ("1_0").
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    v = int(text)
     if not minimum <= v <= maximum:
         raise argparse.ArgumentTypeError(f"expected a whole number from {minimum} to {maximum:,}, got {text}")
     return v
@@ -142,10 +143,11 @@ def _size(text: str) -> int | None:
 
 def _float(text: str) -> float:
     """A finite number: "inf", "nan" and values beyond a float's range (1e999) are refused."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    from nctv.checks import read_number
+
+    v = read_number(text)
+    if v is None:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return v

@@ -511,7 +511,7 @@ def folder_label_mapping(folders: Sequence[str], model_class_names: Sequence[str
     lowered = {n.lower(): i for i, n in enumerate(model_class_names)}
     if all(f.lower() in lowered for f in folders):
         return {f: lowered[f.lower()] for f in folders}
-    if all(f.isdigit() for f in folders):
+    if all(f.isascii() and f.isdigit() for f in folders):  # "٣" is a digit to isdigit() and int()
         bad = [f for f in folders if int(f) >= num_classes]
         if bad:
             raise ValueError(f"Folders {bad[:5]} name classes beyond the model's {num_classes}.")

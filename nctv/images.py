@@ -388,7 +388,9 @@ def _damaged(name: str, e: BaseException) -> ImageError:
     if "MAX_TEXT" in str(e):  # PIL's refusal of an oversized text chunk
         return ImageError(f"{name} carries more embedded text (metadata) than this app reads; please save the picture "
                           "again without its metadata.")
-    return ImageError(f"{name} looks like an image but could not be decoded ({shown(str(e))}). It may be damaged.")
+    # The decoder's own words are left out: they name its internals ("could not create decoder object"), or a path.
+    return ImageError(f"{name} looks like an image but could not be decoded; it may be damaged or cut short. Please "
+                      "save it again as a PNG or JPEG.")
 
 
 def open_image_file(path: str | Path) -> PIL.Image.Image:

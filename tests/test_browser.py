@@ -124,6 +124,36 @@ def test_stop_ends_a_run(page):
     page.get_by_label("fast (default)", exact=True).check()
 
 
+def test_a_cancel_sent_with_this_pages_session_id_ends_its_run_on_the_page(page, server):
+    """Gradio's cancel route stops a page's run from its session id and the event's number alone; one
+    that names another event (as anyone who learnt the id could send) left the page saying "Running"
+    for ever. The page now says "Stopped", as after its own Stop."""
+    import json
+
+    import httpx
+
+    joins = []
+
+    def joined(request):
+        if "/queue/join" in request.url and request.post_data:
+            joins.append(json.loads(request.post_data))
+
+    page.on("request", joined)
+    try:
+        open_panel(page)
+        page.get_by_label("paper recipe", exact=True).check()
+        page.get_by_role("button", name="Run calibration").click()
+        page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Running')")
+    finally:
+        page.remove_listener("request", joined)
+    run = next(j for j in reversed(joins) if len(j.get("data", [])) == 14)  # the calibrate event's 14 inputs
+    r = httpx.post(server.rstrip("/") + "/gradio_api/cancel",
+                   json={"session_hash": run["session_hash"], "fn_index": run["fn_index"], "event_id": "another"})
+    assert r.status_code == 200
+    wait_for_status(page, "Stopped", 60_000)
+    page.get_by_label("fast (default)", exact=True).check()
+
+
 def test_a_live_calibration_run(page):
     page.get_by_role("button", name="Run calibration").click()
     wait_for_status(page, "Done", 240_000)

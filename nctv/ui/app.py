@@ -29,8 +29,9 @@ from nctv.settings import APP_BINS, APP_INIT_RUNS, APP_METHODS, DEFAULT_CALIBRAT
 from nctv.ui.common import HEAVY, stopped_status
 from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
-                             CheckedSlider)
+                             CheckedSlider, CheckedTextbox, CheckedTypedDropdown)
 from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
+from nctv.ui.wire import AppBlocks, CancelEndsStreams, NoServerPaths, QuietDisconnects, stoppable
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.caches import get_logits
@@ -222,9 +223,9 @@ def _shared_panel() -> Shared:
                     "the latest calibration you ran (at first, the pre-computed one).")
         with gr.Row():
             model = CheckedDropdown(model_choices(), value=DEFAULT_MODEL, label="Model", scale=2)
-            hub_id = gr.Textbox(label="…or your own Hugging Face Hub model id",
+            hub_id = CheckedTextbox(label="…or your own Hugging Face Hub model id",
                                 placeholder="e.g. timm/resnet18.a1_in1k", scale=2, max_length=MAX_TEXT_CHARS)
-            dataset = gr.Dropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
+            dataset = CheckedTypedDropdown(dataset_choices(), value=DEFAULT_DATASET_CHOICE, allow_custom_value=True,
                                   label="Calibration pool (dataset)", scale=2, info=dataset_hint(),
                                   elem_id="dataset-box")
         with gr.Row():
@@ -259,10 +260,10 @@ def _nc_controls(gamma: bool = True, init: bool = True):
     out = {}
     with gr.Row():
         if gamma:
-            out["gamma"] = gr.Dropdown(cal_tab.GAMMA_CHOICES, value="1", allow_custom_value=True, label="Focal-loss γ",
+            out["gamma"] = CheckedTypedDropdown(cal_tab.GAMMA_CHOICES, value="1", allow_custom_value=True, label="Focal-loss γ",
                                        info=f"0 to {GAMMA_MAX:g}; 0 = cross entropy; auto tries 0, 0.5, 1, 2, 3 (lowest "
                                             "calibration ECE)")
-        out["weight_decay"] = gr.Dropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="default", allow_custom_value=True,
+        out["weight_decay"] = CheckedTypedDropdown(cal_tab.WEIGHT_DECAY_CHOICES, value="default", allow_custom_value=True,
                                           label="Weight decay λ",
                                           info=f"0 to {WEIGHT_DECAY_MAX:,.0f}; default = the fitter's own (fast and "
                                                "paper: auto = 0.1 × the unperturbed model's loss, the paper's rule; "
@@ -274,7 +275,7 @@ def _nc_controls(gamma: bool = True, init: bool = True):
         out["fitter"] = CheckedRadio(cal_tab.FITTER_CHOICES, value="fast", label="Fitter", info=cal_tab.FITTER_INFO,
                                      min_width=FITTER_MIN_WIDTH)
         out["epochs"] = CheckedNumber(100, precision=0, label="Epochs (recipes only)", info="1 to 1000; theirs: 100")
-        out["lr"] = gr.Textbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
+        out["lr"] = CheckedTextbox("default", label="Learning rate (recipes only)", max_length=MAX_TEXT_CHARS,
                                info=cal_tab.LR_INFO)
     return out
 
@@ -309,6 +310,7 @@ def _stop(button: gr.Button, event, status: gr.Markdown) -> None:
     no update the run sent before the cancellation reached the server can overwrite it."""
     button.click(None, None, None, cancels=[event], queue=False, api_visibility="private").then(
         stopped_status, None, status, show_progress="hidden", concurrency_limit=None, api_visibility="private")
+    stoppable(event, status)  # a cancel the page did not send ends its run with the same status
 
 
 def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list, api_name: str,
@@ -513,8 +515,8 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
     for event in new_calibrations:
         event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
     # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.
-    api_t = CheckedNumber(1.0, visible=False)
-    api_bins = CheckedNumber(APP_BINS, visible=False)
+    api_t = CheckedNumber(1.0, label="Temperature T", visible=False)
+    api_bins = CheckedNumber(APP_BINS, precision=0, label="Bins", visible=False)
     api_fig = gr.Plot(visible=False)
     gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, table, text],
           api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
@@ -554,7 +556,7 @@ def _initial_learn() -> tuple[str, str]:
 def build_app() -> gr.Blocks:
     """The whole app (not launched). Initial values come from the shipped pre-computed result."""
     # Uploads are deleted once UPLOAD_KEEP_S old, looked for every third of that.
-    with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(UPLOAD_KEEP_S // 3, UPLOAD_KEEP_S)) as demo:
+    with AppBlocks(title=TITLE, analytics_enabled=False, delete_cache=(UPLOAD_KEEP_S // 3, UPLOAD_KEEP_S)) as demo:
         state = gr.State(None, time_to_live=CALIBRATION_TTL_S)  # this visitor's latest Calibration
         gr.Markdown(INTRO, elem_id="intro")
         shared = _shared_panel()
@@ -616,7 +618,8 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         server_port=int(port),
         show_error=True,
         max_file_size=MAX_UPLOAD_BYTES,
-        app_kwargs={"middleware": [Middleware(RequestGuard)]},
+        app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(RequestGuard),
+                                   Middleware(CancelEndsStreams), Middleware(NoServerPaths)]},
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
         css=APP_CSS,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import check_text, shown
+from nctv.checks import check_text, read_number, shown
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -285,6 +285,10 @@ def _streaming(session: str | None) -> Callable[[], None]:
     return ended
 
 
+#: The status line of a run that was stopped (by its page's Stop, or by a cancel sent for it: nctv.ui.wire).
+STOPPED = "**Stopped.** Press the button again for a new run."
+
+
 def stopped_status(request: gr.Request) -> str:
     """The status line after Stop, sent once this visitor's stopped run no longer streams.
 
@@ -300,7 +304,7 @@ def stopped_status(request: gr.Request) -> str:
         for event in events:
             event.wait(max(0.0, deadline - time.monotonic()))
         time.sleep(POLL_SECONDS)
-    return "**Stopped.** Press the button again for a new run."
+    return STOPPED
 
 
 def with_warnings(status: str, worker: Worker) -> str:
@@ -463,11 +467,8 @@ def export_dir(prefix: str) -> Path:
 def parse_whole(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
     """A whole number from a form field, or a ValueError naming the field."""
     check_text(value, name)
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a whole number; got {shown(value)}.") from None
-    if not math.isfinite(f) or f != int(f):
+    f = read_number(value)
+    if f is None or not math.isfinite(f) or f != int(f):
         raise ValueError(f"{name} must be a whole number; got {shown(value)}.")
     n = int(f)
     if n < minimum or (maximum is not None and n > maximum):

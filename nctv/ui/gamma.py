@@ -9,7 +9,7 @@ from typing import Any, Callable
 import gradio as gr
 import numpy as np
 
-from nctv.checks import GAMMA_MAX
+from nctv.checks import GAMMA_MAX, read_number
 from nctv.report import gamma_table, to_markdown
 from nctv.settings import NCOptions
 from nctv.ui.calibrate import parse_nc_options, parse_split
@@ -26,10 +26,9 @@ MAX_GAMMAS = 41
 
 def gamma_grid(start: Any, stop: Any, step: Any) -> list[float]:
     """γ = start, start + step, …, up to stop (inclusive), rounded to 4 decimals."""
-    try:
-        a, b, s = float(start), float(stop), float(step)
-    except (TypeError, ValueError):
-        raise ValueError("γ from, to and step must be numbers, e.g. 0, 1 and 0.1.") from None
+    a, b, s = (read_number(v) for v in (start, stop, step))
+    if a is None or b is None or s is None:
+        raise ValueError("γ from, to and step must be numbers, e.g. 0, 1 and 0.1.")
     if not all(np.isfinite([a, b, s])):
         raise ValueError("γ from, to and step must be finite numbers.")
     if a < 0:

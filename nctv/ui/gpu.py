@@ -95,7 +95,8 @@ def _enter_worker() -> None:
         return
     common._ONE_WORKER = threading.Lock()
     threads = os.environ.get(WORKER_THREADS, "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else (os.cpu_count() or 1))
+    torch.set_num_threads(int(threads) if threads.isascii() and threads.isdigit() and int(threads) > 0
+                          else (os.cpu_count() or 1))
 
 
 def model_device() -> torch.device:

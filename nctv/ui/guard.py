@@ -94,7 +94,8 @@ class RequestGuard:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        declared = int(headers["content-length"]) if headers.get("content-length", "").isdigit() else None
+        length = headers.get("content-length", "")
+        declared = int(length) if length.isascii() and length.isdigit() else None  # "²" is a digit to isdigit()
         if declared is not None and declared > self.max_bytes:
             return await _refuse(send, 413, self._too_large())
         who = (scope.get("client") or ("unknown",))[0]
@@ -151,19 +152,24 @@ class RequestGuard:
         if longest:
             return await _refuse(send, 413, f"A value of {longest:,} characters was sent; this app accepts at most "
                                             f"{MAX_TEXT_CHARS:,} characters in a field.")
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     def _too_large(self) -> str:
         return f"The request is larger than this app accepts ({self.max_bytes / 1e6:,.0f} MB)."
+
+
+def replaying(body: bytes, receive):
+    """An ASGI ``receive`` that hands on ``body``, read whole already, then what ``receive`` brings."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 async def _refuse(send, status: int, message: str) -> None:

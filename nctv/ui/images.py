@@ -84,6 +84,9 @@ class CheckedImage(gr.Image):
                 payload = ImageData(path=path, orig_name=f"image.{kind}")
             elif payload.path:
                 open_checked(payload.path, "The uploaded file").close()
+            else:
+                raise ImageError("No picture was sent: give a file uploaded to this app (/gradio_api/upload) or a "
+                                 "data: URL.")
             return super().preprocess(payload)
 
 

@@ -4,7 +4,9 @@ app's own words.
 Gradio checks an input's value while preprocessing, before any handler runs. A value outside a
 menu gets Gradio's own message, which repeats the whole value and its Python type; a number or a
 slider sent text through the API fails inside Gradio with a Python error ("type str doesn't define
-__round__ method"). A visitor of a public copy may send anything; every refusal should read like
+__round__ method"); a text box passes a list on as its Python text ("['a']"), and a menu that takes
+typed values passes it on as a list (a handler then failed on it: "'list' object has no attribute
+'strip'"); a whole-number box rounds 1.5 to 2. A visitor of a public copy may send anything; every refusal should read like
 the app's other messages, name the setting, and repeat only the start of the value.
 """
 from __future__ import annotations
@@ -59,13 +61,40 @@ class CheckedCheckboxGroup(_Menu, gr.CheckboxGroup):
     """``gr.CheckboxGroup`` whose refusal of an unknown value is the app's own sentence."""
 
 
+class _Text(_OwnRefusal):
+    """Takes text; a number is taken as its text (as Gradio's text box does), anything else is refused."""
+
+    def expected(self) -> str:
+        return "text"
+
+    def preprocess(self, payload: Any) -> Any:  # noqa: D401 - Gradio hook
+        if isinstance(payload, bool) or not isinstance(payload, (str, int, float, type(None))):
+            raise self.refusal(payload)
+        return super().preprocess(None if payload is None else str(payload))
+
+
+class CheckedTextbox(_Text, gr.Textbox):
+    """``gr.Textbox`` that refuses a list or an object in the app's words (Gradio's passes its Python text on)."""
+
+
+class CheckedTypedDropdown(_Text, gr.Dropdown):
+    """``gr.Dropdown`` with ``allow_custom_value``: its choices or typed text, refusing anything else
+    in the app's words."""
+
+
+def _whole(payload: Any) -> bool:
+    return isinstance(payload, (int, float)) and not isinstance(payload, bool) and float(payload).is_integer()
+
+
 class CheckedNumber(_OwnRefusal, gr.Number):
     """``gr.Number`` whose refusal of text or an out-of-range number is the app's own sentence.
 
     Without a precision Gradio passes any JSON value on unchanged (a list, a string); this one
-    passes only numbers."""
+    passes only numbers. With precision 0 it takes only whole numbers: Gradio's rounds 1.5 to 2."""
 
     def preprocess(self, payload: Any) -> Any:  # noqa: D401 - Gradio hook
+        if self.precision == 0 and payload is not None and not _whole(payload):
+            raise self.refusal(payload)
         value = super().preprocess(payload)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise self.refusal(payload)
@@ -79,7 +108,17 @@ class CheckedNumber(_OwnRefusal, gr.Number):
 
 
 class CheckedSlider(_OwnRefusal, gr.Slider):
-    """``gr.Slider`` whose refusal of text or a number outside its range is the app's own sentence."""
+    """``gr.Slider`` whose refusal of text or a number outside its range is the app's own sentence; a
+    slider in whole steps takes only whole numbers."""
+
+    def preprocess(self, payload: Any) -> Any:  # noqa: D401 - Gradio hook
+        if self._whole_steps() and payload is not None and not _whole(payload):
+            raise self.refusal(payload)
+        return super().preprocess(payload)
+
+    def _whole_steps(self) -> bool:
+        return all(float(v).is_integer() for v in (self.minimum, self.step))
 
     def expected(self) -> str:
-        return f"a number from {self.minimum:g} to {self.maximum:g}"
+        whole = "a whole number" if self._whole_steps() else "a number"
+        return f"{whole} from {self.minimum:g} to {self.maximum:g}"

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from nctv import metrics, report
+from nctv.checks import read_number, shown
 from nctv.settings import APP_BINS
 from nctv.ui.common import parse_whole, user_errors
 from nctv.ui.caches import test_pictures
@@ -108,12 +109,11 @@ def _calibration(state: Calibration | None) -> Calibration:
 
 
 def _checked(temperature: Any, n_bins: Any) -> tuple[float, int]:
-    try:
-        t = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"The temperature must be a number; got {temperature!r}.") from None
+    t = read_number(temperature)
+    if t is None:
+        raise ValueError(f"The temperature must be a number; got {shown(temperature)}.")
     if not math.isfinite(t) or not T_MIN <= t <= T_MAX:
-        raise ValueError(f"The temperature must lie between {T_MIN:g} and {T_MAX:g}; got {temperature!r}.")
+        raise ValueError(f"The temperature must lie between {T_MIN:g} and {T_MAX:g}; got {shown(temperature)}.")
     return t, parse_whole(n_bins, "Number of bins", 2, 100)
 
 
@@ -160,7 +160,8 @@ def explain(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple[s
 @user_errors
 def explain_settled(state: Calibration | None, evt: gr.EventData) -> tuple[str, str]:
     """(table, explanations) for the T and bins the page settled on (its "release" event)."""
-    return explain(evt.temperature, evt.bins, state)
+    data = evt._data if isinstance(evt._data, dict) else {}  # a page sends both; a hostile call may not
+    return explain(data.get("temperature"), data.get("bins"), state)
 
 
 def _b64(a: np.ndarray) -> str:

@@ -41,6 +41,9 @@ CALIBRATION_TTL_S = env_limit("NCTV_CALIBRATION_TTL_S", 3600)
 _METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
 _CHUNK = 2**20
 _NAMES = (CONFIG_NAME, TENSORS_NAME)
+#: Longest member name, in bytes (UTF-8): the Calibrate tab's are a method's folder and a file name
+#: (under 60); a longer one could pass the server's own limit on a file name (255 bytes).
+MAX_NAME_BYTES = 200
 
 
 def unpack(path: str | Path, into: Path) -> list[Path]:
@@ -65,6 +68,9 @@ def unpack(path: str | Path, into: Path) -> list[Path]:
                 left -= _copy(archive, m, target, left)
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:
         raise ValueError(f"The zip is damaged ({e}); download calibrators.zip from the Calibrate tab again.") from None
+    except OSError as e:  # the server's own refusal to write a name; the checks above leave none expected
+        raise ValueError(f"The zip's files could not be unpacked ({e.strerror or type(e).__name__}); download "
+                         "calibrators.zip from the Calibrate tab again.") from None
     folders = sorted({into.joinpath(*PurePosixPath(m.filename).parts).parent for m in members
                       if PurePosixPath(m.filename).name == CONFIG_NAME})
     if not folders:
@@ -97,7 +103,15 @@ def _check_members(members: list[zipfile.ZipInfo]) -> None:
                          f"{MAX_MEMBERS}.")
     if sum(m.file_size for m in members) > MAX_UNPACKED_BYTES:
         raise ValueError(f"The zip unpacks to more than {_mb(MAX_UNPACKED_BYTES)}; that is no saved calibrator.")
+    files = [m.filename for m in members]
+    folders = {str(parent) for f in files for parent in PurePosixPath(f).parents}
     for m in members:
+        if (size := len(m.filename.encode("utf-8", "surrogatepass"))) > MAX_NAME_BYTES:
+            raise ValueError(f"The zip holds a file whose name is {size:,} bytes long; a saved calibrator's names "
+                             f"are far shorter (at most {MAX_NAME_BYTES}), so it was not made by NCTV.")
+        if files.count(m.filename) > 1 or m.filename in folders:
+            what = "twice" if files.count(m.filename) > 1 else "both as a file and as a folder"
+            raise ValueError(f"The zip holds {shown(m.filename)} {what}; it was not made by NCTV.")
         name = PurePosixPath(m.filename)
         if name.is_absolute() or ".." in name.parts or "\\" in m.filename or len(name.parts) > 3:
             raise ValueError(f"The zip holds a file outside its folders ({m.filename!r}); it was not made by NCTV.")
@@ -151,26 +165,44 @@ def _load(folder: Path, loaded: Any) -> Any:
             raise ValueError(str(w)) from None
 
 
+def _in_zip(message: str, folder: Path) -> str:
+    """``message`` with the folder the zip was unpacked into left out, so that it names a file as the zip
+    does ("neural-clamping-fl/config.json"), not by the server's temporary path."""
+    for name in {str(folder.resolve()), str(folder)}:
+        message = message.replace(name + "/", "").replace(name, "the zip")
+    return message
+
+
+def _read_zip(path: str | Path, tmp: Path, state: Calibration | None):
+    """(model, Neural Clamping's method name, its T, δ, the split, temperature scaling's T) from the zip,
+    unpacked into ``tmp``."""
+    names, by_method = _survey(unpack(path, tmp))
+    model = _model_of(names, state)
+    loaded = get_model(model)
+    nc_name = next((n for n in NC_METHODS if n in by_method), None)
+    if nc_name is None:
+        raise ValueError(f"The zip holds no Neural Clamping calibrator (it has: "
+                         f"{', '.join(shown(m) for m in sorted(by_method)) or 'none'}); tick Neural Clamping in "
+                         "the Calibrate tab, run, and download again.")
+    nc = _load(by_method[nc_name], loaded)
+    # Only T and δ are kept: the calibrator (and its fit's history) goes before the next one is read.
+    nc_t, delta = float(nc.temperature_), nc.delta_.detach().float().cpu()
+    del nc
+    split = SplitSpec(model, None, DEFAULT_CALIBRATION_SIZE, 0)
+    ts_t = (float(_load(by_method[TS_METHOD], loaded).temperature_) if TS_METHOD in by_method
+            else ts_temperature_of(split))
+    return model, nc_name, nc_t, delta, split, ts_t
+
+
 def calibration_from_zip(path: str | Path, state: Calibration | None) -> Calibration:
     """The visitor's new calibration from a zip: Neural Clamping's δ and T from its Neural Clamping
     calibrator, and the temperature-scaling T from its Temperature Scaling one (fitted on the
     model's default calibration split when the zip has none)."""
     with tempfile.TemporaryDirectory(prefix="nctv-upload-") as tmp:
-        names, by_method = _survey(unpack(path, Path(tmp)))
-        model = _model_of(names, state)
-        loaded = get_model(model)
-        nc_name = next((n for n in NC_METHODS if n in by_method), None)
-        if nc_name is None:
-            raise ValueError(f"The zip holds no Neural Clamping calibrator (it has: "
-                             f"{', '.join(shown(m) for m in sorted(by_method)) or 'none'}); tick Neural Clamping in "
-                             "the Calibrate tab, run, and download again.")
-        nc = _load(by_method[nc_name], loaded)
-        # Only T and δ are kept: the calibrator (and its fit's history) goes before the next one is read.
-        nc_t, delta = float(nc.temperature_), nc.delta_.detach().float().cpu()
-        del nc
-        split = SplitSpec(model, None, DEFAULT_CALIBRATION_SIZE, 0)
-        ts_t = (float(_load(by_method[TS_METHOD], loaded).temperature_) if TS_METHOD in by_method
-                else ts_temperature_of(split))
+        try:
+            model, nc_name, nc_t, delta, split, ts_t = _read_zip(path, Path(tmp), state)
+        except ValueError as e:
+            raise ValueError(_in_zip(str(e), Path(tmp))) from None
     when = datetime.now().strftime("%H:%M:%S")
     return Calibration(split=split, model=model, ts_temperature=ts_t, nc_temperature=nc_t,
                        delta=delta, nc_method=nc_name,

@@ -1,0 +1,264 @@
+"""What the app adds to Gradio's own handling of a request, so that every answer of the launched app
+is in its words and every run a page waits for ends:
+
+- :class:`AppBlocks`: a call with too few values, or a value no input can read (a list where a
+  picture goes), is refused naming the input and what it takes. Gradio's own message listed its
+  components with their memory addresses, or quoted a validation error of its data classes.
+- :class:`CancelEndsStreams`: Gradio's cancel route stops every run of a page's event (the page's
+  session and the event's number), but ends the event stream of the one event it names only. A
+  cancel that named another, or none, left the stopped run's page waiting for ever; each stopped
+  run now gets a last message, and a Run button's status says "Stopped".
+- :class:`QuietDisconnects`: a client that goes away while it sends a body (an aborted upload) is
+  one line in the log, not a traceback.
+- :class:`NoServerPaths`: the page, ``/config`` and ``/gradio_api/info`` name the files Gradio
+  serves from its cache (the shipped examples and downloads) by :data:`CACHE_ALIAS` instead of the
+  cache's folder on the server (``/tmp/gradio/<hash>/…``); a file address or a value sent back
+  with the alias is read with the folder again.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import gradio as gr
+from starlette.requests import ClientDisconnect
+
+from nctv.checks import shown
+from nctv.ui.common import STOPPED
+from nctv.ui.guard import replaying
+
+log = logging.getLogger("nctv.ui")
+
+#: Gradio's "leave this output as it is" in a message to the page.
+_UNCHANGED = {"__type__": "update"}
+#: Stoppable events (by their number) -> the position of their status line among their outputs.
+_STATUS_OUTPUT: dict[int, int] = {}
+
+
+def stoppable(event: Any, status: gr.components.Component) -> None:
+    """Record that ``event`` (an event listener's result) shows how its run goes in ``status``,
+    one of its outputs: a run of it stopped by a cancel ends with :data:`STOPPED` there."""
+    _STATUS_OUTPUT[event["id"]] = list(event["outputs"]).index(status._id)  # a Dependency is its config
+
+
+# --------------------------------------------------------------------------- values a call sends
+
+
+def _label(block: Any) -> str:
+    return getattr(block, "label", None) or f"The {type(block).__name__} input"
+
+
+def _takes(block: Any) -> str:
+    """What an input reads, in a visitor's words."""
+    if isinstance(block, gr.ImageEditor):
+        return "a drawing (its background, layers and composite, each a picture uploaded to this app)"
+    if isinstance(block, gr.Image):
+        return "a picture: a file uploaded to this app (/gradio_api/upload) or a data: URL"
+    if isinstance(block, (gr.File, gr.UploadButton)):
+        return "a file uploaded to this app (/gradio_api/upload)"
+    if isinstance(block, gr.Dataset):
+        return "the number of one of its examples"
+    return "a value of the kind the app's API page shows for it"
+
+
+class AppBlocks(gr.Blocks):
+    """``gr.Blocks`` whose refusal of a call's values, before any handler runs, is the app's sentence."""
+
+    def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
+        if len(inputs) < len(block_fn.inputs):
+            labels = ", ".join(_label(b) for b in block_fn.inputs if not getattr(b, "stateful", False))
+            raise gr.Error(f"{_endpoint(block_fn)} takes these values, in this order: {labels}; this call sent too "
+                           "few.", print_exception=False)
+
+    async def preprocess_data(self, block_fn: Any, inputs: list[Any], state: Any, explicit_call: bool = False):
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except gr.Error:
+            raise
+        except Exception as e:  # noqa: BLE001 - Gradio's own words on a value it could not read
+            log.info("refused a value sent to %s (%s)", _endpoint(block_fn), type(e).__name__)
+            raise gr.Error(_unreadable(block_fn, inputs), print_exception=False) from None
+
+
+def _endpoint(block_fn: Any) -> str:
+    name = getattr(block_fn, "api_name", None)
+    return f"/{name}" if isinstance(name, str) and name else "This event"
+
+
+def _fits(block: Any, value: Any) -> bool:
+    if isinstance(block, gr.Dataset):
+        return isinstance(value, int) and not isinstance(value, bool)
+    model = getattr(block, "data_model", None)
+    if model is None:
+        return True
+    try:
+        model.model_validate(value, context={"validate_meta": True})
+    except Exception:  # noqa: BLE001 - the value does not fit its input
+        return False
+    return True
+
+
+def _unreadable(block_fn: Any, inputs: list[Any]) -> str:
+    """The sentence for values Gradio could not read: the first input whose value does not fit it."""
+    for block, value in zip(block_fn.inputs, inputs):
+        if not getattr(block, "stateful", False) and value is not None and not _fits(block, value):
+            return f"{_label(block)} must be {_takes(block)}; got {shown(value)}."
+    return (f"The values sent to {_endpoint(block_fn)} could not be read; send them as the app's API page "
+            "(“Use via API”) shows.")
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+async def _body(receive) -> tuple[bytes, Any]:
+    """The whole body of a request, and a ``receive`` that hands it on again."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    return body, replaying(body, receive)
+
+
+def _running(task_id: str) -> list[str]:
+    """The events whose runs Gradio's cancel of ``task_id`` ("<session>_<event number>") stops: it
+    names each run's task "<task id><gradio-sep><event id>"."""
+    found = []
+    for task in asyncio.all_tasks():
+        name = task.get_name()
+        if "<gradio-sep>" in name:
+            tid, event_id = name.split("<gradio-sep>", 1)
+            if tid == task_id:
+                found.append(event_id)
+    return found
+
+
+def _last_message(event: Any) -> Any:
+    """The message that ends a stopped run's stream: every output as it is, the status (where the
+    event has one) saying that the run stopped."""
+    from gradio.server_messages import ProcessCompletedMessage
+
+    data: list[Any] = [_UNCHANGED] * len(event.fn.outputs)
+    where = _STATUS_OUTPUT.get(event.fn._id)
+    if where is not None:
+        data[where] = STOPPED
+    return ProcessCompletedMessage(output={"data": data}, success=True)
+
+
+class CancelEndsStreams:
+    """ASGI middleware: after Gradio's cancel route, each run it stopped that the cancel did not name
+    (Gradio ends the named one's stream itself) gets a last message, so that its page stops waiting."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].rstrip("/").endswith("/cancel"):
+            return await self.app(scope, receive, send)
+        body, receive = await _body(receive)
+        try:
+            asked = json.loads(body)
+            session, number, named = asked["session_hash"], asked["fn_index"], asked["event_id"]
+        except (ValueError, TypeError, KeyError):
+            return await self.app(scope, receive, send)  # Gradio refuses it
+        if not isinstance(session, str) or isinstance(number, bool) or not isinstance(number, int):
+            return await self.app(scope, receive, send)
+        queue = scope["app"].get_blocks()._queue
+        events = [e for eid in _running(f"{session}_{number}") if eid != named
+                  and (e := queue.event_ids_to_events.get(eid)) is not None]
+        await self.app(scope, receive, send)
+        for event in events:
+            try:
+                queue.send_message(event, _last_message(event))
+            except KeyError:  # its page's stream is already gone: nobody waits
+                pass
+            log.info("a cancel stopped %s's run; its page was told", _endpoint(event.fn))
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+class QuietDisconnects:
+    """ASGI middleware: a client gone before its request was read is logged in one line."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except ClientDisconnect:
+            log.info("a client went away before its request to %s was read", scope.get("path", "?"))
+
+
+# --------------------------------------------------------------------------- server paths
+
+#: What the page and the API descriptions call Gradio's cache folder.
+CACHE_ALIAS = "gradio-cache"
+#: Routes whose answers describe the app (its components' values among them).
+_DESCRIPTIONS = ("/config", "/info")
+
+
+def _cache_folder() -> bytes:
+    from gradio.utils import get_upload_folder
+
+    return get_upload_folder().rstrip("/").encode()
+
+
+class NoServerPaths:
+    """ASGI middleware: the alias for Gradio's cache folder out (the page and the descriptions of the
+    app), the folder for the alias in (file addresses, JSON bodies)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.folder = _cache_folder()
+        self.alias = CACHE_ALIAS.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        marker = "file=" + CACHE_ALIAS + "/"
+        if marker in path:  # a file the page found under the alias
+            scope = dict(scope, path=path.replace(marker, "file=" + self.folder.decode() + "/"))
+            scope["raw_path"] = scope["path"].encode()
+        if scope["method"] == "POST":
+            headers = dict(scope["headers"])
+            if headers.get(b"content-type", b"").lower().startswith(b"application/json"):
+                body, _ = await _body(receive)
+                back = body.replace(b'"' + self.alias + b"/", b'"' + self.folder + b"/").replace(
+                    b"file=" + self.alias + b"/", b"file=" + self.folder + b"/")
+                if back != body:
+                    scope = dict(scope, headers=[(k, str(len(back)).encode() if k == b"content-length" else v)
+                                                 for k, v in scope["headers"]])
+                return await self.app(scope, replaying(back, receive), send)
+        if scope["method"] in ("GET", "HEAD") and (path.rstrip("/") == "" or path.endswith(_DESCRIPTIONS)):
+            return await self.app(scope, receive, self._aliasing(send))
+        return await self.app(scope, receive, send)
+
+    def _aliasing(self, send):
+        """A ``send`` that holds the answer back until it is whole, then sends it with the alias."""
+        start, chunks = None, []
+
+        async def aliased(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(chunks).replace(self.folder + b"/", self.alias + b"/")
+            headers = [(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+                       for k, v in start["headers"]]
+            await send(dict(start, headers=headers))
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        return aliased

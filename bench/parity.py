@@ -240,19 +240,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     z, y = load_logits()
     missing = [lib for lib in PEERS if not available(lib)]
-    if missing and args.write:
+    return emit(args.write, missing, lambda: render([r for lib in PEERS if lib not in missing
+                                                     for r in peer_rows(lib, z, y)], variants(z, y), facts(z, y)))
+
+
+def emit(write: bool, missing: list[str], text, start: str = START, end: str = END) -> int:
+    """Print the generated block ``text()``, or with ``write`` put it between ``start`` and ``end`` on the
+    page; writing needs every peer (``missing``: those that cannot be imported)."""
+    if missing and write:
         print(f"cannot import {', '.join(missing)}; the page needs every library (see its docstring)", file=sys.stderr)
         return 1
-    rows = [r for lib in PEERS if lib not in missing for r in peer_rows(lib, z, y)]
-    text = render(rows, variants(z, y), facts(z, y))
-    if args.write:
+    block = text()
+    if write:
         page = PAGE.read_text()
-        PAGE.write_text(page[:page.index(START)] + text + page[page.index(END) + len(END):])
+        PAGE.write_text(page[:page.index(start)] + block + page[page.index(end) + len(end):])
         print(f"wrote {PAGE.relative_to(REPO)}")
     else:
         if missing:
             print(f"(cannot import, left out: {', '.join(missing)})")
-        print(text)
+        print(block)
     return 0
 
 

@@ -6,10 +6,14 @@ A run takes a frozen model, a calibration split and a test split and
   by the model's weights and the split's content), so logit-space methods never touch the model;
 * fits every method on the calibration split; stochastic methods once per seed, deterministic ones
   once (std 0 in the results; tables show no spread for them);
-* scores the calibrated *test* logits with :func:`nctv.metrics.evaluate` for every bin count;
+* scores the calibrated *test* logits with :func:`nctv.metrics.evaluate` and
+  :func:`nctv.metrics.further` (KS, debiased ℓ2 error, NLL's calibration and refinement parts) for
+  every bin count;
 * aggregates mean and sample standard deviation (ddof = 1) over the seeds;
 * scores every method on one shared set of resamples of the test split (``nctv.intervals``): an
-  interval for every figure and paired intervals of the differences the tables rank by;
+  interval for every figure and paired intervals of the differences the tables rank by; with them, the
+  calibration test of every row (``nctv.consistency``: p-values ``calibration_p``,
+  ``classwise_calibration_p``), and where it does not reject, the calibration errors' intervals reach 0;
 * compares "Neural Clamping (FL)" with the best baseline per metric by Welch's t-test.
 
 Conventions: metrics are fractions here (tables convert to % etc.); "better" means higher for
@@ -40,8 +44,10 @@ from nctv.cache import model_fingerprint, split_logits
 from nctv.checks import check_whole
 from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
-from nctv.intervals import RESAMPLED, IntervalSettings, interval, method_draws, resample_counts, seed_counts
-from nctv.metrics import METRIC_NAMES, evaluate
+from nctv.consistency import consistency_test
+from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, IntervalSettings, at_boundary, interval,
+                            method_draws, resample_counts, seed_counts)
+from nctv.metrics import FURTHER_NAMES, METRIC_NAMES, evaluate, further
 from nctv.results import (
     COMPARED_METHOD,
     GammaSweepResult,
@@ -469,7 +475,7 @@ def _nc_fit(ctx: _Context, plan: MethodPlan, seed: int):
 
 def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[int]) -> MethodResult:
     """One table row: fit and score ``plan`` for every seed; keep the first seed's logits and δ."""
-    per_bin: dict[int, dict[str, list[float]]] = {b: {k: [] for k in METRIC_NAMES} for b in bins}
+    per_bin: dict[int, dict[str, list[float]]] = {b: {k: [] for k in METRIC_NAMES + FURTHER_NAMES} for b in bins}
     seconds, first, per_seed = [], None, []
     for s in seeds:
         ctx.progress.message(f"{plan.label} (seed {s})")
@@ -477,7 +483,7 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
         z = z.detach().float().cpu()
         seconds.append(sec)
         for b in bins:
-            for k, v in evaluate(z, ctx.test_y, n_bins=b).items():
+            for k, v in {**evaluate(z, ctx.test_y, n_bins=b), **further(z, ctx.test_y, n_bins=b)}.items():
                 per_bin[b][k].append(v)
         if first is None:
             recorded = dict(params, **dict(plan.overrides))
@@ -506,12 +512,18 @@ def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stat
         ctx.counts = resample_counts(len(ctx.test_y), settings.resamples, settings.seed)
         ctx.seed_generator = torch.Generator().manual_seed(settings.seed + 1)
     seeds = seed_counts(len(per_seed), settings.resamples, ctx.seed_generator) if len(per_seed) > 1 else None
-    metrics = [k for k in METRIC_NAMES if k in RESAMPLED]
+    metrics = [k for k in METRIC_NAMES + FURTHER_NAMES if k in RESAMPLED]
     ctx.draws[label] = {}
     for b, per in stats.items():
         ctx.draws[label][b] = method_draws(per_seed, ctx.test_y, ctx.counts, b, metrics, seeds)
+        # Is the row calibrated? Where the data cannot say no, its errors' intervals reach 0.
+        test = consistency_test(per_seed, ctx.test_y, b, settings.resamples, settings.seed)
+        per["calibration_p"] = MetricStats.from_runs([test.p_top_label])
+        per["classwise_calibration_p"] = MetricStats.from_runs([test.p_classwise])
         for k, d in ctx.draws[label][b].items():
             ci = interval(d, k, settings.level)
+            if k in TOP_LABEL_ERRORS or k in CLASSWISE_ERRORS:
+                ci = at_boundary(ci, test.p_top_label if k in TOP_LABEL_ERRORS else test.p_classwise, settings.level)
             per[k].ci_low, per[k].ci_high = ci.low, ci.high
 
 

@@ -19,6 +19,10 @@ is a few times its noise the second does, and simulation shows the union at the 
 (docs/method.md). Means (accuracy, entropy, NLL, Brier) are unbiased and near-symmetric: there the two
 intervals nearly coincide.
 
+At the boundary (a population error of 0) no bootstrap interval of a calibration error holds its level:
+every estimate of a bin's |gap| is positive. There the calibration test (``nctv.consistency``) decides:
+where it does not reject "calibrated", :func:`at_boundary` widens the interval down to 0.
+
 Stochastic methods (several seeds): each resample also redraws the seeds with replacement and takes
 the mean over the drawn seeds, so the interval covers the test sample's randomness and the method's own.
 """
@@ -230,13 +234,44 @@ def _mce(sample: _Sample, counts: torch.Tensor) -> Draws:
 def _aece(sample: _Sample, counts: torch.Tensor) -> Draws:
     """Equal-count groups of each resample's confidence-sorted samples (a sample drawn twice fills two
     places; a group boundary may split a sample's copies), exactly AECE on the full sample."""
+    s = _group_sums(sample, counts, sample.gap)
+    return s.abs().sum(1) / sample.n, _debiased_abs(s, sample.aece_spread.to(s.device)).sum(1) / sample.n
+
+
+def _l2_ce(sample: _Sample, counts: torch.Tensor) -> Draws:
+    """The debiased ℓ2 calibration error (``nctv.metrics.l2_calibration_error``) of every resample, on
+    AECE's equal-count groups of the resample; already debiased, so both values are the same."""
+    s_gap = _group_sums(sample, counts, sample.gap)
+    s_acc = _group_sums(sample, counts, sample.correct)
+    n_b = sample.group_sizes.to(s_gap.device, torch.float64)
+    acc = s_acc / n_b.clamp(min=1)
+    square = (s_gap / n_b.clamp(min=1)) ** 2 - acc * (1 - acc) / (n_b - 1).clamp(min=1)
+    square = torch.where(n_b > 1, square, torch.zeros_like(square))
+    v = torch.sqrt((n_b / sample.n * square).sum(1).clamp(min=0))
+    return v, v
+
+
+def _ks(sample: _Sample, counts: torch.Tensor) -> Draws:
+    """The KS calibration error of every resample: the largest |partial sum| of the confidence-sorted
+    residuals c − [correct], each sample counted as often as it is drawn (blocks of rows in float64)."""
+    residual = (-sample.gap[sample.order]).to(counts.device)
+    order = sample.order.to(counts.device)
+    out = torch.empty(len(counts), dtype=torch.float64, device=counts.device)
+    for start in range(0, len(counts), 64):
+        w = torch.index_select(counts[start:start + 64], 1, order).double()
+        out[start:start + 64] = torch.cumsum(w * residual, 1).abs().amax(1) / sample.n
+    return out, out
+
+
+def _group_sums(sample: _Sample, counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Σ ``values`` over each of AECE's equal-count groups of every resample (resamples × groups)."""
     n, m = sample.n, sample.n_bins
     order = sample.order
-    gap = sample.gap[order]
+    ordered = values[order]
     ends = torch.cumsum(sample.group_sizes, 0).to(counts.device, counts.dtype)
     # Float32 cumulative sums: place counts are exact below 2**24, gap sums err by about 1e-7 of N.
     w = torch.index_select(counts, 1, order.to(counts.device))
-    g = gap.to(counts.device, counts.dtype)
+    g = ordered.to(counts.device, counts.dtype)
     cum_w = torch.cumsum(w, 1)
     cum_g = torch.cumsum(w * g, 1)
     # F(E) = Σ gap over the first E places: whole samples before the one holding place E, part of it.
@@ -246,8 +281,7 @@ def _aece(sample: _Sample, counts: torch.Tensor) -> Draws:
     before_w = cum_w.gather(1, prev).masked_fill(first, 0.0)
     before_g = cum_g.gather(1, prev).masked_fill(first, 0.0)
     upto = (before_g + g[at] * (ends - before_w)).double()
-    s = torch.diff(upto, dim=1, prepend=torch.zeros(len(w), 1, dtype=torch.float64, device=counts.device))
-    return s.abs().sum(1) / n, _debiased_abs(s, sample.aece_spread.to(s.device)).sum(1) / n
+    return torch.diff(upto, dim=1, prepend=torch.zeros(len(w), 1, dtype=torch.float64, device=counts.device))
 
 
 def _sce(sample: _Sample, counts: torch.Tensor) -> Draws:
@@ -290,7 +324,25 @@ RESAMPLED: dict[str, ResampledMetric] = {
     "nll": ResampledMetric(_mean_metric(2)),
     "brier": ResampledMetric(_mean_metric(3), 0.0, 2.0),
     "smooth_ece": ResampledMetric(_smooth_ece, 0.0, 1.0),
+    "ks": ResampledMetric(_ks, 0.0, 1.0),
+    "l2_ce": ResampledMetric(_l2_ce, 0.0, 1.0),
 }
+
+#: Metrics that are 0 on the population when the top-label confidence is calibrated, and those that
+#: are 0 when the probabilities are (classwise): the calibration test's two null hypotheses
+#: (``nctv.consistency``) decide whether their intervals reach 0 (:func:`at_boundary`).
+TOP_LABEL_ERRORS = ("ece", "aece", "mce", "smooth_ece", "ks", "l2_ce")
+CLASSWISE_ERRORS = ("sce",)
+
+
+def at_boundary(iv: Interval, p_value: float, level: float = DEFAULT_LEVEL) -> Interval:
+    """The interval of a calibration error given the calibration test's p-value: where the test does
+    not reject "calibrated" at 1 − ``level`` (p ≥ 1 − level), a population value of 0 is consistent with
+    the data, so the interval is widened down to 0. Near that boundary no bootstrap interval of a
+    binned error holds its level (docs/method.md, "At the boundary"); the test does, by construction."""
+    if p_value >= 1.0 - level:
+        return Interval(iv.estimate, 0.0, iv.high)
+    return iv
 
 
 # --------------------------------------------------------------------------- a method's draws

@@ -18,11 +18,16 @@ Conventions, shared by every caller (tables, figures, γ selection, tests):
   ``relplot.smECE`` (Błasiok & Nakkiran, ICLR 2024), whose discretisation it follows exactly.
   The ``*_batch`` / ``*_curves`` forms take (resamples, samples) rows of confidence and 0/1
   correctness, for bootstrap intervals and bands.
+* Beside them (``further``, FURTHER_NAMES, in a run's tables but not in ``evaluate``, whose keys the
+  studies save): the KS calibration error (no bins), the debiased ℓ2 calibration error (equal-mass
+  bins, AECE's groups), and NLL split into calibration + refinement, refinement being the NLL after
+  temperature scaling fitted on the same logits. ``classwise_ece`` is ``sce`` (one formula, two names).
 * Everything is computed on the CPU in float64, so a tensor on a GPU and the same values on the CPU
   give bit-identical results.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +44,8 @@ METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brie
 #: the model with no better direction (a calibrated model is neither as sure nor as unsure as possible).
 HIGHER_IS_BETTER: dict[str, bool | None] = {
     "accuracy": True, "entropy": None, "ece": False, "aece": False, "sce": False, "mce": False, "nll": False,
-    "brier": False, "smooth_ece": False,
+    "brier": False, "smooth_ece": False, "ks": False, "l2_ce": False, "nll_calibration": False,
+    "nll_refinement": False, "calibration_p": None, "classwise_calibration_p": None,
 }
 
 
@@ -172,14 +178,10 @@ def _aece(p, y, n_bins):
     conf, pred = _top1(p)
     order = torch.sort(conf, stable=True).indices
     conf, correct = conf[order], (pred == y)[order].double()
-    # numpy.array_split: the first N mod M groups get one extra sample.
-    base, extra = divmod(n, n_bins)
-    sizes = torch.full((n_bins,), base, dtype=torch.long)
-    sizes[:extra] += 1
-    group = torch.repeat_interleave(torch.arange(n_bins), sizes)
+    group = _equal_mass_groups(n, n_bins)
     sc = torch.bincount(group, weights=conf, minlength=n_bins)
     sa = torch.bincount(group, weights=correct, minlength=n_bins)
-    return _weighted_gap(sizes.double(), sc, sa, n)
+    return _weighted_gap(torch.bincount(group, minlength=n_bins).double(), sc, sa, n)
 
 
 def _sce(p, y, n_bins):
@@ -246,6 +248,103 @@ def brier(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool =
     """Mean over samples of Σ_k (p_ik − 1[y_i = k])². ``n_bins`` is ignored."""
     _, p, y = _prepare(logits, labels, from_probabilities)
     return _brier(p, y)
+
+
+def classwise_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
+    """Classwise ECE (Kull et al. 2019): the mean over the K classes of the binned ECE of p_k against
+    1[y = k], each with the equal-width ECE bins. It is the same number as :func:`sce` (Nixon et al.'s
+    static calibration error is this definition under another name); both names are kept so that a
+    reader of either paper finds it."""
+    return sce(logits, labels, n_bins, from_probabilities)
+
+
+def _equal_mass_groups(n: int, n_bins: int) -> torch.Tensor:
+    """The group of each place of the confidence-sorted samples: ``numpy.array_split`` sizes, the first
+    N mod M groups one larger (AECE's groups)."""
+    base, extra = divmod(n, n_bins)
+    sizes = torch.full((n_bins,), base, dtype=torch.long)
+    sizes[:extra] += 1
+    return torch.repeat_interleave(torch.arange(n_bins), sizes)
+
+
+def _ks(p, y):
+    conf, pred = _top1(p)
+    order = torch.sort(conf, stable=True).indices
+    residual = conf[order] - (pred == y)[order].double()
+    return float(torch.cumsum(residual, 0).abs().max() / p.shape[0])
+
+
+def _l2_ce(p, y, n_bins):
+    conf, pred = _top1(p)
+    order = torch.sort(conf, stable=True).indices
+    conf, correct = conf[order], (pred == y)[order].double()
+    group = _equal_mass_groups(p.shape[0], n_bins)
+    n_b = torch.bincount(group, minlength=n_bins).double()
+    mean_conf = torch.bincount(group, weights=conf, minlength=n_bins) / n_b.clamp(min=1)
+    mean_acc = torch.bincount(group, weights=correct, minlength=n_bins) / n_b.clamp(min=1)
+    # Per bin (c̄ − ȳ)² − ȳ(1 − ȳ)/(n_b − 1): the plug-in square minus its noise; bins of one add 0.
+    square = (mean_conf - mean_acc) ** 2 - mean_acc * (1 - mean_acc) / (n_b - 1).clamp(min=1)
+    square = torch.where(n_b > 1, square, torch.zeros_like(square))
+    return math.sqrt(max(float((n_b / p.shape[0] * square).sum()), 0.0))
+
+
+def ks_error(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
+    """KS calibration error of the top-label confidence (Gupta, Rahimi, Ajanthan, Mensink, Sminchisescu &
+    Hartley, ICLR 2021): with the samples sorted by confidence c (stable sort),
+    max_i |Σ_{j ≤ i} (c_j − [ŷ_j = y_j])| / N. Nothing is binned; ``n_bins`` is ignored."""
+    _, p, y = _prepare(logits, labels, from_probabilities)
+    return _ks(p, y)
+
+
+def l2_calibration_error(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
+    """Debiased ℓ2 calibration error of the top-label confidence (Kumar, Liang & Ma, NeurIPS 2019):
+    √max(0, Σ_b n_b/N · [(c̄_b − ȳ_b)² − ȳ_b(1 − ȳ_b)/(n_b − 1)]) over ``n_bins`` equal-mass bins of
+    the confidence-sorted samples (AECE's groups), ȳ_b the bin's accuracy; a bin of one sample adds 0.
+    The subtracted term is the plug-in square's noise, so the square is unbiased bin by bin."""
+    _, p, y = _prepare(logits, labels, from_probabilities)
+    return _l2_ce(p, y, check_bins(n_bins))
+
+
+@dataclass(frozen=True)
+class NLLSplit:
+    """NLL = ``calibration`` + ``refinement``: ``refinement`` is the NLL after temperature scaling fitted
+    on the same logits and labels (the best T of the family, ``temperature``), ``calibration`` what
+    that re-calibration removes (≥ 0: T = 1 is in the family)."""
+
+    nll: float
+    calibration: float
+    refinement: float
+    temperature: float
+
+
+def _nll_split(logp, y) -> NLLSplit:
+    from nctv.calibration.temperature import solve_log_temperature  # the calibrators use this module
+
+    s, _ = solve_log_temperature(logp, y)
+    nll = _nll(logp, y)
+    refined = min(_nll(torch.log_softmax(logp * math.exp(-s), dim=1), y), nll)
+    return NLLSplit(nll, nll - refined, refined, math.exp(s))
+
+
+def nll_split(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> NLLSplit:
+    """NLL split into its calibration and refinement parts, the family being temperature scaling
+    (docs/method.md, "Metrics"). ``n_bins`` is ignored."""
+    logp, _, y = _prepare(logits, labels, from_probabilities)
+    return _nll_split(logp, y)
+
+
+#: Metrics a run reports beside METRIC_NAMES (``further``): not part of :func:`evaluate`, whose keys the
+#: studies save.
+FURTHER_NAMES = ("ks", "l2_ce", "nll_calibration", "nll_refinement")
+
+
+def further(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> dict[str, float]:
+    """The FURTHER_NAMES metrics of one set of logits, as fractions (NLL's parts in nats)."""
+    logp, p, y = _prepare(logits, labels, from_probabilities)
+    n_bins = check_bins(n_bins)
+    split = _nll_split(logp, y)
+    return {"ks": _ks(p, y), "l2_ce": _l2_ce(p, y, n_bins), "nll_calibration": split.calibration,
+            "nll_refinement": split.refinement}
 
 
 def reliability_bins(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> ReliabilityBins:

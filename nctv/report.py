@@ -62,7 +62,19 @@ METRICS: dict[str, MetricInfo] = {
     "nll": MetricInfo("NLL", False, 4),
     "brier": MetricInfo("Brier", False, 4),
     "smooth_ece": MetricInfo("smECE", True, 2),
+    "ks": MetricInfo("KS error", True, 2),
+    "l2_ce": MetricInfo("ℓ2-CE (debiased)", True, 2),
+    "nll_calibration": MetricInfo("NLL calibration", False, 4),
+    "nll_refinement": MetricInfo("NLL refinement", False, 4),
+    "calibration_p": MetricInfo("p (top-label calibrated)", False, 3),
+    "classwise_calibration_p": MetricInfo("p (classwise calibrated)", False, 3),
 }
+
+#: The second table of a run: the further calibration errors, NLL split, and the calibration test.
+FURTHER_TABLE_METRICS = ("ks", "l2_ce", "nll", "nll_calibration", "nll_refinement", "calibration_p",
+                         "classwise_calibration_p")
+#: The column whose cell says "consistent with calibrated" where each calibration test does not reject.
+_TESTED_BY = {"ece": "calibration_p", "sce": "classwise_calibration_p"}
 
 
 def sce_exponent(n_classes: int) -> int:
@@ -119,6 +131,7 @@ class Cell:
     text: str | None = None
     low: float | None = None
     high: float | None = None
+    note: str | None = None  # said after the value, e.g. "consistent with calibrated (p = 0.31)"
 
     def format(self, decimals: int, pm: str = " ± ", style: str = "brackets") -> str:
         if self.text is not None:
@@ -128,11 +141,12 @@ class Cell:
         s = _fmt(self.mean, decimals)
         if self.low is not None:
             if style == "pm":
-                return s + pm + _fmt((self.high - self.low) / 2, decimals)
-            return s + f" [{_fmt(self.low, decimals)}, {_fmt(self.high, decimals)}]"
-        if self.std is not None:
+                s += pm + _fmt((self.high - self.low) / 2, decimals)
+            else:
+                s += f" [{_fmt(self.low, decimals)}, {_fmt(self.high, decimals)}]"
+        elif self.std is not None:
             s += pm + ("0" if self.std == 0 else _fmt(self.std, decimals))
-        return s
+        return s if self.note is None else f"{s}, {self.note}"
 
 
 def _fmt(v: float, decimals: int) -> str:
@@ -242,7 +256,9 @@ def interval_note(result: RunResult) -> str:
     return (f"Intervals: {_percent(iv['level'])} interval of the value on the population the test split was drawn "
             f"from ({iv['resamples']} resamples of the test split, seed {iv['seed']}, {iv['method']}; seeds redrawn "
             "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are built around a "
-            "debiased estimate and may lie below the value shown; smooth ECE keeps the test split's bandwidth.")
+            "debiased estimate and may lie below the value shown; smooth ECE keeps the test split's bandwidth. "
+            f"Where a row's calibration test does not reject calibration (p ≥ {1 - iv['level']:.2g}), the intervals "
+            "of its calibration errors reach 0 and its ECE (SCE) says \"consistent with calibrated\".")
 
 
 def _percent(level: float) -> str:
@@ -288,10 +304,36 @@ def results_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str] = 
         rows.append(name)
         cells.append(row)
     tied = _rank_columns(result, columns, rows, cells, n_bins, paired)
+    if paired:
+        _say_consistent(result, columns, cells, n_bins)
     notes = _notes(result, n_bins)
     title = {"run": "Calibration on the test split", "ablation": "Ablation: input and output calibration"}.get(
         result.kind, f"{result.kind} results") + f" ({n_bins} bins)"
     return Table(title, columns, rows, cells, notes, rules, n_bins, tied_columns=tied, paired=paired)
+
+
+def further_table(result: RunResult, n_bins: int = 15) -> Table:
+    """The run's second table: KS error, debiased ℓ2 error, NLL with its calibration and refinement parts,
+    and the calibration test's p-values (docs/method.md, "Metrics" and "Is it calibrated?")."""
+    table = results_table(result, n_bins, FURTHER_TABLE_METRICS)
+    table.title = f"Further calibration metrics and the calibration test ({n_bins} bins)"
+    table.notes.append("NLL = NLL calibration + NLL refinement; refinement: the NLL after temperature scaling "
+                       "fitted on the test split itself. p: the calibration test (consistency resampling, "
+                       "labels drawn from the row's own probabilities); H₀ top-label: P(correct | confidence) = "
+                       "confidence; H₀ classwise: P(y = k | p) = p_k.")
+    return table
+
+
+def _say_consistent(result: RunResult, columns: list[Column], cells: list[list[Cell]], n_bins: int) -> None:
+    """Where a row's calibration test does not reject, its ECE (SCE) cell says so: its interval then
+    reaches 0 (``nctv.intervals.at_boundary``), and a bootstrap interval alone would claim an error."""
+    alpha = 1.0 - result.settings["intervals"]["level"]
+    for j, col in enumerate(columns):
+        test = _TESTED_BY.get(col.key)
+        for m, row in zip(result.methods.values(), cells):
+            stats = m.metrics[n_bins].get(test)
+            if stats is not None and stats.mean >= alpha:
+                row[j].note = f"consistent with calibrated (p = {_fmt_p(stats.mean)})"
 
 
 def _cell(s: Any, col: Column, std: float | None) -> Cell:
@@ -308,6 +350,8 @@ def _rank_columns(result: RunResult, columns: list[Column], rows: list[str], cel
         if col.higher_is_better is None:
             continue
         column = [r[j] for r in cells]
+        if paired and not any(c.metric == col.key and c.n_bins == n_bins for c in result.comparisons):
+            continue  # no paired intervals for this metric (NLL's parts): nothing separates the rows
         if paired:
             if _mark_paired(column, col, result, rows, n_bins):
                 tied.append(col.label())
@@ -692,7 +736,8 @@ def result_tables(result: RunResult) -> list[Table]:
 
 
 def write_tables(result: RunResult, directory: str | Path, style: str = "brackets") -> list[Path]:
-    """Write ``table.md``, ``table.csv``, ``table.tex`` and ``table.json`` (all bin counts) into ``directory``.
+    """Write ``table.md``, ``table.csv``, ``table.tex`` and ``table.json`` (all bin counts) into ``directory``,
+    and ``further.csv``: the further metrics and the calibration test (:func:`further_table`).
 
     The Markdown and LaTeX files also hold, when the run has them, the differences between methods
     with their verdict and the Welch t-test tables (none with a single run of NC (FL)). ``style``:
@@ -704,11 +749,16 @@ def write_tables(result: RunResult, directory: str | Path, style: str = "bracket
     tables = result_tables(result)
     welch = [welch_table(result, t.n_bins) for t in tables if welch_tests_shown(result, t.n_bins)]
     compared = [comparison_table(result, t.n_bins) for t in tables] if has_intervals(result) else []
+    further = [further_table(result, t.n_bins) for t in tables] if result.kind != "timing" else []
+    further = [t for t in further if any(c.key != "nll" for c in t.columns)]  # none in a result saved before them
     md = [f"# NCTV {result.kind}: {result.model.get('name')}", ""]
     tex = ["% NCTV tables; needs \\usepackage{booktabs}", ""]
     for t in tables:
         md.append(to_markdown(t, style))
         tex.append(to_latex(t, label=f"tab:nctv-{result.kind}-{t.n_bins}bins", style=style))
+    for t in further:
+        md.append(to_markdown(t, style))
+        tex.append(to_latex(t, label=f"tab:nctv-further-{t.n_bins}bins", style=style))
     for t in compared:
         sentence = verdict(result, t.n_bins)
         md.append(to_markdown(t, style) + ("\n" + sentence + "\n" if sentence else ""))
@@ -720,7 +770,10 @@ def write_tables(result: RunResult, directory: str | Path, style: str = "bracket
     paths["table.md"].write_text("\n".join(md), encoding="utf-8")
     paths["table.csv"].write_text(to_csv(tables, style), encoding="utf-8")
     paths["table.tex"].write_text("\n".join(tex), encoding="utf-8")
-    paths["table.json"].write_text(to_json(tables + compared + welch), encoding="utf-8")
+    paths["table.json"].write_text(to_json(tables + further + compared + welch), encoding="utf-8")
+    if further:
+        paths["further.csv"] = out / "further.csv"
+        paths["further.csv"].write_text(to_csv(further, style), encoding="utf-8")
     return list(paths.values())
 
 

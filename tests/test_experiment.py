@@ -159,8 +159,14 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     assert r.settings["intervals"] == iv.IntervalSettings().to_dict()
     counts = iv.resample_counts(len(y_test), 1000, 0)
     d = iv.method_draws([ts.test_logits], y_test, counts, 15, ["ece", "accuracy"])
+    from nctv.consistency import consistency_test
+
+    # ECE's interval reaches 0 where the calibration test does not reject (nctv.intervals.at_boundary).
+    p_ts = consistency_test(ts.test_logits, y_test, 15).p_top_label
+    assert ts.metrics[15]["calibration_p"].mean == p_ts
     for k in ("ece", "accuracy"):
         ci = iv.interval(d[k], k)
+        ci = iv.at_boundary(ci, p_ts) if k == "ece" else ci
         assert (ts.metrics[15][k].ci_low, ts.metrics[15][k].ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
     c = r.comparison("Neural Clamping (FL)", "Temperature Scaling", "ece", 15)
     assert c is not None and c.low <= c.difference <= c.high
@@ -177,7 +183,7 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     one = default.methods["Neural Clamping (FL)"]
     assert not one.stochastic and one.seeds == [0] and len(one.fit_seconds) == 1 and one.metrics[15]["ece"].std == 0
     d = iv.method_draws([one.test_logits], y_test, counts, 15, ["ece"])
-    ci = iv.interval(d["ece"], "ece")
+    ci = iv.at_boundary(iv.interval(d["ece"], "ece"), consistency_test(one.test_logits, y_test, 15).p_top_label)
     assert (one.metrics[15]["ece"].ci_low, one.metrics[15]["ece"].ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 

@@ -114,7 +114,7 @@ def test_full_sample_values_equal_the_metrics(toy):
     z, labels = toy
     counts = iv.resample_counts(len(labels), 200, seed=0)
     draws = iv.method_draws([z], labels, counts, 15, list(iv.RESAMPLED))
-    expected = metrics.evaluate(z, labels, n_bins=15)
+    expected = {**metrics.evaluate(z, labels, n_bins=15), **metrics.further(z, labels, n_bins=15)}
     for k, d in draws.items():
         assert d.point == pytest.approx(expected[k], rel=1e-9, abs=1e-12), k
 
@@ -133,7 +133,7 @@ def test_each_resample_equals_the_metric_of_its_drawn_samples(toy):
         rows = torch.sort(index[r]).values  # a resample's order does not matter but for AECE ties
         zr, yr = z[rows], labels[rows]
         one = counts[r:r + 1]
-        direct = metrics.evaluate(zr, yr, n_bins=15)
+        direct = {**metrics.evaluate(zr, yr, n_bins=15), **metrics.further(zr, yr, n_bins=15)}
         direct["smooth_ece"] = metrics.smooth_ece(zr, yr, bandwidth=sigma)
         for k, spec in iv.RESAMPLED.items():
             plug = float(spec.value(iv._Sample(z.double(), labels, 15), one)[0][0])

@@ -157,3 +157,48 @@ def test_float32_sums_are_running_sums_rounded_at_every_step():
     got = parity.ece_variant(conf, np.ones(conf.size), float32_sums=True)
     assert got == pytest.approx(float(expected), abs=1e-7)
     assert got != parity.ece_variant(conf, np.ones(conf.size))
+
+
+# ------------------------------------------------------------------ the further metrics (bench.parity_further)
+
+from bench import parity_further as further  # noqa: E402
+
+FURTHER_ROWS = further.read_page(parity.PAGE.read_text())
+#: Per metric, how far a peer's figure may sit from NCTV's on the page (docs/metrics-parity.md says why):
+#: MAPIE's KS statistic sorts jittered confidences (relative jitter 1e-8).
+FURTHER_AGREE = {"KS error": 1e-9, "classwise ECE, 15 bins": 1e-14, "debiased ℓ2 error, 15 equal-mass bins": 1e-14,
+                 "NLL refinement (temperature scaling)": 1e-8}
+
+
+@pytest.fixture(scope="module")
+def further_data():
+    return further.load()
+
+
+@pytest.mark.parametrize("library", list(further.PEERS))
+def test_further_rows_match_a_fresh_computation(library, further_data):
+    if not further.available(library):
+        pytest.skip(f"{library} is bench-only")
+    rows = further.PEERS[library][0](further_data)
+    page = {(r.metric, r.library, r.call): r for r in FURTHER_ROWS}
+    libraries = {r.library for r in rows}  # NCTV's entry also gives the formula written out
+    assert {(r.metric, r.library, r.call) for r in rows} == {k for k in page if k[1] in libraries}
+    for r in rows:
+        want = page[(r.metric, r.library, r.call)]
+        if r.library not in ("NCTV", further.FORMULA) and want.version != r.version:
+            pytest.skip(f"the page records another {library} version; run python -m bench.parity_further --write")
+        for got, page_value in zip(r.values, want.values):
+            # The page's last digit: 1e-8 of a fraction (6 decimals in %, 8 of NLL); p-values 6 digits.
+            assert got == pytest.approx(page_value, rel=1e-5 if r.metric.startswith("calibration test") else 0,
+                                        abs=1e-8), r
+
+
+def test_further_peers_agree_with_nctv_on_the_page():
+    nctv_rows = {r.metric: r for r in FURTHER_ROWS if r.library == "NCTV"}
+    compared = 0
+    for r in FURTHER_ROWS:
+        if r.library != "NCTV" and r.metric in FURTHER_AGREE:
+            for a, b in zip(r.values, nctv_rows[r.metric].values):
+                assert a == pytest.approx(b, abs=max(FURTHER_AGREE[r.metric], 1e-8)), r
+            compared += 1
+    assert compared == 4  # MAPIE's KS, both of Kumar et al.'s, the written-out refinement

@@ -356,7 +356,8 @@ def _run_with_intervals(logits, labels, resamples=400):
         seeds = iv.seed_counts(len(zs), resamples, gen) if len(zs) > 1 else None
         draws[name] = {}
         for b in BINS:
-            draws[name][b] = iv.method_draws(zs, labels, counts, b, list(iv.RESAMPLED), seeds)
+            draws[name][b] = iv.method_draws(zs, labels, counts, b, [k for k in iv.RESAMPLED if k in metrics.METRIC_NAMES],
+                                             seeds)
             for k, d in draws[name][b].items():
                 ci = iv.interval(d, k, settings.level)
                 m.metrics[b][k].ci_low, m.metrics[b][k].ci_high = ci.low, ci.high

@@ -200,6 +200,11 @@ def test_table_marks_best_only_where_the_paired_interval_says_so(run):
         cell = _row(table, method)[col]
         # Every figure with its 95 % interval: "value [low, high]" in % with two decimals.
         shown = f"{100 * stats.mean:.2f} [{100 * stats.ci_low:.2f}, {100 * stats.ci_high:.2f}]"
+        # A row whose calibration test does not reject says so, its interval reaching 0 (docs/method.md).
+        p = result.methods[method].metrics[15]["calibration_p"].mean
+        if p >= 0.05:
+            assert stats.ci_low == 0
+            shown += f", consistent with calibrated (p = {p:.3f})"
         assert cell.strip("*_") == shown
         # Bold for the lowest ECE and for every row whose paired difference to it has an interval
         # holding 0 (the data cannot tell them apart); never for a row the interval separates.

@@ -70,11 +70,11 @@ examples:
   nctv apply --calibrator out/ts IMAGE.png      calibrated top-5 classes of images with a saved calibrator
 
 method names for --methods (full names or short ones):
-  uncal, ts, ts-grid, ts-fl, vs, ms, ms-odir, dir-odir, nc-ce, nc-fl, nc-eff
+  <short names>
 
 outputs (in --out, default ./out/<command>):
   results.json, table.md / .csv / .tex / .json, figures/*.png / .pdf / .html
-"""
+""".replace("<short names>", ", ".join(short_names()))  # from the registry: a new method appears here by itself
 
 
 COMMAND_EXAMPLES = {

@@ -103,6 +103,20 @@ class BaseCalibrator:
 
         return save_calibrator(self, save_directory, model=model, data_config=data_config)
 
+    @classmethod
+    def saved_shapes(cls, params: dict, fitted: dict, classes: int | None) -> dict[str, list[int | None]]:
+        """The shape of each fitted tensor a saved calibrator of this class holds, where the loader's own
+        rules (δ, ``weight_``, ``bias_``, grids) do not say it: checked against the safetensors header
+        before any tensor is read. ``params`` and ``fitted`` are config.json's settings and fitted
+        values (tensors not yet read), ``classes`` the model's class count (None: no model given); a
+        length of None admits any. Raises ValueError when those values are not a fit's."""
+        return {}
+
+    @classmethod
+    def check_saved(cls, fitted: dict) -> None:
+        """Refuse, with a ValueError, the fitted values of a loaded calibrator (tensors read, shapes and
+        finiteness checked) that no fit of this class makes."""
+
     def _check_fitted(self, *attrs: str) -> None:
         for a in attrs:
             if getattr(self, a, None) is None:
@@ -159,3 +173,29 @@ class Uncalibrated(Calibrator):
 
     def as_module(self) -> torch.nn.Module:
         return torch.nn.Identity()
+
+
+class HeadCalibrator(Calibrator):
+    """A logit calibrator whose map is its module: ``transform`` runs ``as_module()`` on the logits, so the
+    two agree bit for bit. A fitted ``n_classes_`` (when the class records one) must match the logits'."""
+
+    def transform(self, logits: Any) -> torch.Tensor:
+        """Calibrated logits (float32, on the device of ``logits``)."""
+        z = check_logits(logits)
+        head = self.as_module().to(z.device)
+        k = getattr(self, "n_classes_", None)
+        if k is not None and z.shape[1] != k:
+            raise ValueError(f"logits have {z.shape[1]} classes; this calibrator was fitted for {k}.")
+        return head(z)
+
+
+def saved_class_count(fitted: dict, classes: int | None) -> int:
+    """The class count K a saved calibrator records (``n_classes_`` in config.json), checked: a whole
+    number >= 2, and the model's own count when a model is given (``classes``)."""
+    k = fitted.get("n_classes_")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        raise ValueError(f"The calibrator's n_classes_ must be a whole number >= 2; got {k!r}.")
+    if classes is not None and k != classes:
+        raise ValueError(f"The calibrator was fitted for {k} classes; the model given has {classes}. Load the "
+                         "calibrator saved for this model.")
+    return k

@@ -228,7 +228,7 @@ def load_calibrator(source: str | os.PathLike, model: Any = None) -> BaseCalibra
     _check_model(config, module, spec)
     try:
         references = _references(config, folder)
-        expected = _Expected(config, model)
+        expected = _Expected(config, model, cls)
         tensors = _read_tensors(folder / TENSORS_NAME, references, expected)
         # Settings come back as tuples (the constructors' own defaults are tuples); fitted lists stay lists.
         params = _decode(config.get("params", {}), tensors, tuple)
@@ -240,7 +240,8 @@ def load_calibrator(source: str | os.PathLike, model: Any = None) -> BaseCalibra
     if unknown:
         raise ValueError(f"{folder / CONFIG_NAME} has settings this NCTV does not know ({', '.join(unknown)}); "
                          "it may come from a newer version: upgrade nctv.")
-    _check_fitted(fitted, spec, folder, expected.delta_bound)
+    _check_fitted(fitted, spec, folder, expected.delta_bound, tuple(expected.declared))
+    cls.check_saved(fitted)
     calibrator = cls(module, **params) if spec.needs_model else cls(**params)
     for key, value in fitted.items():
         setattr(calibrator, key, value)
@@ -322,9 +323,11 @@ _MAX_SETTING_VALUES = 2**16
 class _Expected:
     """The shape each tensor of a calibrator must have, from the model given or the config."""
 
-    def __init__(self, config: dict, model: Any):
+    def __init__(self, config: dict, model: Any, cls: Any):
         self.input_shape = self._input_shape(config, model)
         self.classes = getattr(model, "num_classes", None)  # a LoadedModel knows its class count
+        # The shapes the class itself declares for its fitted tensors (from config.json's numbers).
+        self.declared = cls.saved_shapes(config.get("params") or {}, config.get("fitted") or {}, self.classes)
         # and its input range (α, β). An unclamped SGD fit from Theorem 1's δ̃ (whose entries reach β − α)
         # can step a little past β − α; twice that would move an input off every image, which no fit does.
         bounds = getattr(model, "input_range", None)
@@ -362,6 +365,10 @@ class _Expected:
         """What is wrong with a tensor of ``shape`` named at ``path`` (None: nothing); ``shapes``: those of
         all the calibrator's tensors, by path."""
         key = path[1] if len(path) > 1 else ""
+        if path[0] == "fitted" and key in self.declared and len(path) == 2:
+            want = self.declared[key]
+            fits = len(shape) == len(want) and all(w is None or s == w for s, w in zip(shape, want))
+            return None if fits else f"{['any' if w is None else w for w in want]}"
         if path[0] == "fitted" and key == "delta_":
             if self.input_shape is not None:
                 return None if tuple(shape) == self.input_shape else f"the model's input shape {list(self.input_shape)}"
@@ -468,15 +475,17 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], sequence: type = list)
 _TENSORS = ("delta_", "weight_", "bias_", "grid_", "ece_grid_")
 
 
-def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | None) -> None:
+def _check_fitted(fitted: dict, spec: Any, folder: Path, delta_bound: float | None,
+                  declared: tuple[str, ...] = ()) -> None:
     """Refuse fitted numbers no fitter produces: non-finite, out of range, or of the wrong kind.
-    ``delta_bound``: twice the width of the model's input range, which no entry of δ may exceed."""
+    ``delta_bound``: twice the width of the model's input range, which no entry of δ may exceed;
+    ``declared``: the tensors the class declares (``saved_shapes``), which must be finite too."""
 
     path = folder / CONFIG_NAME
     missing = [k for k in spec.fitted if k not in fitted]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}, which {spec.name} needs; save the calibrator again.")
-    for key in (k for k in _TENSORS if k in fitted):
+    for key in (k for k in dict.fromkeys((*_TENSORS, *declared)) if k in fitted):
         if not isinstance(fitted[key], (torch.Tensor, np.ndarray)):
             raise ValueError(f"{path}: {key} must be a tensor in {TENSORS_NAME}; got {fitted[key]!r}.")
         t = torch.as_tensor(fitted[key])

@@ -30,7 +30,7 @@ from nctv.ui.common import HEAVY, stopped_status
 from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider)
-from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
+from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard, bounded_server
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.caches import get_logits, get_ood_detector
@@ -607,7 +607,7 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         server_port=int(port),
         show_error=True,
         max_file_size=MAX_UPLOAD_BYTES,
-        app_kwargs={"middleware": [Middleware(RequestGuard)]},
+        app_kwargs={"middleware": [Middleware(RequestGuard)], "lifespan": bounded_server},
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
         css=APP_CSS,

@@ -9,8 +9,10 @@ The pictures are written chunk by chunk (zlib over rows of zeros), so the test i
 import base64
 import json
 import os
+import random
 import struct
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 MEMORY_SLACK = 300 * 2**20
 #: A per-visitor upload budget small enough to reach in a test.
 BUDGET = 6 * 2**20
+#: Runs one address may keep waiting in the queue (``NCTV_RUNS_PER_ADDRESS``'s default).
+RUNS = 3
 
 
 # --------------------------------------------------------------------------- crafted files
@@ -45,6 +49,15 @@ def png(width: int, height: int, bit_depth: int = 8, colour: int = 2, before_pix
     header = struct.pack(">IIBBBBB", width, height, bit_depth, colour, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + before_pixels + _chunk(b"IDAT", pixels)
             + _chunk(b"IEND", b""))
+
+
+def noise_png(width: int, height: int) -> bytes:
+    """An RGB PNG of noise: about 3 bytes a pixel, as compression cannot shrink it."""
+    rng = random.Random(width)
+    z = zlib.compressobj(1)
+    pixels = b"".join(z.compress(b"\0" + rng.randbytes(width * 3)) for _ in range(height)) + z.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", pixels) + _chunk(b"IEND", b"")
 
 
 def ztxt_bomb(inflated: int = 256 * 2**20) -> bytes:
@@ -72,6 +85,15 @@ class Server:
     def __init__(self, proc, url: str):
         self.proc, self.url = proc, url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, timeout=300)
+        self.clients = {"127.0.0.1": self.http}
+
+    def client(self, address: str) -> httpx.Client:
+        """A client whose connections leave from ``address``: Linux routes all of 127/8 to lo, so the
+        server sees another visitor."""
+        if address not in self.clients:
+            self.clients[address] = httpx.Client(base_url=self.url, timeout=300,
+                                                 transport=httpx.HTTPTransport(local_address=address))
+        return self.clients[address]
 
     def _status(self, field: str) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -95,14 +117,17 @@ class Server:
         assert r.status_code == 200, r.text
         return r.json()[0]
 
-    def call(self, api: str, data: list) -> tuple[str, object]:
-        """("complete", outputs) or ("error", message) of one API call; an HTTP refusal raises. A picture
-        alone is sent with the Try tab's other two inputs at their defaults (no corruption: severity 0)."""
+    def call(self, api: str, data: list | bytes, address: str = "127.0.0.1") -> tuple[str, object]:
+        """("complete", outputs) or ("error", message) of one API call (``data``: the inputs, or the
+        body's bytes); an HTTP refusal raises. A picture alone is sent with the Try tab's other two
+        inputs at their defaults (no corruption: severity 0)."""
         if api in ("classify", "classify_drawing") and len(data) == 1:
             data = data + [DEFAULT_CORRUPTION, 0]
-        r = self.http.post(f"/gradio_api/call/{api}", json={"data": data})
+        http = self.client(address)
+        body = data if isinstance(data, bytes) else json.dumps({"data": data}).encode()
+        r = http.post(f"/gradio_api/call/{api}", content=body, headers={"content-type": "application/json"})
         r.raise_for_status()
-        with self.http.stream("GET", f"/gradio_api/call/{api}/{r.json()['event_id']}") as s:
+        with http.stream("GET", f"/gradio_api/call/{api}/{r.json()['event_id']}") as s:
             event = None
             for line in s.iter_lines():
                 if line.startswith("event: "):
@@ -132,7 +157,8 @@ def app(tmp_path_factory):
         assert kind == "complete" and "nctv-verdict" in out[0] and "The model's answer" in out[1], out
         yield server
     finally:  # the server stops even when the first picture fails
-        server.http.close()
+        for http in server.clients.values():
+            http.close()
         stop_app(proc)
 
 
@@ -198,6 +224,28 @@ def test_an_ordinary_inline_picture_still_works(app, files):
     assert kind == "complete" and "The model's answer" in out[1] and "(28 × 28 pixels)" in out[3]
 
 
+def test_a_drawing_of_many_layers_is_refused_before_its_files_are_read(app):
+    """20,000 layers naming one small upload cost 20 s of the server's CPU (each layer a file to move,
+    check and decode); such a request is refused from its body (its values, or its files), and a
+    drawing past the layer cap by the drawing input."""
+    path = app.upload("layer.png", noise_png(28, 28))
+
+    def drawing(layers: int) -> dict:
+        return {"background": None, "layers": [_file(path)] * layers, "composite": _file(path), "id": None}
+
+    cpu = app.cpu_seconds()
+    r = app.http.post("/gradio_api/call/classify_drawing", json={"data": [drawing(20_000), DEFAULT_CORRUPTION, 0]})
+    assert r.status_code == 413 and r.json()["detail"].endswith("values; this app accepts at most 10,000 in one call.")
+    r = app.http.post("/gradio_api/call/classify_drawing", json={"data": [drawing(100), DEFAULT_CORRUPTION, 0]})
+    assert r.status_code == 413 and r.json()["detail"] == (
+        "The request names 101 files; this app takes at most 18 in one call (a drawing of 16 layers).")
+    assert app.cpu_seconds() - cpu < 2
+    kind, message = app.call("classify_drawing", [drawing(17)])
+    assert kind == "error" and message == "The drawing has 17 layers; this app accepts at most 16. Please merge its layers."
+    kind, out = app.call("classify_drawing", [drawing(16)])
+    assert kind == "complete" and "The model's answer" in out[1], out
+
+
 # --------------------------------------------------------------------------- request bodies
 
 
@@ -249,6 +297,88 @@ def test_each_address_has_an_upload_budget(app):
 # --------------------------------------------------------------------------- text values
 
 
+def test_inline_pictures_count_against_the_addresss_disk_budget(app):
+    """A picture sent inline is saved to the server's disk like an upload: it counts against the same
+    budget (it did not: the cache grew past the budget), and an upload after them is refused too. A
+    fresh address (127.0.0.4), as the module's own address has spent its budget."""
+    picture = noise_png(700, 700)
+    assert 1.4e6 < len(picture) < 1.5e6
+    http = app.client("127.0.0.4")
+    answers = [http.post("/gradio_api/call/classify", json={"data": [_inline(picture), DEFAULT_CORRUPTION, 0]})
+               for _ in range(BUDGET // len(picture) + 1)]
+    codes = [r.status_code for r in answers]
+    assert codes == [200] * (BUDGET // len(picture)) + [429]
+    assert answers[-1].json()["detail"] == (
+        "This address sent more than 6 MB of files and pictures in the last 30 minutes; please wait a while.")
+    r = http.post("/gradio_api/upload", files=[("files", ("f.png", bytes(2**20), "image/png"))])
+    assert r.status_code == 429
+    # Another address still sends its picture.
+    kind, out = app.call("classify", [_inline(picture)], address="127.0.0.5")
+    assert kind == "complete" and "(700 × 700 pixels)" in out[3]
+
+
+def test_a_long_data_string_is_text_unless_it_is_a_picture(app):
+    """Only a base64 picture in a Gradio file's ``url`` is exempt from the text cap (it has the picture
+    cap and the budget); any other string beginning with ``data:`` is text (a 5,000,000-character
+    model name was queued)."""
+    from nctv.zoo import DEFAULT_MODEL
+
+    r = app.http.post("/gradio_api/call/calibrate", json={"data": ["data:" + "x" * 5_000_000]})
+    assert r.status_code == 413 and "5,000,005 characters" in r.json()["detail"]
+    not_a_picture = {"url": "data:text/plain;base64," + "QUFB" * 10_000, "meta": {"_type": "gradio.FileData"}}
+    r = app.http.post("/gradio_api/call/classify", json={"data": [not_a_picture, DEFAULT_CORRUPTION, 0]})
+    assert r.status_code == 413 and "40,023 characters" in r.json()["detail"]
+    r = app.http.post("/gradio_api/call/calibrate", json={"data": [DEFAULT_MODEL, {"note": "data:image/png;base64,"
+                                                                                    + "A" * 2000}]})
+    assert r.status_code == 413 and "2,022 characters" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("content_type", ["Application/JSON", "application/vnd.x+json", "text/plain", None])
+def test_the_text_cap_holds_whatever_the_content_type_says(app, content_type):
+    """FastAPI reads ``+json`` types in any capitalisation, and a body without a content type, as JSON;
+    the cap checked only bodies whose type began with ``application/json``."""
+    from nctv.zoo import DEFAULT_MODEL
+
+    body = json.dumps({"data": [DEFAULT_MODEL, "", "x" * 100_000]}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    r = app.http.post("/gradio_api/call/calibrate", content=body, headers=headers)
+    assert r.status_code == 413 and "100,000 characters" in r.json()["detail"]
+
+
+def test_a_long_list_of_numbers_is_refused_before_it_is_parsed(app):
+    """A 12 MB list of 600,000 numbers as a temperature cost the server a second of CPU to parse, twice,
+    and left its memory fragmented; a form sends a few dozen values."""
+    rng = random.Random(0)
+    body = ('{"data": [[' + ",".join(f"{rng.random():.17f}" for _ in range(600_000)) + '], 10]}').encode()
+    assert 11.9e6 < len(body) < 12.1e6
+    cpu = app.cpu_seconds()
+    r, grew = app.growth(lambda: app.http.post("/gradio_api/call/explore_temperature", content=body,
+                                               headers={"content-type": "application/json"}))
+    assert r.status_code == 413 and r.json()["detail"] == (
+        "The request holds about 600,001 values; this app accepts at most 10,000 in one call.")
+    assert app.cpu_seconds() - cpu < 0.5 and grew < 50 * 2**20
+
+
+def test_anonymous_api_calls_leave_nothing_behind(app):
+    """Each call of /gradio_api/call/<fn> opens a session, and Gradio kept the call's inputs in it, whole,
+    until 10,000 sessions existed (and a copy of every component's configuration, 245 KB): 25 calls
+    with 9,990 distinct strings of 1,000 characters as the temperature (within the caps on text and
+    values) kept about 250 MB. The server's memory comes back to where it was (within half a minute:
+    the threads that read a body end 10 s after their last job)."""
+    def body(i: int) -> bytes:
+        strings = ",".join(f'"{i:05d}{j:05d}' + "x" * 990 + '"' for j in range(9_990))
+        return ('{"data": [[' + strings + '], 10]}').encode()
+
+    before = app._status("VmRSS")
+    for i in range(25):
+        kind, message = app.call("explore_temperature", body(i))
+        assert kind == "error" and "must be a number" in message
+    deadline = time.monotonic() + 30
+    while app._status("VmRSS") - before > 100 * 2**20 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert app._status("VmRSS") - before < 100 * 2**20
+
+
 def test_a_50_mb_gamma_is_refused_at_once_and_briefly(app):
     from nctv.zoo import DEFAULT_MODEL
 
@@ -279,3 +409,32 @@ def test_a_50_mb_gamma_is_refused_at_once_and_briefly(app):
 def test_a_huge_model_name_is_refused_by_its_length(app):
     r = app.http.post("/gradio_api/call/calibrate", json={"data": ["x" * 5_000_000]})
     assert r.status_code == 413 and "5,000,000 characters" in r.json()["detail"]
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def test_one_address_cannot_fill_the_queue(app):
+    """33 calls from one address filled Gradio's queue and every other visitor got "Queue is full". Now
+    each address may keep only its share waiting: while a run (from 127.0.0.3) holds the heavy slot,
+    127.0.0.1's fourth waiting run is refused in words, and 127.0.0.2 still gets in."""
+    from nctv.zoo import DEFAULT_MODEL
+
+    def run(address: str, gamma: str = "x", fitter: str = "fast", epochs: int = 10, size: int = 20):
+        data = [DEFAULT_MODEL, "", "model's own dataset", size, size, 0, 5, ["Neural Clamping (FL)"], gamma,
+                "default", "random", fitter, epochs, "default"]
+        return app.client(address).post("/gradio_api/call/calibrate", json={"data": data})
+
+    holder = run("127.0.0.3", gamma="1", fitter="paper", epochs=100, size=2000)  # takes the heavy slot
+    holder.raise_for_status()
+    event = holder.json()["event_id"]
+    try:
+        time.sleep(1)
+        answers = [run("127.0.0.1") for _ in range(RUNS + 2)]
+        assert [r.status_code for r in answers] == [200] * RUNS + [429, 429]
+        assert answers[-1].json()["detail"] == (
+            "3 runs from this address are already waiting in the queue; please wait until one has started.")
+        assert run("127.0.0.2").status_code == 200
+    finally:  # the holder stops; the waiting runs end at once (γ = "x" is refused)
+        fn = next(d["id"] for d in app.http.get("/config").json()["dependencies"] if d["api_name"] == "calibrate")
+        app.http.post("/gradio_api/cancel", json={"session_hash": event, "fn_index": fn, "event_id": event})

@@ -30,7 +30,7 @@ from nctv.ui.common import HEAVY, stopped_status
 from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider, CheckedTextbox, CheckedTypedDropdown)
-from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard
+from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard, bounded_server
 from nctv.ui.wire import AppBlocks, CancelEndsStreams, NoServerPaths, QuietDisconnects, stoppable
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
@@ -619,7 +619,8 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         show_error=True,
         max_file_size=MAX_UPLOAD_BYTES,
         app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(RequestGuard),
-                                   Middleware(CancelEndsStreams), Middleware(NoServerPaths)]},
+                                   Middleware(CancelEndsStreams), Middleware(NoServerPaths)],
+                    "lifespan": bounded_server},
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
         css=APP_CSS,

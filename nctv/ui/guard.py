@@ -1,55 +1,88 @@
 """Bounds on what a request may hand the launched app, whatever its route or transport: the size of
 its body (declared or streamed), the length of every string in a JSON body (the values of a form's
-fields; inline pictures have their own cap, see ``nctv.ui.images``), and the bytes one address may
-upload within the time uploads are kept.
+fields, whatever the body's content type says), the bytes one address may bring to the server's disk
+within the time uploads are kept (uploads, a drawing's parts and pictures sent inline as ``data:``
+URLs alike), and how many of one address's calls may wait in the queue at once.
 
-It runs before Gradio reads a body, so an oversized value is refused in milliseconds, before it
-joins the queue or takes the heavy slot; the refusal is a short JSON ``{"detail": …}``.
+The body checks run before Gradio reads a body, so an oversized value is refused in milliseconds,
+before it joins the queue or takes the heavy slot; the refusal is a short JSON ``{"detail": …}``.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
+import re
 import threading
 import time
 from collections import deque
 from typing import Any
 
+from fastapi import HTTPException
+
 from nctv.checks import MAX_TEXT_CHARS, env_limit, env_number
-from nctv.ui.images import MAX_UPLOAD_BYTES
+from nctv.ui.common import HEAVY
+from nctv.ui.images import MAX_DRAWING_LAYERS, MAX_UPLOAD_BYTES
+from nctv.ui.session import LARGE_BODY_BYTES, SessionHolder, large_body_received
 
 #: Largest request body, in bytes: one upload at the file cap and its envelope;
 #: ``$NCTV_MAX_REQUEST_BYTES``.
 MAX_REQUEST_BYTES = env_limit("NCTV_MAX_REQUEST_BYTES", MAX_UPLOAD_BYTES + 2**20)
 #: Seconds an uploaded file is kept before the app deletes it; ``$NCTV_UPLOAD_KEEP_S``.
 UPLOAD_KEEP_S = int(env_number("NCTV_UPLOAD_KEEP_S", 1800, 60, whole=True))
-#: Bytes one address may upload within :data:`UPLOAD_KEEP_S` (what it can hold on the disk at
-#: once); ``$NCTV_UPLOAD_BUDGET_BYTES``.
+#: Bytes one address may bring to the disk within :data:`UPLOAD_KEEP_S` (what it can hold there at
+#: once): uploads and inline pictures; ``$NCTV_UPLOAD_BUDGET_BYTES``.
 UPLOAD_BUDGET_BYTES = env_limit("NCTV_UPLOAD_BUDGET_BYTES", 8 * MAX_UPLOAD_BYTES)
+#: Most values (items of lists and objects) in one JSON body, counted from its commas before it is
+#: parsed: a form sends a few dozen, and a 12 MB list of 600,000 numbers cost a second of CPU to parse
+#: and left the memory fragmented; ``$NCTV_MAX_JSON_VALUES``.
+MAX_JSON_VALUES = env_limit("NCTV_MAX_JSON_VALUES", 10_000)
+#: Most calls of one address waiting in the queue at once (a quarter of the queue, so that no address
+#: fills it); ``$NCTV_QUEUE_PER_ADDRESS``.
+QUEUE_PER_ADDRESS = env_limit("NCTV_QUEUE_PER_ADDRESS", 8)
+#: Of those, most runs (calibrations, studies: the heavy slot's calls); ``$NCTV_RUNS_PER_ADDRESS``.
+RUNS_PER_ADDRESS = env_limit("NCTV_RUNS_PER_ADDRESS", 3)
+#: Most files one call may name: a drawing's background, layers and composite.
+MAX_FILES = MAX_DRAWING_LAYERS + 2
 #: Routes that store what they receive (files, a drawing's parts).
 UPLOAD_ROUTES = ("/upload", "/component_server")
-#: Inline pictures (``data:`` URLs) are capped by the image input, not as text.
-_INLINE = "data:"
+#: Bodies the guard streams instead of reading whole (file uploads); every other body is read as JSON
+#: if it is JSON, whatever its content type says (FastAPI reads ``+json`` types, any capitalisation,
+#: and a body with no content type, as JSON).
+_FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+#: A picture sent inline: the one ``data:`` string exempt from the text cap, counted against the
+#: picture cap and the address's disk budget instead.
+_INLINE_PICTURE = re.compile(r"data:image/(png|jpeg|webp|gif|bmp);base64,", re.IGNORECASE)
 
 
 class _TooLarge(Exception):
     """The body grew past the cap while the app was reading it."""
 
 
-def _too_long_text(value: Any) -> int:
-    """Length of the first string in a JSON value longer than the text cap (0 if none)."""
-    stack = [value]
+def _read_fields(value: Any) -> tuple[int, list[int], int]:
+    """(length of the first string in a JSON value longer than the text cap, or 0; the sizes in bytes
+    of the inline pictures it holds; how many Gradio files it names). A long string is exempt only as
+    the ``url`` of a Gradio file whose ``data:`` URL is a base64 picture."""
+    stack, pictures, files = [value], [], 0
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            if len(v) > MAX_TEXT_CHARS and not v.startswith(_INLINE):
-                return len(v)
+            if len(v) > MAX_TEXT_CHARS:
+                return len(v), pictures, files
         elif isinstance(v, dict):
+            meta = v.get("meta")
+            if isinstance(meta, dict) and meta.get("_type") == "gradio.FileData":
+                files += 1
+                url = v.get("url")
+                if isinstance(url, str) and (head := _INLINE_PICTURE.match(url)):
+                    pictures.append((len(url) - head.end()) * 3 // 4)
+                    v = {k: x for k, x in v.items() if k != "url"}
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
-    return 0
+    return 0, pictures, files
 
 
 class UploadBudget:
@@ -101,10 +134,9 @@ class RequestGuard:
         who = (scope.get("client") or ("unknown",))[0]
         uploads = scope["path"].rstrip("/").endswith(UPLOAD_ROUTES)
         if uploads and self.budget.used(who) + (declared or 0) > self.budget.budget:
-            return await _refuse(send, 429, f"This address uploaded more than {self.budget.budget / 1e6:,.0f} MB in "
-                                            f"the last {self.budget.window_s / 60:.0f} minutes; please wait a while.")
-        if headers.get("content-type", "").startswith("application/json"):
-            return await self._json(scope, receive, send)
+            return await _refuse(send, 429, self._budget_spent())
+        if not headers.get("content-type", "").split(";")[0].strip().lower().startswith(_FORMS):
+            return await self._json(scope, receive, send, who)
         received = 0
 
         async def counted():
@@ -115,25 +147,19 @@ class RequestGuard:
                 raise _TooLarge
             return message
 
-        status = None
-
-        async def watched(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        watched, status = _watched(send)
         try:
             await self.app(scope, counted, watched)
         except _TooLarge:
-            if status is not None:
+            if status() is not None:
                 raise
             return await _refuse(send, 413, self._too_large())
-        if uploads and status is not None and status < 400:  # what was stored
+        if uploads and status() is not None and status() < 400:  # what was stored
             self.budget.add(who, received)
 
-    async def _json(self, scope, receive, send):
-        """A JSON body is read whole (it is small), checked, then handed on."""
+    async def _json(self, scope, receive, send, who: str):
+        """A body that is not a form is read whole (it is small), checked as JSON if it is JSON, then
+        handed on; its inline pictures count against the address's budget once the app accepts it."""
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -145,17 +171,95 @@ class RequestGuard:
                 return await _refuse(send, 413, self._too_large())
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        if len(body) >= LARGE_BODY_BYTES:
+            large_body_received()
+        if (values := body.count(b",") + 1) > MAX_JSON_VALUES:  # commas inside strings count too: a bound
+            return await _refuse(send, 413, f"The request holds about {values:,} values; this app accepts at most "
+                                            f"{MAX_JSON_VALUES:,} in one call.")
         try:
-            longest = _too_long_text(json.loads(body))
+            longest, pictures, files = _read_fields(json.loads(body)) if body else (0, [], 0)
         except (ValueError, RecursionError):
-            longest = 0  # not this guard's business: the app answers malformed JSON itself
+            longest, pictures, files = 0, [], 0  # not this guard's business: the app answers malformed JSON
         if longest:
             return await _refuse(send, 413, f"A value of {longest:,} characters was sent; this app accepts at most "
                                             f"{MAX_TEXT_CHARS:,} characters in a field.")
-        await self.app(scope, replaying(body, receive), send)
+        if files > MAX_FILES:
+            return await _refuse(send, 413, f"The request names {files:,} files; this app takes at most {MAX_FILES} "
+                                            f"in one call (a drawing of {MAX_DRAWING_LAYERS} layers).")
+        if pictures and max(pictures) > MAX_UPLOAD_BYTES:
+            return await _refuse(send, 413, f"The picture sent inline is about {max(pictures) / 1e6:,.1f} MB; this app "
+                                            f"accepts at most {MAX_UPLOAD_BYTES / 1e6:,.1f} MB.")
+        if pictures and self.budget.used(who) + sum(pictures) > self.budget.budget:
+            return await _refuse(send, 429, self._budget_spent())
+        watched, status = _watched(send)
+        await self.app(scope, replaying(body, receive), watched)
+        if pictures and status() is not None and status() < 400:  # the pictures the app will save
+            self.budget.add(who, sum(pictures))
 
     def _too_large(self) -> str:
         return f"The request is larger than this app accepts ({self.max_bytes / 1e6:,.0f} MB)."
+
+    def _budget_spent(self) -> str:
+        return (f"This address sent more than {self.budget.budget / 1e6:,.0f} MB of files and pictures in the last "
+                f"{self.budget.window_s / 60:.0f} minutes; please wait a while.")
+
+
+def _watched(send):
+    """(``send`` noting the response's status, a function returning that status or None)."""
+    seen = {}
+
+    async def watched(message):
+        if message["type"] == "http.response.start":
+            seen["status"] = message["status"]
+        await send(message)
+
+    return watched, lambda: seen.get("status")
+
+
+def share_queue(blocks, sessions: SessionHolder) -> None:
+    """Bound each address's share of the queue of ``blocks``: at most :data:`QUEUE_PER_ADDRESS` of its
+    calls wait at once, :data:`RUNS_PER_ADDRESS` of them runs; past that a call is refused (HTTP 429)
+    in words. Gradio's own bound is the whole queue's (``max_size``): 33 calls from one address filled
+    it, and everyone else got "Queue is full". Also tells ``sessions`` which calls came without a
+    session id (their session is dropped once they end)."""
+    queue, push, lock = blocks._queue, blocks._queue.push, asyncio.Lock()
+
+    async def shared_push(body, request, username):
+        who = _address(request)
+        one_off = body.session_hash is None
+        async with lock:  # counted and joined at once: a burst of calls cannot slip past the count
+            waiting = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue
+                       if _address(e.request) == who]
+            fn = blocks.fns.get(body.fn_index)
+            if fn is not None and fn.concurrency_id == HEAVY:
+                if sum(e.concurrency_id == HEAVY for e in waiting) >= RUNS_PER_ADDRESS:
+                    raise HTTPException(429, f"{RUNS_PER_ADDRESS} runs from this address are already waiting in "
+                                             f"the queue; please wait until one has started.")
+            elif len(waiting) >= QUEUE_PER_ADDRESS:
+                raise HTTPException(429, f"{QUEUE_PER_ADDRESS} calls from this address are already waiting in the "
+                                         f"queue; please wait until they have started.")
+            ok, event_id, kind = await push(body, request, username)
+        if ok and one_off:
+            sessions.one_off.add(event_id)
+        return ok, event_id, kind
+
+    queue.push = shared_push
+
+
+def _address(request) -> str:
+    client = getattr(request, "client", None)
+    return client.host if client else "unknown"
+
+
+@contextlib.asynccontextmanager
+async def bounded_server(app):
+    """The launched app's lifespan: its sessions keep only the visitors' own state
+    (:class:`~nctv.ui.session.SessionHolder`), and its queue is shared between addresses."""
+    blocks = app.get_blocks()
+    app.state_holder = SessionHolder()
+    app.state_holder.set_blocks(blocks)
+    share_queue(blocks, app.state_holder)
+    yield
 
 
 def replaying(body: bytes, receive):

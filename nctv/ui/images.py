@@ -30,6 +30,9 @@ MAX_UPLOAD_BYTES = env_limit("NCTV_MAX_UPLOAD_BYTES", 25 * 2**20)
 #: Bytes of drawings held between the browser sending them and the event that reads them (for all
 #: visitors together); past it the oldest are dropped.
 PENDING_DRAWING_BYTES = 2 * MAX_UPLOAD_BYTES
+#: Most layers a drawing may have (the sketchpad draws on one; each layer is a picture to check and
+#: decode, and a crafted drawing can name one small file 20,000 times); ``$NCTV_MAX_DRAWING_LAYERS``.
+MAX_DRAWING_LAYERS = env_limit("NCTV_MAX_DRAWING_LAYERS", 16)
 
 
 def inline_bytes(url: str) -> bytes:
@@ -124,9 +127,14 @@ class CheckedSketchpad(gr.Sketchpad):
         """Every picture of a drawing, as a path or bytes (what Gradio's own preprocessing decodes)."""
         if payload.id is not None:
             cached = self.blob_storage.get(payload.id)
-            parts = [cached.background, *cached.layers, cached.composite] if cached else []
+            layers = cached.layers if cached else []
+            parts = [cached.background, *layers, cached.composite] if cached else []
         else:
-            parts = [payload.background, *payload.layers, payload.composite]
+            layers = payload.layers
+            parts = [payload.background, *layers, payload.composite]
+        if len(layers) > MAX_DRAWING_LAYERS:
+            raise ImageError(f"The drawing has {len(layers):,} layers; this app accepts at most {MAX_DRAWING_LAYERS}. "
+                             f"Please merge its layers.")
         if any(isinstance(p, FileData) and not p.path for p in parts):
             raise ImageError("Part of the drawing did not reach the server; please draw it again.")
         return [p.path if isinstance(p, FileData) else p for p in parts if p is not None]

@@ -146,7 +146,7 @@ class SessionHolder(StateHolder):
                 self.session_data.pop(session_id, None)
                 self.time_last_used.pop(session_id, None)
         # A 10 MB body is thousands of objects, parsed twice; once freed, most of their pages stayed with
-        # the process (100 such calls left +440 MB). Once no call has run for 15 s after a large body
+        # the process (100 calls of 12 MB left +440 MB). Once no call has run for 15 s after a large body
         # (the worker threads that read it, idle, end after 10 s), a full collection and malloc_trim
         # hand them back: the collection (under a second) empties the interpreter's own pools first.
         if self._seen != _large_bodies:

@@ -44,12 +44,14 @@ from nctv.cache import model_fingerprint, split_logits
 from nctv.checks import check_whole
 from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
+from nctv.conformal import ConformalPredictor, ConformalSettings
 from nctv.consistency import consistency_test
 from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, IntervalSettings, at_boundary, interval,
                             method_draws, resample_counts, seed_counts)
 from nctv.metrics import FURTHER_NAMES, METRIC_NAMES, evaluate, further
 from nctv.results import (
     COMPARED_METHOD,
+    REFERENCE_METHOD,
     GammaSweepResult,
     InitStudyResult,
     MethodResult,
@@ -166,6 +168,8 @@ class RunOptions:
     "fp32", "bf16" or "fp16" (``nctv.precision``). ``intervals``: how every figure's interval and
     the paired comparisons are computed (``nctv.intervals``); None: none. ``dataset``: the name the
     caller drew the splits by, recorded in the result's settings (None: the model's own).
+    ``conformal``: the prediction sets every method's row is scored with (``nctv.conformal``; LAC at 90 %
+    by default), conformalised on the calibration split; None: none.
 
     ``RunOptions.make(**keywords)`` takes these names and ``NCOptions``' names (gamma, fitter,
     epochs, weight_decay, …) beside them, for callers that pass keywords.
@@ -184,6 +188,7 @@ class RunOptions:
     precision: str = "auto"
     intervals: IntervalSettings | None = IntervalSettings()
     dataset: str | None = None
+    conformal: ConformalSettings | None = ConformalSettings()
 
     def __post_init__(self) -> None:
         # Seeds and bins are kept as the lists they stand for, so that every reader sees one form.
@@ -193,6 +198,9 @@ class RunOptions:
             raise ValueError(f"nc must be Neural Clamping's options (nctv.settings.NCOptions); got {type(self.nc).__name__}.")
         check_whole(self.batch_size, "batch_size")
         prec.check_precision(self.precision)
+        if self.conformal is not None and not isinstance(self.conformal, ConformalSettings):
+            raise ValueError("conformal must be nctv.conformal.ConformalSettings or None; got "
+                             f"{type(self.conformal).__name__}.")
 
     @classmethod
     def make(cls, options: "RunOptions | None" = None, **keywords: Any) -> "RunOptions":
@@ -486,6 +494,7 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
             for k, v in {**evaluate(z, ctx.test_y, n_bins=b), **further(z, ctx.test_y, n_bins=b)}.items():
                 per_bin[b][k].append(v)
         if first is None:
+            conformal = _conformal(ctx, plan, fitted, z)
             recorded = dict(params, **dict(plan.overrides))
             for name, shown_as in plan.recorded_as:
                 recorded[shown_as] = recorded.pop(name)
@@ -501,7 +510,30 @@ def _run_method(ctx: _Context, plan: MethodPlan, seeds: list[int], bins: list[in
     return MethodResult(
         name=plan.label, stochastic=seeded, uses_model=bool(spec.needs_model), seeds=list(seeds), metrics=stats,
         fit_seconds=seconds, params=first[1], test_logits=first[0], delta=first[2], calibrator=first[3],
+        conformal=conformal,
     )
+
+
+def _conformal(ctx: _Context, plan: MethodPlan, fitted: Any, test_logits: torch.Tensor) -> dict[str, Any] | None:
+    """The first seed's prediction sets (``options.conformal``), conformalised on the calibration split's
+    logits as this method calibrates them (a model-based method passes the split through the model once
+    more) and scored on the test split with the run's intervals; None for an ablation row (no method of
+    its own) or with sets turned off. The calibrator was fitted on those same calibration pictures; the
+    result says so (docs/conformal.md: the guarantee wants the two kept apart)."""
+    settings = ctx.options.conformal
+    if settings is None or fitted is None:
+        return None
+    cal_logits = _calibrated(ctx, plan, fitted, ctx.cal, ctx.cal_z).detach().float().cpu()
+    predictor = ConformalPredictor(settings).fit(cal_logits, ctx.cal_y)
+    # The worst class counts classes of at least 10 test pictures; a test split too small for any counts all.
+    fewest = 10 if int(torch.bincount(ctx.test_y).max()) >= 10 else 1
+    ev = predictor.evaluate(test_logits, ctx.test_y, intervals=ctx.options.intervals, min_class_points=fewest)
+    triple = lambda i: [i.estimate, i.low, i.high]  # noqa: E731
+    return {"score": settings.score, "coverage_target": float(settings.coverage), "randomized": settings.randomized,
+            "threshold": float(predictor.threshold_), "coverage": triple(ev.coverage), "mean_size": triple(ev.mean_size),
+            "worst_class_coverage": triple(ev.worst_class_coverage), "worst_class": ev.worst_class,
+            "empty": ev.empty, "min_class_points": fewest,
+            "calibrator_fitted_on_the_same_pictures": plan.name != REFERENCE_METHOD}
 
 
 def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stats: dict) -> None:

@@ -324,6 +324,33 @@ def further_table(result: RunResult, n_bins: int = 15) -> Table:
     return table
 
 
+def conformal_table(result: RunResult) -> Table | None:
+    """Every row's conformal prediction sets on the test split (``MethodResult.conformal``): coverage,
+    mean set size and the worst class's coverage with their intervals; None when the run made none."""
+    rows = [(name, m.conformal) for name, m in result.methods.items() if m.conformal is not None]
+    if not rows:
+        return None
+    first = rows[0][1]
+    target = 100 * first["coverage_target"]
+    columns = [Column("coverage", "Coverage", "%", 100.0, 1), Column("mean_size", "Mean set size", "", 1.0, 2),
+               Column("worst_class_coverage", "Worst class's coverage", "%", 100.0, 1),
+               Column("empty", "Empty sets", "%", 100.0, 1)]
+    cells = []
+    for _, c in rows:
+        cells.append([Cell(c[k][0] * col.scale, None, low=c[k][1] * col.scale, high=c[k][2] * col.scale)
+                      for k, col in zip(("coverage", "mean_size", "worst_class_coverage"), columns)]
+                     + [Cell(c["empty"] * 100.0)])
+    kind = {"lac": "LAC", "aps": "APS", "raps": "RAPS"}.get(first["score"], first["score"])
+    notes = [f"{kind} sets at {target:g} % coverage (nctv.conformal), the threshold from the calibration split as each row "
+             "calibrates it, scored on the test split. Each calibrator was fitted on those same calibration "
+             f"pictures, so its coverage can fall short of {target:g} % where it fitted them closely (a δ of many "
+             "values on few pictures); nctv.conformal.split_calibration keeps the two apart (docs/conformal.md). "
+             f"Worst class: the lowest coverage among classes with at least {first.get('min_class_points', 10)} test "
+             "pictures."]
+    return Table(f"Conformal prediction sets at {target:g} % coverage", columns, [n for n, _ in rows], cells, notes,
+                 [], None, "Method")
+
+
 def _say_consistent(result: RunResult, columns: list[Column], cells: list[list[Cell]], n_bins: int) -> None:
     """Where a row's calibration test does not reject, its ECE (SCE) cell says so: its interval then
     reaches 0 (``nctv.intervals.at_boundary``), and a bootstrap interval alone would claim an error."""
@@ -766,6 +793,10 @@ def write_tables(result: RunResult, directory: str | Path, style: str = "bracket
     for t in welch:
         md.append(to_markdown(t))
         tex.append(to_latex(t, label=f"tab:nctv-welch-{t.n_bins}bins"))
+    sets = conformal_table(result)
+    if sets is not None:
+        md.append(to_markdown(sets, style))
+        tex.append(to_latex(sets, label=f"tab:nctv-conformal-{result.kind}", style=style))
     paths = {name: out / name for name in ("table.md", "table.csv", "table.tex", "table.json")}
     paths["table.md"].write_text("\n".join(md), encoding="utf-8")
     paths["table.csv"].write_text(to_csv(tables, style), encoding="utf-8")

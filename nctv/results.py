@@ -104,6 +104,10 @@ class MethodResult:
     test_logits: torch.Tensor | None = field(default=None, repr=False)
     delta: torch.Tensor | None = field(default=None, repr=False)
     calibrator: Any = field(default=None, repr=False, compare=False)
+    #: The first seed's conformal prediction sets scored on the test split (``RunOptions.conformal``):
+    #: score, target coverage, q̂, and [value, low, high] of coverage, mean set size and the worst
+    #: class's coverage; None when the run made none (or for an ablation row).
+    conformal: dict[str, Any] | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -247,6 +251,7 @@ class RunResult(_JSON):
                     str(b): {k: _stats_dict(s) for k, s in per.items()}
                     for b, per in m.metrics.items()
                 },
+                "conformal": _jsonable(m.conformal),
             }
         return {
             **_header(self.kind, self.created, self.fitter, self.model, self.calibration, self.test, self.settings,
@@ -285,6 +290,7 @@ class RunResult(_JSON):
                 name=name, stochastic=m["stochastic"], uses_model=m["uses_model"], seeds=list(m["seeds"]),
                 metrics=metrics, fit_seconds=list(m["fit_seconds"]), params=dict(m["params"]),
                 test_logits=test_logits.get(name), delta=deltas.get(name),
+                conformal=_checked_conformal(m.get("conformal"), name, int(data["n_classes"])),
             )
         welch = [WelchTest(**w) for w in data["welch"]]
         return cls(
@@ -532,3 +538,30 @@ class InitStudyResult(_StudyResult):
                                for m, (d, low, high) in s.ci_difference.items()}} if s.ci is not None else {}),
         }
 
+
+
+def _checked_conformal(data: Any, method: str, n_classes: int) -> dict[str, Any] | None:
+    """A saved row's conformal sets (:attr:`MethodResult.conformal`), every value checked (a saved
+    file is read as untrusted): None stays None; coverage figures are fractions, set sizes within 0 to
+    the class count, each [value, low, high] ordered."""
+    import math
+
+    if data is None:
+        return None
+    where = f"The conformal sets of {method}"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a table of figures.")
+    for key, top in (("coverage", 1.0), ("mean_size", float(n_classes)), ("worst_class_coverage", 1.0)):
+        v = data.get(key)
+        if (not isinstance(v, list) or len(v) != 3 or
+                not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+                or not 0 <= v[1] <= v[0] <= v[2] <= top):
+            raise ValueError(f"{where}: {key} must be [value, low, high] with low ≤ value ≤ high within 0 and {top:g}.")
+    for key, low, high in (("coverage_target", 0.0, 1.0), ("empty", 0.0, 1.0)):
+        v = data.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
+            raise ValueError(f"{where}: {key} must be a number from {low:g} to {high:g}.")
+    w = data.get("worst_class")
+    if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < n_classes:
+        raise ValueError(f"{where}: worst_class must be a class index below {n_classes}.")
+    return dict(data)

@@ -207,20 +207,21 @@ def test_the_estimate_and_the_refusal_in_words(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     nc = parse_nc_options("fast", "default", 100, "default", gamma="1", init="random")
     # ResNet-101 (15.7 GFLOPs a picture as count_flops counts) at 25,000/25,000 with the app's methods:
-    # 75,000 forward and 250,000 training pictures (× 3) at 30 TFLOP/s, plus 10 s.
+    # 100,000 forward (both splits' logits, NC's test pass, NC's calibration pass for its conformal sets)
+    # and 250,000 training pictures (× 3) at 30 TFLOP/s, plus 10 s.
     work = gpu.calibration_work(["Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling",
                                  "Neural Clamping (FL)"], nc, 25_000, 25_000, 1000)
-    assert (work.forward, work.trained, work.extra_seconds) == (75_000, 250_000, 0)
+    assert (work.forward, work.trained, work.extra_seconds) == (100_000, 250_000, 0)
     seconds = gpu.estimate_seconds(15.7e9, work)
-    assert seconds == pytest.approx(10 + 15.7e9 * (75_000 + 3 * 250_000) / 30e12)
-    with pytest.raises(ValueError, match=r"^50,000 pictures \(25,000 calibration, 25,000 test\): about 442 s on this "
+    assert seconds == pytest.approx(10 + 15.7e9 * (100_000 + 3 * 250_000) / 30e12)
+    with pytest.raises(ValueError, match=r"^50,000 pictures \(25,000 calibration, 25,000 test\): about 455 s on this "
                                          r"Space's GPU; this Space allows 60 s a run — use 2,800 calibration and 2,800 "
                                          r"test pictures or fewer\.$"):
         gpu.check_fits(seconds, 25_000, 25_000)
     assert gpu.check_fits(59.2, 300, 1000) == 60
     monkeypatch.setenv("NCTV_GPU_MAX_SECONDS", "600")
     with pytest.raises(ValueError, match="a visitor's daily GPU quota is 300 s"):
-        gpu.check_fits(442, 25_000, 25_000)
+        gpu.check_fits(455, 25_000, 25_000)
     monkeypatch.setenv("NCTV_GPU_MAX_SECONDS", "a minute")
     with pytest.raises(ValueError, match=r"^The environment variable NCTV_GPU_MAX_SECONDS must be a number ≥ 1; it is "
                                          r"'a minute'\.$"):

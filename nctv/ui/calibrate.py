@@ -164,7 +164,9 @@ def table_markdown(result: Any, n_bins: int, source: str) -> str:
     verdicts = [report.verdict(result, n_bins, method=name) for name, m in result.methods.items()
                 if m.uses_model and m.delta is not None]
     note = next((f"\n\n**{v}**" for v in verdicts if v), "")
-    return head + report.to_markdown(report.results_table(result, n_bins)) + note
+    sets = report.conformal_table(result)
+    return (head + report.to_markdown(report.results_table(result, n_bins)) + note
+            + ("\n\n" + report.to_markdown(sets) if sets is not None else ""))
 
 
 def reliability_plot(result: Any, n_bins: int):

@@ -225,6 +225,8 @@ def calibration_work(methods: list[str], nc: Any, n_cal: int, n_test: int, n_cla
         # A method on the model's inputs, or an ablation row of Neural Clamping (counted as a fit of its own).
         if spec.needs_model if spec is not None else name in {**NC_VARIANTS, **NC_REFITS}:
             work += fit_work(nc, n_cal, n_test)
+            if spec is not None:  # the calibration split once more, for the row's conformal sets
+                work += Work(forward=n_cal)
         elif name in LOGIT_FIT_SECONDS:
             s, n0, k0 = LOGIT_FIT_SECONDS[name]
             work += Work(extra_seconds=s * (n_cal / n0) * (n_classes / k0) ** 2)

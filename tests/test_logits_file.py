@@ -8,6 +8,7 @@ words before anything is fitted."""
 import csv
 import json
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,3 +159,32 @@ def test_a_crafted_logits_file_is_refused_in_words(tmp_path, make, words):
     path = make(tmp_path)
     with pytest.raises(ValueError, match=words):
         read_logits(path)
+
+
+def test_the_apps_calibrate_tab_takes_an_upload_of_logits(tmp_path):
+    """The Calibrate tab's "Your own logits" upload: the ticked logit methods run on the file (their
+    figures equal the library's run on it), Neural Clamping is named as not run, a clicked group says
+    there are no pictures, and an upload of Neural Clamping alone, or of no file, is refused in words."""
+    import gradio as gr
+
+    from nctv.ui import calibrate
+
+    z, y = _data(n=800)
+    path = _write(tmp_path / "mine.npz", z, y, cut=400)
+    *_, out = calibrate.calibrate_logits(str(path), ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"],
+                                         15, 0)
+    status, table, diagrams, params, delta, files, shown = out
+    assert status.startswith("**Done**") and "2 methods on mine.npz (4 classes; 400 calibration and 400 test rows)" \
+        in status and "Not run: Neural Clamping (FL) (it needs the model's pictures)" in status
+    library = run_on_logits(read_logits(path), ["Uncalibrated", "Temperature Scaling"], None)
+    saved = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
+    ts = library.methods["Temperature Scaling"]
+    assert saved["methods"]["Temperature Scaling"]["params"]["temperature"] == pytest.approx(ts.params["temperature"])
+    assert f"{100 * ts.metrics[15]['ece'].mean:.2f}" in table and "Conformal prediction sets at 90 % coverage" in table
+    assert [m["name"] for m in diagrams["methods"]] == ["Uncalibrated", "Temperature Scaling"]
+    with pytest.raises(ValueError, match="no pictures to show"):
+        calibrate.group_pictures(shown, "Temperature Scaling", 14)
+    for file, methods, words in ((str(path), ["Neural Clamping (FL)"], "Tick at least one method that works on logits"),
+                                 (None, ["Temperature Scaling"], "Upload a file of logits first")):
+        with pytest.raises(gr.Error, match=words):
+            list(calibrate.calibrate_logits(file, methods, 15, 0))

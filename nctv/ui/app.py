@@ -351,6 +351,14 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                                             "MS-ODIR and Dir-ODIR are slow on a CPU (up to minutes).")
             with gr.Accordion("Neural Clamping settings", open=True):
                 nc = _nc_controls()
+            # Any classifier's logits (text, audio, tables…): the ticked logit methods, the same tables.
+            with gr.Accordion("Your own logits (any classifier)", open=False, elem_id="logits-panel"):
+                gr.Markdown("A `.npz`, `.safetensors` or `.csv` file of calibration and test logits and labels, or of "
+                            "one set that is split in halves by the seed (docs/logits.md). The ticked methods that "
+                            "work on logits run on it; Neural Clamping needs the model's pictures.")
+                logits_upload = gr.File(label="Logits and labels", file_types=[".npz", ".safetensors", ".csv"],
+                                        elem_id="logits-file")
+                logits_run = gr.Button("Calibrate these logits", elem_id="logits-run")
         with gr.Column(scale=3):
             with gr.Column(visible=False) as live_panel:
                 live = gr.Plot(label="Neural Clamping as it trains: loss and T", elem_id="live-plot")
@@ -373,6 +381,11 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                       concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
+    logits_event = logits_run.click(cal_tab.calibrate_logits, [logits_upload, methods, shared.bins, shared.seed],
+                                    [status, table, diagrams, params, delta, files, shown], api_name="calibrate_logits",
+                                    concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
+                                    show_progress="hidden")
+    _stop(stop, logits_event, status)
     # A menu model with a pre-computed study (in assets/ or the operator's Hub repository): shown at
     # once, labelled as the default's is, and Learn and Try use it; no model pass, no GPU.
     shared.model.change(cal_tab.menu_model_view, [shared.model, shared.hub_id],

@@ -226,14 +226,14 @@ class ShownRun:
     test split's pictures), its bins, the test labels and, per method, each test picture's top-label
     confidence and predicted class (not the logits, which may be large)."""
 
-    split: SplitSpec
+    split: SplitSpec | None  # None: a file of logits, which has no pictures
     n_bins: int
     labels: np.ndarray
     confidence: dict[str, np.ndarray]
     prediction: dict[str, np.ndarray]
 
 
-def shown_run(result: Any, split: SplitSpec, n_bins: int) -> ShownRun:
+def shown_run(result: Any, split: SplitSpec | None, n_bins: int) -> ShownRun:
     from nctv import metrics
 
     tops = {name: metrics.confidences_and_predictions(m.test_logits) for name, m in result.methods.items()}
@@ -264,6 +264,8 @@ def group_pictures(shown: ShownRun, method: Any, group: Any) -> dict:
 
     if not isinstance(method, str) or method not in shown.confidence:
         raise ValueError(f"The result shown has no method {method!r}; click a bar of one of its diagrams.")
+    if shown.split is None:
+        raise ValueError(NO_PICTURES)
     m = shown.n_bins
     if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < m:
         raise ValueError(f"Groups are numbered 0 to {m - 1}; got {group!r}.")
@@ -589,3 +591,55 @@ def menu_model_view(model: Any, hub_id: Any) -> tuple:
         return keep
     # What an opened group of its diagrams needs: this study's test split, not the default's.
     return precomputed_view(model) + (pre.calibration, shown_run(pre.result, pre.split, pre.result.bins[0]))
+
+
+# --------------------------------------------------------------------------- your own logits
+
+#: What a logits upload's group of a diagram says when clicked: a logits file has no pictures.
+NO_PICTURES = "These results come from a file of logits: there are no pictures to show."
+LOGITS_OUTPUTS = ("status", "table", "diagrams", "parameters", "δ", "files", "shown run")
+
+
+@user_errors(status_of=len(LOGITS_OUTPUTS))
+def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, progress=gr.Progress()):
+    """Any classifier's logits (a .npz, .safetensors or .csv upload, ``nctv.logits_file``) calibrated by
+    the ticked logit methods: streams (status, table, diagrams, parameters, δ, files, shown run). The
+    Learn and Try tabs keep their calibration: they need a model's pictures."""
+    from nctv import logits_file, plots, report
+    from nctv.experiment import RunOptions
+    from nctv.methods import METHODS
+
+    if file is None:
+        raise ValueError("Upload a file of logits first: .npz, .safetensors or .csv (docs/logits.md).")
+    path = Path(file if isinstance(file, str) else getattr(file, "path", "") or "")
+    n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
+    seed = parse_whole(seed, "Seed", 0, 2**31 - 1)
+    ticked = _ordered_methods(methods or [])
+    names = [m for m in ticked if m in METHODS and not METHODS[m].needs_model]
+    if not [m for m in names if m != REFERENCE]:
+        raise ValueError("Tick at least one method that works on logits (Neural Clamping needs the model's pictures): "
+                         f"{', '.join(n for n, s in METHODS.items() if not s.needs_model and n != REFERENCE)}.")
+    skipped = [m for m in ticked if m not in names]
+    skip = gr.skip()
+    yield ("**Running** — reading the logits file",) + (skip,) * (len(LOGITS_OUTPUTS) - 1)
+    data = logits_file.read_logits(path, seed=seed, name=path.name)
+    progress(0.1, desc=f"{len(names)} methods on {len(data.calibration_labels):,} + {len(data.test_labels):,} rows")
+    result = logits_file.run_on_logits(data, [REFERENCE, *[m for m in names if m != REFERENCE]],
+                                       RunOptions(seeds=(seed,), bins=(n_bins,), progress=False))
+    out = export_dir("logits")
+    (out / "results.json").write_text(result.to_json(), encoding="utf-8")
+    files = [out / "results.json", *report.write_tables(result, out),
+             plots.save_figure(reliability_plot(result, n_bins), out / "reliability.png", dpi=120)]
+    shown = shown_run(result, None, n_bins)  # no split: a clicked group says there are no pictures
+    note = (f" Not run: {', '.join(skipped)} ({'it needs' if len(skipped) == 1 else 'they need'} the model's "
+            "pictures)." if skipped else "")
+    status = (f"**Done** in {duration(result.seconds)}: {len(result.methods)} methods on {data.name} "
+              f"({data.n_classes} classes; {len(data.calibration_labels):,} calibration and "
+              f"{len(data.test_labels):,} test rows).{note} The Learn and Try tabs keep their calibration.")
+    yield (status, table_markdown(result, n_bins, f"your logits: {data.name}"), diagram_data(result, n_bins),
+           "", NO_DELTA_LOGITS, [str(f) for f in files], shown)
+
+
+#: The δ panel of a logits run: Neural Clamping needs the model's pictures.
+NO_DELTA_LOGITS = "<p>A file of logits has no pictures, so Neural Clamping (and its δ) cannot run on it.</p>"
+

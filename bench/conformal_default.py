@@ -18,10 +18,12 @@ import nctv.data as d
 import nctv.zoo as z
 from nctv.cache import split_logits
 from nctv.calibration import make_method
+from nctv.methods import METHODS as METHODS_REGISTRY
+from nctv.results import COMPARED_METHOD
 from nctv.conformal import SCORES, ConformalPredictor, ConformalSettings, split_calibration
 from nctv.inference import model_logits
 
-METHODS = ("Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)")
+METHODS = ("Uncalibrated", "Temperature Scaling", COMPARED_METHOD)
 
 
 def calibrated_logits(coverage: float = 0.9, seed: int = 0):
@@ -34,7 +36,7 @@ def calibrated_logits(coverage: float = 0.9, seed: int = 0):
     fit, conf = split_calibration(len(yc), 0.5, seed)
     out = {}
     for name in METHODS:
-        if name == "Neural Clamping (FL)":
+        if METHODS_REGISTRY[name].needs_model:
             nc = make_method(name, model=m.model, input_range=m.input_range, seed=seed).fit(xc[fit], yc[fit])
             out[name] = (nc.predict_logits(xc[conf]), yc[conf], nc.predict_logits(xt), yt)
         else:

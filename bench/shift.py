@@ -37,9 +37,9 @@ from nctv.results import COMPARED_METHOD  # noqa: E402
 from nctv.shift import ShiftComparison, signed_points  # noqa: E402
 
 MODELS = OVERCONFIDENT + MILD
-METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Neural Clamping (FL)")
+NC = COMPARED_METHOD
+METHODS = ("Uncalibrated", "Temperature Scaling", "TS by Grid Search", NC)
 REFERENCES = ("TS by Grid Search", "Temperature Scaling")
-NC = "Neural Clamping (FL)"
 STUDY_SECONDS_MAX = 600.0
 
 

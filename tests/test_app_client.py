@@ -23,7 +23,8 @@ from nctv.ui import limits, shipped
 from nctv.ui.try_image import example_images
 from nctv.zoo import DEFAULT_MODEL
 
-PUBLIC = {"/calibrate", "/gamma_sweep", "/init_study", "/classify", "/classify_drawing", "/explore_temperature"}
+PUBLIC = {"/calibrate", "/calibrate_logits", "/gamma_sweep", "/init_study", "/classify", "/classify_drawing",
+          "/explore_temperature"}
 SHARED = (DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
 
 

@@ -318,7 +318,7 @@ class NLLSplit:
 
 
 def _nll_split(logp, y) -> NLLSplit:
-    from nctv.calibration.temperature import solve_log_temperature  # the calibrators use this module
+    from nctv.temperature_solve import solve_log_temperature
 
     s, _ = solve_log_temperature(logp, y)
     nll = _nll(logp, y)

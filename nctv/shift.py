@@ -363,7 +363,9 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
     from nctv import experiment as ex
     from nctv.cache import split_logits
     from nctv.corruptions import corrupt_split
-    from nctv.intervals import interval, method_draws, resample_counts, seed_counts
+    from nctv.consistency import consistency_test
+    from nctv.intervals import (CLASSWISE_ERRORS, TOP_LABEL_ERRORS, at_boundary, interval, method_draws,
+                                resample_counts, seed_counts)
     from nctv.metrics import evaluate, reliability_bins
 
     ctx = run.ctx
@@ -405,11 +407,17 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
             points = [evaluate(zz, ctx.test_y, n_bins=n_bins) for zz in per_seed]
             d = method_draws(per_seed, ctx.test_y, counts, n_bins, SHIFT_METRICS, seed_draws.get(p.label))
             draws[p.label][key] = d
+            # As a run does (nctv.experiment): where the calibration test cannot reject "calibrated", the
+            # errors' intervals reach 0, so that the clean row is the run's row exactly.
+            test = consistency_test(per_seed, ctx.test_y, n_bins, intervals.resamples, intervals.seed)
             cell = {}
             for metric in points[0]:
                 cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}
                 if metric in d:
                     ci = interval(d[metric], metric, intervals.level)
+                    if metric in TOP_LABEL_ERRORS or metric in CLASSWISE_ERRORS:
+                        ci = at_boundary(ci, test.p_top_label if metric in TOP_LABEL_ERRORS else test.p_classwise,
+                                         intervals.level)
                     cell[metric]["ci_low"], cell[metric]["ci_high"] = ci.low, ci.high
             figures[p.label][key] = cell
             rb = reliability_bins(per_seed[0], ctx.test_y, n_bins)

@@ -127,9 +127,9 @@ def test_the_api_takes_a_corruption_and_refuses_a_bad_one_in_words(server):
     _, page, _, note = client.predict(handle_file(EXAMPLE), "shot-noise", 4, api_name="/classify")
     assert 'data-corruption="shot-noise" data-severity="4"' in page and "shot noise at severity 4" in note
     for corruption, severity, words in (("fog", 1, "Corrupt the picture must be one of: gaussian-noise"),
-                                        ("contrast", 9, "Severity must be a number from 0 to 5; got 9"),
-                                        ("contrast", 2.5, "The corruption's severity must be a whole number; got 2.5."),
-                                        ("contrast", "x", "Severity must be a number from 0 to 5; got 'x'")):
+                                        ("contrast", 9, "Severity must be a whole number from 0 to 5; got 9."),
+                                        ("contrast", 2.5, "Severity must be a whole number from 0 to 5; got 2.5."),
+                                        ("contrast", "x", "Severity must be a whole number from 0 to 5; got 'x'")):
         with pytest.raises(AppError) as refused:
             client.predict(handle_file(EXAMPLE), corruption, severity, api_name="/classify")
         assert str(refused.value).startswith(words), str(refused.value)

@@ -17,8 +17,8 @@ import torch
 from nctv.calibration.clamping import NeuralClamping
 from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
-from nctv.intervals import (RESAMPLED, IntervalSettings, difference, interval, method_draws, resample_counts,
-                            seed_counts)
+from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, IntervalSettings, at_boundary,
+                            difference, interval, method_draws, resample_counts, seed_counts)
 from nctv.settings import STUDY_RANDOM_INIT_STD, SWEEP_GAMMAS, NCOptions
 
 __all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study",
@@ -52,13 +52,24 @@ def _test_draws(per_point: list[list[torch.Tensor]], labels: torch.Tensor, n_bin
     return out
 
 
-def _ends(draws: dict[str, Any], level: float) -> dict[str, list[float]]:
-    """metric → [low, high] of its interval."""
+def _ends(draws: dict[str, Any], level: float, tested: Any = None) -> dict[str, list[float]]:
+    """metric → [low, high] of its interval. With ``tested`` (the point's calibration test,
+    ``nctv.consistency``), a calibration error's interval reaches 0 where the test cannot reject
+    "calibrated", as a run's table does (``nctv.intervals.at_boundary``)."""
     out = {}
     for m, d in draws.items():
         ci = interval(d, m, level)
+        if tested is not None and (m in TOP_LABEL_ERRORS or m in CLASSWISE_ERRORS):
+            ci = at_boundary(ci, tested.p_top_label if m in TOP_LABEL_ERRORS else tested.p_classwise, level)
         out[m] = [ci.low, ci.high]
     return out
+
+
+def _tested(logits: list[torch.Tensor], labels: torch.Tensor, n_bins: int, settings: IntervalSettings) -> Any:
+    """The calibration test of one point (its runs' logits) with the run's resamples and seed."""
+    from nctv.consistency import consistency_test
+
+    return consistency_test(logits, labels, n_bins, settings.resamples, settings.seed)
 
 
 @dataclass
@@ -156,8 +167,10 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         test_z, test_y = nc.perturbed_logits(test_inputs, test_labels, [f.result.delta for f in fits], prepared)
         test_rows = [_split_metrics(z / t, test_y, f.gamma, n_bins) for z, f, t in zip(test_z, fits, temps)]
         if intervals is not None:
-            draws = _test_draws([[z / t] for z, t in zip(test_z, temps)], test_y, n_bins, ("ece", "entropy"), intervals)
-            bands = _curves_of([_ends(d, intervals.level) for d in draws])
+            points = [[z / t] for z, t in zip(test_z, temps)]
+            draws = _test_draws(points, test_y, n_bins, ("ece", "entropy"), intervals)
+            bands = _curves_of([_ends(d, intervals.level, _tested(pt, test_y, n_bins, intervals))
+                                for d, pt in zip(draws, points)])
     return GammaSweep(
         gammas=np.array([f.gamma for f in fits]),
         temperature=temps,
@@ -360,7 +373,8 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         per_init = [[zs[id(d)] / t for d, t in dict((id(d), (d, t)) for d, t in chosen[init]).values()] for init in chosen]
         metrics = [m for m in METRIC_NAMES if m in RESAMPLED]
         draws = dict(zip(chosen, _test_draws(per_init, test_y, n_bins, metrics, intervals)))
-        ci = {init: _ends(d, intervals.level) for init, d in draws.items()}
+        ci = {init: _ends(d, intervals.level, _tested(logits, test_y, n_bins, intervals))
+              for (init, d), logits in zip(draws.items(), per_init)}
         compared = {}
         for m in metrics:
             d = difference(draws["random"][m], draws["data"][m], intervals.level)

@@ -97,10 +97,16 @@ def mark_view_only(spec: SplitSpec) -> None:
     _view_only.add(spec)
 
 
+def pictures_here(spec: SplitSpec) -> bool:
+    """Whether a view may use ``spec``'s splits: not for a pre-computed study's downloaded dataset
+    that this server has not loaded for a run (:func:`mark_view_only`)."""
+    return spec not in _view_only or _splits.holds(spec)
+
+
 def test_pictures(spec: SplitSpec):
-    """``spec``'s test split, for showing its pictures: refused in words (``ValueError``) for a
-    pre-computed study's downloaded dataset that this server has not loaded for a run."""
-    if spec in _view_only and not _splits.holds(spec):
+    """``spec``'s test split, for showing its pictures: refused in words (``ValueError``) where
+    :func:`pictures_here` says no."""
+    if not pictures_here(spec):
         raise ValueError(PICTURES_NOT_HERE)
     return get_splits(spec)[1]
 
@@ -178,7 +184,7 @@ def conformal_predictor(spec: SplitSpec, temperature: float):
     dataset: its logits would need them)."""
     from nctv.conformal import ConformalPredictor
 
-    if spec in _view_only and not _splits.holds(spec):
+    if not pictures_here(spec):
         return None
 
     def make():

@@ -52,8 +52,10 @@ def studies(tmp_path, monkeypatch):
     monkeypatch.setattr(shipped, "precomputed_dir", lambda: root)
     monkeypatch.delenv(shipped.PRECOMPUTED_REPO_VARIABLE, raising=False)
     shipped.load_precomputed.cache_clear()
+    shipped.shipped_detector.cache_clear()
     yield root
     shipped.load_precomputed.cache_clear()
+    shipped.shipped_detector.cache_clear()
 
 
 @pytest.fixture
@@ -334,6 +336,7 @@ def test_a_study_of_a_downloaded_dataset_is_shown_without_fetching_its_pictures(
     from nctv.ui import calibrate, try_image
 
     monkeypatch.setattr(caches, "_detectors", caches.Memo(4))
+    shipped.shipped_detector.cache_clear()
     monkeypatch.setattr(caches, "_view_only", set())
     nowhere = "hf-dataset:nctv-test/nowhere"
 
@@ -359,6 +362,7 @@ def test_a_study_of_a_downloaded_dataset_is_shown_without_fetching_its_pictures(
     detector = fit_on_splits(loaded.model, cal, test, max_fit_images=300, max_threshold_images=200)
     save_detector(detector, folder / "ood.safetensors", split_about(**dataclasses.asdict(state.split)))
     caches._detectors = caches.Memo(4)
+    shipped.shipped_detector.cache_clear()  # looked up once per server: the test writes a new one
     verdict = try_image.classify(str(picture), state)[0]
     x = loaded.preprocess(Image.open(picture).convert("L"))
     distance = float(detector.score(penultimate_features(loaded.model, x[None]))[0])
@@ -368,6 +372,7 @@ def test_a_study_of_a_downloaded_dataset_is_shown_without_fetching_its_pictures(
     # A detector of another draw is not used for this one.
     save_detector(detector, folder / "ood.safetensors", split_about("fmnist-vit", nowhere, 5000, 1, 10000))
     caches._detectors = caches.Memo(4)
+    shipped.shipped_detector.cache_clear()  # looked up once per server: the test writes a new one
     assert 'data-flagged="unknown"' in try_image.classify(str(picture), state)[0]
 
 
@@ -378,6 +383,7 @@ def test_the_shipped_detector_is_the_one_the_app_fits(monkeypatch):
     from nctv.ood import OOD_FILE, load_detector
 
     monkeypatch.setattr(caches, "_detectors", caches.Memo(4))
+    shipped.shipped_detector.cache_clear()
     shipped.load_precomputed.cache_clear()
     spec = shipped.load_precomputed().split
     fitted = caches.get_ood_detector(spec)  # nothing saved offered: fitted on the splits
@@ -388,4 +394,5 @@ def test_the_shipped_detector_is_the_one_the_app_fits(monkeypatch):
     assert found.threshold_ == pytest.approx(fitted.threshold_, rel=1e-4)
     assert load_detector(SHIPPED / OOD_FILE)[1]["model"] == spec.model
     monkeypatch.setattr(caches, "_detectors", caches.Memo(4))
+    shipped.shipped_detector.cache_clear()
     assert torch.equal(shipped.ood_detector(spec).means_, found.means_)

@@ -275,10 +275,13 @@ def test_logits_of(cal: Calibration | None) -> tuple[torch.Tensor, torch.Tensor,
     return r.methods["Uncalibrated"].test_logits, r.test_labels, where
 
 
+@lru_cache(maxsize=8)
 def shipped_detector(spec: SplitSpec) -> Any:
     """The out-of-distribution detector shipped beside ``spec.model``'s pre-computed study
     (``ood.safetensors``, :func:`nctv.ood.save_detector`) when it was fitted on the very draw ``spec``
-    names; None otherwise, or when it fails its checks (logged: the detector is then fitted anew)."""
+    names; None otherwise, or when it fails its checks (logged: the detector is then fitted anew).
+    Looked up once per draw and server, as the study itself is (``load_precomputed``): the Try tab
+    asks before every picture until a detector is held, and the lookup may reach the Hub's cache."""
     import dataclasses
     import logging
 

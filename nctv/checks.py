@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import reprlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -231,8 +232,20 @@ def shown(value: Any, limit: int = ECHO_CHARS) -> str:
     public server may be megabytes long, and a message repeats only enough of it to recognise."""
     if isinstance(value, str) and len(value) > limit:
         return repr(value[:limit]) + "…"
-    text = repr(value)
+    text = _short_repr(limit).repr(value)
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _short_repr(limit: int) -> reprlib.Repr:
+    """A ``repr`` that stops early: a container shows its first items and nesting only a few levels deep,
+    so a list of ten thousand numbers costs what twenty do (``repr`` of the whole would be built and then
+    cut)."""
+    r = reprlib.Repr()
+    r.maxlevel = 3
+    r.maxlist = r.maxtuple = r.maxarray = r.maxdeque = 20
+    r.maxdict = r.maxset = r.maxfrozenset = 10
+    r.maxstring = r.maxother = r.maxlong = max(limit, 8)
+    return r
 
 
 def check_text(value: Any, name: str) -> Any:

@@ -106,6 +106,28 @@ def test_the_command_reads_ascii_digits_only(args, flag, capsys):
     assert exit_.value.code == 2 and f"argument {flag}: expected a" in err and repr(args[-1]) in err
 
 
+class _Counted:
+    """A value that counts how often it is written out."""
+
+    calls = 0
+
+    def __repr__(self) -> str:
+        type(self).calls += 1
+        return "v"
+
+
+def test_a_message_writes_out_only_the_part_of_a_value_it_shows():
+    # A sent list of 10,000 values (the JSON cap) is named by its first items; the rest are never
+    # turned into text, as they were when the whole repr was built and then cut.
+    from nctv.checks import ECHO_CHARS, shown
+    _Counted.calls = 0
+    text = shown([[_Counted() for _ in range(100)] for _ in range(100)])
+    assert text.startswith("[[v, v, v") and len(text) <= ECHO_CHARS + 1
+    assert 0 < _Counted.calls <= 20 * 20
+    assert shown(["fashion-mnist"]) == "['fashion-mnist']" and shown(1.5) == "1.5"
+    assert shown("x" * 500) == repr("x" * ECHO_CHARS) + "…"
+
+
 def test_an_environment_cap_in_other_digits_stops_the_app_in_words(monkeypatch):
     from nctv.checks import env_limit
 

@@ -133,7 +133,9 @@ def run(seed: int = 0) -> list[dict]:
                 for randomized in ((False,) if score == "lac" else (False, True)):
                     for cc in (False, True):
                         ref, u_cal, u_test = torchcp_sets(score, randomized, cc, coverage, cal, ycal, test, seed)
-                        st = ConformalSettings(score, coverage, randomized, class_conditional=cc, seed=seed)
+                        # RAPS with TorchCP's λ = 0.01, k_reg = 5 given (NCTV would otherwise tune them).
+                        st = ConformalSettings(score, coverage, randomized, penalty=0.01, k_reg=5, class_conditional=cc,
+                                               seed=seed)
                         cp = ConformalPredictor(st).fit(cal, ycal, True, draws=u_cal)
                         ours = cp.predict_sets(test, True, draws=u_test)
                         row = {"input": name, "coverage": coverage, "score": score, "randomized": randomized,

@@ -17,8 +17,25 @@ v ∈ [0, 1) the randomisation of APS and RAPS (v = 0 when not randomised):
 * ``"raps"`` (Angelopoulos, Bates, Malik & Jordan 2021): APS + λ · max(0, rank(y) − k_reg), rank 1 for the
   most probable class.
 
+RAPS's λ (``penalty``) and ``k_reg``: a number given is used as it is; None (the default) means tuned, as
+the RAPS paper does, on a held-out part of the calibration split (:func:`tune_raps`):
+
+1. the tuning part: ⌈share · n⌉ of the n calibration points (``tune_share``, 0.3 by default as in the
+   authors' code; at least 1 and at most n − 1), drawn by a seeded permutation (:func:`tuning_split`);
+   the other points are the conformal part;
+2. k_reg = the rank of the true label (1 for the most probable class, ties to the lower class index)
+   that covers a 1 − α share of the tuning part: with r the tuning points' ranks sorted ascending,
+   k_reg = r[⌈(1 − α)(n_t − 1)⌉] (0-based index; numpy's ``quantile(ranks − 1, 1 − α, method="higher") + 1``);
+3. λ = the value of ``RAPS_PENALTY_GRID`` (0.001, 0.01, 0.1, 0.2, 0.5) whose sets on the tuning part,
+   conformalised on the tuning part itself with that λ and k_reg (randomised and class-conditional as the
+   final sets are), are smallest on average; ties go to the smallest λ;
+4. q̂ is then computed from the conformal part only. The tuning part, which chose λ and k_reg, is kept
+   out of q̂, so the conformal part and a test point stay exchangeable given λ and k_reg and the
+   guarantee holds.
+
 ``v`` is drawn per sample from a seeded generator, one stream for the calibration scores and another for
-the test sets, so a seed reproduces every set. All arithmetic is float64 on the CPU.
+the test sets (a third stream of the same seed draws the tuning split), so a seed reproduces every set.
+All arithmetic is float64 on the CPU.
 """
 from __future__ import annotations
 
@@ -37,10 +54,14 @@ from nctv.metrics import _prepare
 SCORES = ("lac", "aps", "raps")
 #: The coverage 1 − α a set aims at by default.
 DEFAULT_COVERAGE = 0.9
-#: RAPS's λ and k_reg by default: the values the RAPS authors' code documents as working for many models
-#: (``kreg=5, lamda=0.01``); their paper tunes both on a held-out part of the calibration split instead.
+#: RAPS's λ and k_reg that the RAPS authors' code documents as working for many models (``kreg=5,
+#: lamda=0.01``); pass them to ``ConformalSettings`` for those fixed values. By default both are tuned.
 RAPS_PENALTY = 0.01
 RAPS_K_REG = 5
+#: The λ values tried when λ is tuned, smallest first: the RAPS authors' grid.
+RAPS_PENALTY_GRID = (0.001, 0.01, 0.1, 0.2, 0.5)
+#: The share of the calibration split held out to tune RAPS's λ and k_reg (the authors' default).
+RAPS_TUNE_SHARE = 0.3
 #: A class enters the worst-class coverage only with at least this many test points.
 MIN_CLASS_POINTS = 10
 
@@ -48,8 +69,14 @@ MIN_CLASS_POINTS = 10
 @dataclass(frozen=True)
 class ConformalSettings:
     """How sets are made: the ``score`` (``SCORES``), the target ``coverage`` 1 − α, whether APS / RAPS are
-    ``randomized`` (and the ``seed`` of their draws), RAPS's ``penalty`` λ and ``k_reg``, and whether each
-    class gets its own threshold (``class_conditional``, Mondrian: q̂_y from the calibration points of class y).
+    ``randomized`` (and the ``seed`` of their draws and of the tuning split), RAPS's ``penalty`` λ and
+    ``k_reg``, and whether each class gets its own threshold (``class_conditional``, Mondrian: q̂_y from the
+    calibration points of class y).
+
+    RAPS's ``penalty`` and ``k_reg``: None (the default) tunes that value on ``tune_share`` of the
+    calibration split, held out from q̂, as the RAPS paper does (module docstring); a number is used as
+    given (``penalty=RAPS_PENALTY, k_reg=RAPS_K_REG`` for the authors' fixed defaults). With both given,
+    nothing is held out. LAC and APS ignore all three.
 
     LAC by default: the smallest sets of the three on the embedded default (about one class at 90 %).
     Not randomised by default: the same picture then always gets the same set, and coverage is still
@@ -60,10 +87,11 @@ class ConformalSettings:
     score: str = "lac"
     coverage: float = DEFAULT_COVERAGE
     randomized: bool = False
-    penalty: float = RAPS_PENALTY
-    k_reg: int = RAPS_K_REG
+    penalty: float | None = None
+    k_reg: int | None = None
     class_conditional: bool = False
     seed: int = 0
+    tune_share: float = RAPS_TUNE_SHARE
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -74,12 +102,24 @@ class ConformalSettings:
         if not isinstance(self.randomized, bool) or not isinstance(self.class_conditional, bool):
             raise ValueError("randomized and class_conditional must be True or False.")
         p = self.penalty
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
-            raise ValueError(f"The RAPS penalty λ must be a finite number >= 0; got {shown(p)}.")
-        for name in ("k_reg", "seed"):
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0):
+            raise ValueError(f"The RAPS penalty λ must be a finite number >= 0, or None to tune it; got {shown(p)}.")
+        for name, tunable in (("k_reg", True), ("seed", False)):
             v = getattr(self, name)
+            if tunable and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"{name} must be a whole number >= 0; got {shown(v)}.")
+                raise ValueError(f"{name} must be a whole number >= 0{', or None to tune it' if tunable else ''}; "
+                                 f"got {shown(v)}.")
+        t = self.tune_share
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t < 1:
+            raise ValueError("The tuning share (the part of the calibration split held out to tune RAPS's λ and "
+                             f"k_reg) must be a fraction between 0 and 1, e.g. 0.3; got {shown(t)}.")
+
+    @property
+    def tunes(self) -> bool:
+        """True when fitting holds part of the calibration split out to tune RAPS's λ or k_reg."""
+        return self.score == "raps" and (self.penalty is None or self.k_reg is None)
 
     @property
     def alpha(self) -> float:
@@ -98,11 +138,16 @@ def probabilities(logits: Any, from_probabilities: bool = False) -> torch.Tensor
     return _prepare(logits, None, from_probabilities)[1]
 
 
+def _stream(seed: int, stream: int) -> np.random.Generator:
+    """Stream ``stream`` of one seed: numpy's PCG64 from child ``stream`` of ``SeedSequence(seed)`` (a child
+    depends only on the seed and its number). 0: calibration v, 1: test v, 2: the tuning split."""
+    return np.random.default_rng(np.random.SeedSequence(int(seed)).spawn(stream + 1)[stream])
+
+
 def noise(n: int, seed: int, stream: int) -> torch.Tensor:
     """v ~ U[0, 1) for ``n`` samples: stream 0 for calibration scores, 1 for test sets (independent
     streams of one seed, numpy's PCG64 from ``SeedSequence(seed).spawn``)."""
-    child = np.random.SeedSequence(int(seed)).spawn(2)[stream]
-    return torch.from_numpy(np.random.default_rng(child).random(n))
+    return torch.from_numpy(_stream(seed, stream).random(n))
 
 
 def class_scores(p: torch.Tensor, score: str, v: torch.Tensor | None = None, penalty: float = RAPS_PENALTY,
@@ -140,6 +185,78 @@ def conformal_threshold(scores: torch.Tensor, coverage: float) -> float:
     return float(torch.sort(scores.reshape(-1).double()).values[k - 1])
 
 
+def _thresholds(own: torch.Tensor, y: torch.Tensor, n_classes: int, coverage: float,
+                class_conditional: bool) -> torch.Tensor:
+    """(K,) q̂ per class: one q̂ from every score at its label, or (class-conditional) q̂_y from class y's."""
+    if class_conditional:
+        return torch.tensor([conformal_threshold(own[y == c], coverage) for c in range(n_classes)], dtype=torch.float64)
+    return torch.full((n_classes,), conformal_threshold(own, coverage), dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------- tuning RAPS
+
+
+def tuning_split(n: int, share: float = RAPS_TUNE_SHARE, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (tuning, conformal), each ascending, of a calibration split of ``n`` points: a permutation
+    of 0..n−1 from stream 2 of ``seed`` (:func:`_stream`, numpy's ``Generator.permutation``); its first
+    ⌈share · n⌉ entries (share read as the decimal it is written as; at least 1, at most n − 1) tune RAPS,
+    the rest make q̂. Disjoint, and together every point."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError("Tuning RAPS's λ and k_reg holds out part of the calibration split, so it needs at least "
+                         f"2 calibration points; got {shown(n)}. Give penalty and k_reg as numbers instead.")
+    ConformalSettings(tune_share=share)  # checks the share
+    m = min(max(1, math.ceil(int(n) * Fraction(str(float(share))))), int(n) - 1)
+    perm = torch.from_numpy(_stream(seed, 2).permutation(int(n)))
+    return perm[:m].sort().values, perm[m:].sort().values
+
+
+def label_ranks(p: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) the rank of each row's label among its classes by ``p``: 1 for the most probable, ties to the
+    lower class index (the order of :func:`class_scores`)."""
+    order = torch.sort(p, dim=1, descending=True, stable=True).indices
+    return (order == labels[:, None]).int().argmax(1) + 1
+
+
+def tuned_k_reg(p: torch.Tensor, labels: torch.Tensor, coverage: float) -> int:
+    """RAPS's k_reg from tuning points: with r their label ranks (:func:`label_ranks`) sorted ascending,
+    r[⌈coverage · (n − 1)⌉] (0-based; the 'higher' quantile at 1 − α, computed exactly from the decimal
+    ``coverage``): the smallest rank that holds the true label of a 1 − α share of them."""
+    r = torch.sort(label_ranks(p, labels)).values
+    if r.numel() == 0:
+        raise ValueError("Tuning k_reg needs at least one tuning point.")
+    return int(r[math.ceil((r.numel() - 1) * Fraction(str(float(coverage))))])
+
+
+def tuned_penalty(p: torch.Tensor, labels: torch.Tensor, k_reg: int, settings: "ConformalSettings",
+                  v: torch.Tensor | None = None, grid: Sequence[float] = RAPS_PENALTY_GRID) -> tuple[float, dict[float, float]]:
+    """RAPS's λ from tuning points (λ, {λ: mean set size}): for each λ of ``grid``, q̂ (or q̂_y when
+    ``settings.class_conditional``) from the tuning points' own scores at ``settings.coverage``, then their
+    own sets {y : s ≤ q̂} counted; the λ of the fewest classes in all, the smallest λ on ties (sizes are
+    compared as whole-number totals, so a tie is exact). ``v``: the tuning points' randomisation (None: v = 0)."""
+    n, k = p.shape
+    best, sizes, fewest = None, {}, None
+    for lam in sorted(float(x) for x in grid):
+        s = class_scores(p, "raps", v, lam, k_reg)
+        q = _thresholds(s.gather(1, labels[:, None]).squeeze(1), labels, k, settings.coverage, settings.class_conditional)
+        total = int((s <= q[None, :]).sum())
+        sizes[lam] = total / n
+        if fewest is None or total < fewest:
+            best, fewest = lam, total
+    return best, sizes
+
+
+def tune_raps(p: torch.Tensor, labels: torch.Tensor, settings: "ConformalSettings",
+              v: torch.Tensor | None = None) -> tuple[float, int, dict[float, float]]:
+    """RAPS's (λ, k_reg, {λ: mean set size on the tuning points}) from the tuning points ``p``, ``labels``:
+    a value the settings give is kept; k_reg is tuned first (:func:`tuned_k_reg`), then λ with it
+    (:func:`tuned_penalty`). The sizes are empty when λ is given."""
+    k_reg = settings.k_reg if settings.k_reg is not None else tuned_k_reg(p, labels, settings.coverage)
+    if settings.penalty is not None:
+        return float(settings.penalty), int(k_reg), {}
+    lam, sizes = tuned_penalty(p, labels, k_reg, settings, v)
+    return lam, int(k_reg), sizes
+
+
 # --------------------------------------------------------------------------- the predictor
 
 
@@ -158,31 +275,44 @@ class ConformalPredictor:
     def __init__(self, settings: ConformalSettings | None = None):
         self.settings = settings if settings is not None else ConformalSettings()
 
-    def _scores(self, logits: Any, from_probabilities: bool, stream: int, draws: Any) -> torch.Tensor:
+    def _draws(self, n: int, stream: int, draws: Any) -> torch.Tensor | None:
         st = self.settings
-        p = probabilities(logits, from_probabilities)
-        v = None
-        if st.randomized and st.score != "lac":
-            v = noise(p.shape[0], st.seed, stream) if draws is None else torch.as_tensor(draws).to(torch.float64)
-        return class_scores(p, st.score, v, st.penalty, st.k_reg)
+        if not st.randomized or st.score == "lac":
+            return None
+        return noise(n, st.seed, stream) if draws is None else torch.as_tensor(draws).to(torch.float64)
 
     def fit(self, logits: Any, labels: Any, from_probabilities: bool = False, draws: Any = None) -> "ConformalPredictor":
         """Compute q̂ (``threshold_``; per class in ``thresholds_``) from the calibration split.
 
+        RAPS with λ or k_reg left to tuning (the default) first holds ``tune_share`` of the points out
+        (``tuning_indices_``), tunes on them (``tuning_sizes_``: the mean set size of each λ tried) and
+        computes q̂ from the rest (``conformal_indices_``; ``n_calibration_`` counts them); otherwise every
+        point makes q̂. ``penalty_`` and ``k_reg_`` are the values used (None for LAC and APS).
+
         ``draws``: the randomisation v (N,) to use instead of the seeded one (to replay another library's)."""
-        s = self._scores(logits, from_probabilities, 0, draws)
-        n, k = s.shape
+        st = self.settings
+        p = probabilities(logits, from_probabilities)
+        n, k = p.shape
         y = check_labels(labels, n, k)
-        own = s.gather(1, y[:, None]).squeeze(1)
+        v = self._draws(n, 0, draws)
+        every = torch.arange(n)
+        tune, conf = tuning_split(n, st.tune_share, st.seed) if st.tunes else (every[:0], every)
+        self.penalty_, self.k_reg_, self.tuning_sizes_ = None, None, {}
+        if st.score == "raps":
+            self.penalty_, self.k_reg_, self.tuning_sizes_ = tune_raps(p[tune], y[tune], st, None if v is None else v[tune])
+        self.tuning_indices_, self.conformal_indices_ = tune, conf
+        s = self._class_scores(p[conf], None if v is None else v[conf])
+        own = s.gather(1, y[conf, None]).squeeze(1)
         self.n_classes_ = k
-        self.n_calibration_ = n
-        self.threshold_ = conformal_threshold(own, self.settings.coverage)
-        if self.settings.class_conditional:
-            self.thresholds_ = torch.tensor([conformal_threshold(own[y == c], self.settings.coverage) for c in range(k)],
-                                            dtype=torch.float64)
-        else:
-            self.thresholds_ = torch.full((k,), self.threshold_, dtype=torch.float64)
+        self.n_calibration_ = int(conf.numel())
+        self.threshold_ = conformal_threshold(own, st.coverage)
+        self.thresholds_ = _thresholds(own, y[conf], k, st.coverage, st.class_conditional)
         return self
+
+    def _class_scores(self, p: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        if self.settings.score == "raps":
+            return class_scores(p, "raps", v, self.penalty_, self.k_reg_)
+        return class_scores(p, self.settings.score, v)
 
     def predict_sets(self, logits: Any, from_probabilities: bool = False, draws: Any = None) -> torch.Tensor:
         """(N, K) bool: class y is in the set of row i when s(x_i, y) ≤ q̂ (q̂_y when class-conditional).
@@ -190,10 +320,22 @@ class ConformalPredictor:
         ``draws``: the randomisation v, (N,) or (N, K) per class, instead of the seeded one."""
         if not hasattr(self, "thresholds_"):
             raise NotFittedError("Fit the conformal predictor on the calibration split first (ConformalPredictor.fit).")
-        s = self._scores(logits, from_probabilities, 1, draws)
+        p = probabilities(logits, from_probabilities)
+        s = self._class_scores(p, self._draws(p.shape[0], 1, draws))
         if s.shape[1] != self.n_classes_:
             raise ValueError(f"The predictor was fitted on {self.n_classes_} classes; these logits have {s.shape[1]}.")
         return s <= self.thresholds_[None, :]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings with the values the fitted sets use: ``penalty`` and ``k_reg`` as used (None for
+        LAC and APS), ``tuned`` (which of the two were tuned), ``n_tune`` (points held out to tune them) and
+        ``n_conformal`` (points q̂ came from)."""
+        if not hasattr(self, "thresholds_"):
+            raise NotFittedError("Fit the conformal predictor on the calibration split first (ConformalPredictor.fit).")
+        st = self.settings
+        tuned = [name for name in ("penalty", "k_reg") if st.tunes and getattr(st, name) is None]
+        return {**st.to_dict(), "penalty": self.penalty_, "k_reg": self.k_reg_, "tuned": tuned,
+                "n_tune": int(self.tuning_indices_.numel()), "n_conformal": int(self.conformal_indices_.numel())}
 
     def evaluate(self, logits: Any, labels: Any, from_probabilities: bool = False,
                  intervals: IntervalSettings | None = None, min_class_points: int = MIN_CLASS_POINTS) -> "SetEvaluation":

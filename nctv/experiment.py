@@ -519,7 +519,9 @@ def _conformal(ctx: _Context, plan: MethodPlan, fitted: Any, test_logits: torch.
     logits as this method calibrates them (a model-based method passes the split through the model once
     more) and scored on the test split with the run's intervals; None for an ablation row (no method of
     its own) or with sets turned off. The calibrator was fitted on those same calibration pictures; the
-    result says so (docs/conformal.md: the guarantee wants the two kept apart)."""
+    result says so (docs/conformal.md: the guarantee wants the two kept apart). RAPS records the λ and
+    k_reg its sets used, which of them were tuned and on how many of the calibration pictures (held out
+    of q̂: ``n_tune``; q̂ from the other ``n_conformal``)."""
     settings = ctx.options.conformal
     if settings is None or fitted is None:
         return None
@@ -528,12 +530,14 @@ def _conformal(ctx: _Context, plan: MethodPlan, fitted: Any, test_logits: torch.
     # The worst class counts classes of at least 10 test pictures; a test split too small for any counts all.
     fewest = 10 if int(torch.bincount(ctx.test_y).max()) >= 10 else 1
     ev = predictor.evaluate(test_logits, ctx.test_y, intervals=ctx.options.intervals, min_class_points=fewest)
+    used = predictor.to_dict()
     triple = lambda i: [i.estimate, i.low, i.high]  # noqa: E731
     return {"score": settings.score, "coverage_target": float(settings.coverage), "randomized": settings.randomized,
             "threshold": float(predictor.threshold_), "coverage": triple(ev.coverage), "mean_size": triple(ev.mean_size),
             "worst_class_coverage": triple(ev.worst_class_coverage), "worst_class": ev.worst_class,
             "empty": ev.empty, "min_class_points": fewest,
-            "calibrator_fitted_on_the_same_pictures": plan.name != REFERENCE_METHOD}
+            "calibrator_fitted_on_the_same_pictures": plan.name != REFERENCE_METHOD,
+            **{key: used[key] for key in ("penalty", "k_reg", "tuned", "n_tune", "n_conformal")}}
 
 
 def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stats: dict) -> None:

@@ -564,4 +564,43 @@ def _checked_conformal(data: Any, method: str, n_classes: int) -> dict[str, Any]
     w = data.get("worst_class")
     if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < n_classes:
         raise ValueError(f"{where}: worst_class must be a class index below {n_classes}.")
+    _check_raps_values(data, where)
     return dict(data)
+
+
+def _check_raps_values(data: dict[str, Any], where: str) -> None:
+    """The RAPS values a row's sets used (``penalty``, ``k_reg``, ``tuned``, ``n_tune``, ``n_conformal``).
+    Files written before they were recorded lack them and pass; where present, each is checked: λ a finite
+    number ≥ 0 and k_reg a whole number ≥ 0 for RAPS (null for LAC and APS), ``tuned`` a list of those two
+    names (empty unless RAPS), the point counts whole numbers, at least one tuning point when something
+    was tuned and none when nothing was."""
+    import math
+
+    from nctv.conformal import SCORES
+
+    score = data.get("score")
+    if not isinstance(score, str) or score not in SCORES:
+        raise ValueError(f"{where}: score must be one of {', '.join(SCORES)}.")
+    raps = score == "raps"
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if "penalty" in data:
+        v = data["penalty"]
+        ok = (v is None) if not raps else (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+        if not ok:
+            raise ValueError(f"{where}: penalty must be RAPS's λ, a finite number >= 0 (null for {score.upper()}).")
+    if "k_reg" in data:
+        v = data["k_reg"]
+        if not ((v is None) if not raps else whole(v)):
+            raise ValueError(f"{where}: k_reg must be RAPS's k_reg, a whole number >= 0 (null for {score.upper()}).")
+    tuned = data.get("tuned", [])
+    if (not isinstance(tuned, list) or not all(t in ("penalty", "k_reg") for t in tuned) or len(set(tuned)) != len(tuned)
+            or (tuned and not raps)):
+        raise ValueError(f"{where}: tuned must list which of RAPS's penalty and k_reg were tuned (none for {score.upper()}).")
+    for key in ("n_tune", "n_conformal"):
+        if key in data and not whole(data[key]):
+            raise ValueError(f"{where}: {key} must be a whole number of calibration pictures.")
+    if "n_tune" in data and (data["n_tune"] > 0) != bool(tuned):
+        raise ValueError(f"{where}: n_tune must be at least 1 when RAPS's values were tuned and 0 when none was.")

@@ -1,6 +1,8 @@
 """Conformal prediction sets (nctv.conformal): hand-computed cases, the finite-sample guarantee by simulation,
 binary problems, the evaluation and its intervals, and the Learn tab's APS-size curve."""
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,3 +304,249 @@ def test_class_conditional_sets_cover_every_class():
             per_class[cc] += torch.stack([hit[y[t, n:] == c].mean() for c in range(k)]).float() / trials
     assert float(per_class[True].min()) > 0.9 - 0.015   # measured 0.91–0.92 (sd over 60 draws about 0.005)
     assert float(per_class[False].min()) < 0.85          # measured 0.80
+
+
+# --------------------------------------------------------------------------- RAPS's λ and k_reg tuned
+
+
+def _ranks_by_numpy(p, y):
+    """1-based rank of each label, largest probability first, ties to the lower class index."""
+    p, y = np.asarray(p), np.asarray(y)
+    order = np.argsort(-p, axis=1, kind="stable")
+    return np.array([int(np.nonzero(order[i] == y[i])[0][0]) + 1 for i in range(len(y))])
+
+
+def _raps_sizes_by_numpy(p, y, lam, k_reg, coverage):
+    """Mean size of the tuning points' own plain RAPS sets, q̂ from those same points, in numpy."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y)
+    n, k = p.shape
+    order = np.argsort(-p, axis=1, kind="stable")
+    ranked = np.take_along_axis(p, order, 1)
+    s_ranked = np.cumsum(ranked, 1) + lam * np.maximum(0, np.arange(1, k + 1) - k_reg)
+    s = np.empty_like(s_ranked)
+    np.put_along_axis(s, order, s_ranked, 1)
+    own = np.sort(s[np.arange(n), y])
+    j = math.ceil((n + 1) * coverage - 1e-9)
+    q = own[j - 1] if j <= n else np.inf
+    return float((s <= q).sum(1).mean())
+
+
+def _overconfident(n, k, seed, sharpen=3.0):
+    """Logits whose softmax is sharper than the labels' law (labels from softmax(z / sharpen))."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, k, generator=g, dtype=torch.float64) * 2.0
+    y = torch.multinomial(torch.softmax(z / sharpen, 1), 1, generator=g).squeeze(1)
+    return z, y
+
+
+def test_tuned_k_reg_is_the_higher_rank_quantile_by_hand():
+    # Ten tuning points whose labels rank 1, 1, 1, 1, 1, 2, 2, 3, 4, 6 (K = 6). 0-based: 0 ×5, 1, 1, 2, 3, 5;
+    # at 90 % the 'higher' quantile takes index ⌈0.9 · 9⌉ = 9 → 5, so k_reg = 6; at 80 %, ⌈7.2⌉ = 8 → 3 → 4.
+    ranks = [1, 1, 1, 1, 1, 2, 2, 3, 4, 6]
+    rows, labels = [], []
+    for r in ranks:
+        row = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
+        rows.append(row)
+        labels.append(r - 1)                     # class j holds rank j + 1 in every row
+    p, y = _p(rows), torch.tensor(labels)
+    assert C.label_ranks(p, y).tolist() == ranks
+    assert C.tuned_k_reg(p, y, 0.9) == 6
+    assert C.tuned_k_reg(p, y, 0.8) == 4
+    # Ties rank the lower class index first: with p = (0.3, 0.3, 0.4), class 1 is third.
+    assert C.label_ranks(_p([[0.3, 0.3, 0.4]]), torch.tensor([1])).tolist() == [3]
+
+
+@pytest.mark.parametrize("coverage", [0.9, 0.8, 0.95])
+def test_fitted_k_reg_is_numpys_rank_quantile_on_the_tuning_part(coverage):
+    z, y = _overconfident(1000, 10, seed=11)
+    st = C.ConformalSettings("raps", coverage, penalty=0.01)      # k_reg alone is tuned
+    cp = C.ConformalPredictor(st).fit(z, y)
+    t = cp.tuning_indices_.numpy()
+    ranks0 = _ranks_by_numpy(torch.softmax(z, 1).numpy()[t], y.numpy()[t]) - 1
+    expected = int(np.quantile(ranks0, coverage, method="higher")) + 1
+    assert cp.k_reg_ == expected and cp.penalty_ == 0.01 and cp.tuning_sizes_ == {}
+    assert 1 < expected < 10                                        # the quantile is not at an end
+
+
+@pytest.mark.parametrize("seed,sharpen", [(12, 3.0), (13, 1.0), (14, 0.6)])
+def test_tuned_penalty_is_the_grid_value_of_the_smallest_sets(seed, sharpen):
+    z, y = _overconfident(1200, 10, seed=seed, sharpen=sharpen)
+    cp = C.ConformalPredictor(C.ConformalSettings("raps", 0.9, seed=seed)).fit(z, y)
+    t = cp.tuning_indices_.numpy()
+    p, yt = torch.softmax(z, 1).numpy()[t], y.numpy()[t]
+    k_reg = int(np.quantile(_ranks_by_numpy(p, yt) - 1, 0.9, method="higher")) + 1
+    sizes = [_raps_sizes_by_numpy(p, yt, lam, k_reg, 0.9) for lam in C.RAPS_PENALTY_GRID]
+    assert cp.k_reg_ == k_reg
+    assert cp.penalty_ == C.RAPS_PENALTY_GRID[int(np.argmin(sizes))]   # argmin: the first, smallest λ, on ties
+    assert [cp.tuning_sizes_[lam] for lam in C.RAPS_PENALTY_GRID] == pytest.approx(sizes, abs=1e-12)
+    assert C.ConformalPredictor(C.ConformalSettings("raps", 0.9, seed=seed)).fit(z, y).penalty_ == cp.penalty_
+
+
+def test_tuned_penalty_takes_the_smallest_value_on_ties():
+    # With k_reg = K = 4 no rank is penalised: every λ gives the same sets, and the smallest λ is taken.
+    z, y = _overconfident(300, 4, seed=15)
+    cp = C.ConformalPredictor(C.ConformalSettings("raps", k_reg=4)).fit(z, y)
+    assert len(set(cp.tuning_sizes_.values())) == 1 and cp.penalty_ == min(C.RAPS_PENALTY_GRID) == 0.001
+    # A grid where a later value ties exactly with the best keeps the earlier (smaller) one.
+    p = C.probabilities(z[:90])
+    lam, sizes = C.tuned_penalty(p, y[:90], 4, C.ConformalSettings("raps"), grid=(0.5, 0.2))
+    assert lam == 0.2 and sizes[0.2] == sizes[0.5]
+
+
+def test_tuning_and_conformal_parts_are_disjoint_and_make_the_whole_split():
+    z, y = _overconfident(1001, 10, seed=16)
+    cp = C.ConformalPredictor(C.ConformalSettings("raps", 0.9, seed=3)).fit(z, y)
+    tune, conf = cp.tuning_indices_, cp.conformal_indices_
+    assert len(tune) == math.ceil(0.3 * 1001) == 301 and len(conf) == 700 and cp.n_calibration_ == 700
+    assert sorted(torch.cat([tune, conf]).tolist()) == list(range(1001))
+    assert not set(tune.tolist()) & set(conf.tolist())
+    # The documented draw: the first ⌈0.3 n⌉ of numpy's permutation from stream 2 of the seed.
+    perm = np.random.default_rng(np.random.SeedSequence(3).spawn(3)[2]).permutation(1001)
+    assert tune.tolist() == sorted(perm[:301].tolist()) and conf.tolist() == sorted(perm[301:].tolist())
+    # q̂ comes from the conformal part alone, with the tuned λ and k_reg.
+    s = C.class_scores(C.probabilities(z[conf]), "raps", None, cp.penalty_, cp.k_reg_)
+    own = np.sort(s.gather(1, y[conf, None]).squeeze(1).numpy())
+    assert cp.threshold_ == own[math.ceil(701 * 0.9) - 1]
+    # Another seed, another split; a share of 0.5 holds half out; the sets follow the fitted values.
+    assert not torch.equal(C.ConformalPredictor(C.ConformalSettings("raps", seed=4)).fit(z, y).tuning_indices_, tune)
+    assert len(C.ConformalPredictor(C.ConformalSettings("raps", tune_share=0.5)).fit(z, y).tuning_indices_) == 501
+    sets = cp.predict_sets(z[:50])
+    assert torch.equal(sets, C.class_scores(C.probabilities(z[:50]), "raps", None, cp.penalty_, cp.k_reg_) <= cp.threshold_)
+    # The smallest split: one point each.
+    assert [len(i) for i in C.tuning_split(2, 0.3)] == [1, 1]
+
+
+def test_tuned_raps_keeps_the_coverage_guarantee():
+    # 400 exchangeable draws of 100 calibration and 100 test points (K = 10, an over-confident model):
+    # λ and k_reg tuned on 30 points, q̂ from the other 70 (k = ⌈71 · 0.9⌉ = 64), so each draw's
+    # coverage has mean 64/71 = 0.901 (sd about 0.034). Over 400 draws the sd of the mean is about 0.002:
+    # the mean must stay ≥ 0.9 − 3 · 0.002 and below 64/71 + 3 · 0.002.
+    trials, n, m, k = 400, 100, 100, 10
+    g = torch.Generator().manual_seed(17)
+    z = torch.randn(trials, n + m, k, generator=g, dtype=torch.float64) * 2.0
+    y = torch.multinomial(torch.softmax(z / 3.0, -1).reshape(-1, k), 1, generator=g).reshape(trials, n + m)
+    hits, chosen = [], set()
+    for t in range(trials):
+        cp = C.ConformalPredictor(C.ConformalSettings("raps", 0.9, seed=t)).fit(z[t, :n], y[t, :n])
+        hits.append(cp.predict_sets(z[t, n:]).gather(1, y[t, n:, None]).double().mean())
+        chosen.add((cp.penalty_, cp.k_reg_))
+    mean = float(torch.stack(hits).mean())
+    assert 0.9 - 0.006 <= mean <= 64 / 71 + 0.006
+    assert len(chosen) > 1                       # the tuned values do change from draw to draw
+
+
+def test_given_penalty_and_k_reg_are_used_as_given_on_the_whole_split():
+    # The fixed values of earlier versions: no point held out, q̂ from every point, the sets unchanged.
+    z, y = _overconfident(500, 10, seed=18)
+    st = C.ConformalSettings("raps", 0.9, penalty=C.RAPS_PENALTY, k_reg=C.RAPS_K_REG)
+    cp = C.ConformalPredictor(st).fit(z, y)
+    assert cp.penalty_ == 0.01 and cp.k_reg_ == 5 and len(cp.tuning_indices_) == 0 and cp.n_calibration_ == 500
+    s = C.class_scores(C.probabilities(z), "raps", None, 0.01, 5)
+    assert cp.threshold_ == C.conformal_threshold(s.gather(1, y[:, None]).squeeze(1), 0.9)
+    d = cp.to_dict()
+    assert (d["penalty"], d["k_reg"], d["tuned"], d["n_tune"], d["n_conformal"]) == (0.01, 5, [], 0, 500)
+    # The settings record what was asked (None: tuned); the fitted predictor what was used.
+    tuned = C.ConformalPredictor(C.ConformalSettings("raps")).fit(z, y)
+    assert C.ConformalSettings("raps").to_dict()["penalty"] is None
+    d = tuned.to_dict()
+    assert d["penalty"] == tuned.penalty_ in C.RAPS_PENALTY_GRID and d["k_reg"] == tuned.k_reg_
+    assert d["tuned"] == ["penalty", "k_reg"] and d["n_tune"] == 150 and d["n_conformal"] == 350
+    # LAC and APS hold nothing out and use no λ.
+    for score in ("lac", "aps"):
+        d = C.ConformalPredictor(C.ConformalSettings(score)).fit(z, y).to_dict()
+        assert (d["penalty"], d["k_reg"], d["tuned"], d["n_tune"], d["n_conformal"]) == (None, None, [], 0, 500)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"tune_share": 0.0}, "tuning share .* between 0 and 1"),
+    ({"tune_share": 1.0}, "tuning share .* between 0 and 1"),
+    ({"tune_share": float("nan")}, "tuning share"),
+    ({"tune_share": True}, "tuning share"),
+    ({"tune_share": "0.3"}, "tuning share"),
+    ({"penalty": float("inf")}, "penalty λ must be a finite number >= 0, or None to tune it"),
+    ({"k_reg": 2.5}, "k_reg must be a whole number >= 0, or None to tune it"),
+])
+def test_bad_tuning_settings_say_what_is_wrong(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        C.ConformalSettings("raps", **kwargs)
+
+
+def test_tuning_needs_two_calibration_points():
+    with pytest.raises(ValueError, match="needs at least 2 calibration points"):
+        C.ConformalPredictor(C.ConformalSettings("raps")).fit(torch.zeros(1, 3), [0])
+    # Given values need no held-out part.
+    C.ConformalPredictor(C.ConformalSettings("raps", penalty=0.1, k_reg=1)).fit(torch.zeros(1, 3), [0])
+
+
+# --------------------------------------------------------------------------- the values in a run and its results.json
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "precomputed" / "results.json"
+
+
+def test_a_run_records_the_raps_values_its_sets_used(tmp_path):
+    from nctv.experiment import RunOptions
+    from nctv.logits_file import LogitsData, run_on_logits
+    from nctv.results import RunResult
+
+    z, y = _overconfident(1600, 5, seed=19)
+    data = LogitsData(z[:600].numpy(), y[:600].numpy(), z[600:].numpy(), y[600:].numpy(),
+                      tuple(f"c{i}" for i in range(5)), "toy.npz", "file")
+    options = RunOptions(seeds=1, bins=(15,), progress=False, cache_dir=False, intervals=IntervalSettings(0.95, 200, 0),
+                         conformal=C.ConformalSettings("raps", 0.9))
+    r = run_on_logits(data, ["Uncalibrated"], options)
+    got = r.methods["Uncalibrated"].conformal
+    # The uncalibrated row's sets are the predictor's on the raw logits (as the run holds them, float32).
+    cp = C.ConformalPredictor(C.ConformalSettings("raps", 0.9)).fit(z[:600].float(), y[:600])
+    assert (got["penalty"], got["k_reg"], got["tuned"], got["n_tune"], got["n_conformal"]) == \
+        (cp.penalty_, cp.k_reg_, ["penalty", "k_reg"], 180, 420)
+    assert got["threshold"] == cp.threshold_
+    r.save(tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())["methods"]["Uncalibrated"]["conformal"]
+    assert saved["penalty"] == cp.penalty_ and saved["k_reg"] == cp.k_reg_
+    assert RunResult.load(tmp_path).methods["Uncalibrated"].conformal == got
+
+
+def _shipped_with(tmp_path, **changes):
+    data = json.loads(SHIPPED.read_text())
+    row = data["methods"]["Temperature Scaling"]["conformal"]
+    row.update(changes)
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    from nctv.results import RunResult
+
+    return RunResult.load(tmp_path)
+
+
+RAPS_ROW = {"score": "raps", "penalty": 0.1, "k_reg": 3, "tuned": ["penalty", "k_reg"], "n_tune": 1500, "n_conformal": 3500}
+
+
+BAD_ROWS = [
+    ({**RAPS_ROW, "penalty": float("nan")}, "penalty must be RAPS's λ, a finite number >= 0"),
+    ({**RAPS_ROW, "penalty": -0.1}, "penalty must be"),
+    ({**RAPS_ROW, "penalty": "0.1"}, "penalty must be"),
+    ({**RAPS_ROW, "k_reg": 2.5}, "k_reg must be RAPS's k_reg, a whole number"),
+    ({**RAPS_ROW, "k_reg": -1}, "k_reg must be"),
+    ({**RAPS_ROW, "k_reg": True}, "k_reg must be"),
+    ({**RAPS_ROW, "tuned": ["lambda"]}, "tuned must list"),
+    ({**RAPS_ROW, "tuned": "penalty"}, "tuned must list"),
+    ({**RAPS_ROW, "n_tune": 0}, "n_tune must be at least 1"),
+    ({**RAPS_ROW, "n_tune": -3}, "n_tune must be a whole number"),
+    ({**RAPS_ROW, "n_conformal": 1.5}, "n_conformal must be a whole number"),
+    ({"penalty": 0.01}, r"penalty .*null for LAC"),
+    ({"k_reg": 5}, r"k_reg .*null for LAC"),
+    ({"tuned": ["k_reg"], "n_tune": 10}, "tuned must list"),
+    ({"score": "thr"}, "score must be one of lac, aps, raps"),
+]
+
+
+def test_results_files_with_and_without_the_raps_values_load_and_crafted_bad_ones_are_refused(tmp_path):
+    # The shipped results.json predates the fields: it loads as it is.
+    old = _shipped_with(tmp_path)
+    assert "penalty" not in old.methods["Temperature Scaling"].conformal
+    assert old.methods["Temperature Scaling"].conformal["score"] == "lac"
+    assert _shipped_with(tmp_path, **RAPS_ROW).methods["Temperature Scaling"].conformal["k_reg"] == 3
+    assert _shipped_with(tmp_path, penalty=None, k_reg=None, tuned=[], n_tune=0, n_conformal=5000)
+    assert _shipped_with(tmp_path, **{**RAPS_ROW, "tuned": [], "n_tune": 0, "n_conformal": 5000})
+    for changes, match in BAD_ROWS:
+        with pytest.raises(ValueError, match=f"The conformal sets of Temperature Scaling: {match}"):
+            _shipped_with(tmp_path, **changes)

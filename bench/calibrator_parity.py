@@ -1,36 +1,52 @@
 """The newer calibrators against their reference implementations, on the same logits.
 
-    PYTHONPATH=/path/to/refs python -m bench.calibrator_parity
+    PYTHONPATH=/path/to/refs python -m bench.calibrator_parity [--out bench/results/calibrator_parity.md]
 
 References (not NCTV dependencies; install them into a folder of their own, e.g.
-``pip install --target /tmp/refs --no-deps probmetrics==1.3.0 netcal==1.4.0 pytorch-minimize``):
+``pip install --target /tmp/refs --no-deps probmetrics==1.3.0 netcal==1.4.0 pytorch-minimize
+uncertainty-calibration==0.1.4``):
 
 * SVS and SMS: probmetrics 1.3.0, ``get_calibrator("svs" / "sms")`` (its default BFGS solver);
 * ensemble temperature scaling: probmetrics' ``ETSCalibrator(loss="mse")``, the authors' formulas;
-* histogram binning: netcal 1.4.0 ``HistogramBinning(bins=15, equal_intervals=False)``: netcal fits
-  equal-mass bins but does not apply them (its transform raises for them), so its fitted bins are
-  applied here with netcal's rule for bins (np.digitize, right-closed) and renormalised as netcal does;
+* histogram binning, two references with different conventions (``nctv.calibration.nonparametric``),
+  each against NCTV with the settings that follow it and with NCTV's defaults:
+
+  - netcal 1.4.0 ``HistogramBinning(bins=15, equal_intervals=False)``: quantile edges, a score on an
+    edge in the bin above (``on_edge="above"``). netcal fits equal-mass bins but does not apply them
+    (its transform raises for them), so its fitted edges and bin values are applied here by the rule
+    it fitted them with, scipy's ``binned_statistic`` (bins [a, b), the last one [a, 1]), and
+    renormalised as netcal does;
+  - Kumar, Liang & Ma's uncertainty-calibration 0.1.4 (module ``calibration``),
+    ``HistogramMarginalCalibrator(n, 15)`` (10 classes, one-vs-rest) or ``HistogramCalibrator(n, 15)``
+    on the positive class (2 classes, the other class its complement): edges halfway between runs of
+    sorted scores, a score on an edge in the bin below (``edges="midpoint"``). It does not renormalise;
+    its per-class values are renormalised here as NCTV does (each floored at 1e-12, then divided by
+    the row's sum; for 2 classes the positive class's held within [1e-12, 1 − 1e-12]);
 * isotonic regression: netcal 1.4.0 ``IsotonicRegression`` (scikit-learn's, clipped, one-vs-rest,
   renormalised).
 
 Inputs: the embedded default model's shipped test logits (``assets/precomputed/test_logits.safetensors``,
 10,000 images, 10 classes), the first 5,000 as the calibration split and the other 5,000 scored; and a
-binary problem made from them (classes 0 and 6 only: the model's logits of those two). Printed: the
-largest absolute difference of the calibrated probabilities on the scored half.
+binary problem made from them (classes 0 and 6 only: the model's logits of those two). Printed (and
+written to ``--out``): the largest absolute difference of the calibrated probabilities on the scored half.
 """
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 from safetensors.numpy import load_file
 
 from nctv.calibration import make_method
+from nctv.calibration.nonparametric import PROBABILITY_FLOOR
 
 from bench.parity import LOGITS
 
-#: The tolerance each comparison is held to (largest absolute difference of probabilities).
-TOLERANCE = {"Structured Vector Scaling": 1e-3, "Structured Matrix Scaling": 5e-3,
-             "Ensemble Temperature Scaling": 1e-6, "Histogram Binning": 1e-7, "Isotonic Regression": 1e-7}
+#: Where the table is written.
+RESULTS = Path(__file__).resolve().parent / "results" / "calibrator_parity.md"
 
 
 def problems() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
@@ -46,12 +62,13 @@ def problems() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(1, keepdims=True))
-    return e / e.sum(1, keepdims=True)
+    """The probabilities NCTV's calibrators bin (float64, torch's softmax): a reference given numpy's own
+    softmax would see scores one unit in the last place apart from NCTV's, which splits tied scores."""
+    return torch.softmax(torch.from_numpy(np.asarray(z, dtype=np.float64)), dim=1).numpy()
 
 
-def ours(name: str, zc, yc, zt) -> tuple[np.ndarray, object]:
-    cal = make_method(name).fit(torch.from_numpy(zc), torch.from_numpy(yc))
+def ours(name: str, zc, yc, zt, **settings) -> tuple[np.ndarray, object]:
+    cal = make_method(name, **settings).fit(torch.from_numpy(zc), torch.from_numpy(yc))
     return torch.softmax(cal.transform(torch.from_numpy(zt)).double(), dim=1).numpy(), cal
 
 
@@ -88,6 +105,7 @@ def probmetrics_reference(method: str, zc, yc, zt) -> tuple[np.ndarray, float | 
 
 def netcal_binning(zc, yc, zt) -> np.ndarray:
     from netcal.binning import HistogramBinning
+    from scipy.stats import binned_statistic
 
     pc, pt = softmax(zc), softmax(zt)
     binary = pc.shape[1] == 2
@@ -96,11 +114,39 @@ def netcal_binning(zc, yc, zt) -> np.ndarray:
     out = np.zeros_like(pt)
     for label, model in models:
         edges, values = model._bin_bounds[0], model._bin_map
-        idx = np.clip(np.digitize(pt[:, label], edges, right=True) - 1, 0, len(values) - 1)
+        # The bins netcal's fit used (scipy's binned_statistic_dd): [a, b), the last one closed.
+        idx = binned_statistic(pt[:, label], pt[:, label], "count", bins=edges).binnumber - 1
         out[:, label] = values[idx]
     if binary:
         out[:, 0] = 1.0 - out[:, 1]
     return out / out.sum(1, keepdims=True)
+
+
+def renormalised_as_nctv(q: np.ndarray) -> np.ndarray:
+    """Per-class calibrated values (N, K) renormalised as NCTV's one-vs-rest calibrators do (module notes
+    of nctv.calibration.nonparametric): for K = 2 the positive class's held within [floor, 1 − floor]
+    and the other its complement; else each floored, then divided by the row's sum."""
+    if q.shape[1] == 2:
+        q1 = np.clip(q[:, 1], PROBABILITY_FLOOR, 1.0 - PROBABILITY_FLOOR)
+        return np.stack([1.0 - q1, q1], axis=1)
+    q = np.maximum(q, PROBABILITY_FLOOR)
+    return q / q.sum(1, keepdims=True)
+
+
+def kumar_binning(zc, yc, zt) -> np.ndarray:
+    from calibration.calibrators import HistogramCalibrator, HistogramMarginalCalibrator
+
+    pc, pt = softmax(zc), softmax(zt)
+    if pc.shape[1] == 2:
+        cal = HistogramCalibrator(len(yc), 15)
+        cal.train_calibration(pc[:, 1], yc)
+        q = np.zeros_like(pt)
+        q[:, 1] = cal.calibrate(pt[:, 1])
+    else:
+        cal = HistogramMarginalCalibrator(len(yc), 15)
+        cal.train_calibration(pc, yc)
+        q = cal.calibrate(pt)
+    return renormalised_as_nctv(q)
 
 
 def netcal_isotonic(zc, yc, zt) -> np.ndarray:
@@ -113,36 +159,74 @@ def netcal_isotonic(zc, yc, zt) -> np.ndarray:
     return IsotonicRegression().fit(pc, yc).transform(pt)
 
 
-REFERENCES = {
-    "Structured Vector Scaling": ("probmetrics 1.3.0 get_calibrator('svs')",
-                                  lambda *a: probmetrics_reference("svs", *a)),
-    "Structured Matrix Scaling": ("probmetrics 1.3.0 get_calibrator('sms')",
-                                  lambda *a: probmetrics_reference("sms", *a)),
-    "Ensemble Temperature Scaling": ("probmetrics 1.3.0 ETSCalibrator(loss='mse')",
-                                     lambda *a: probmetrics_reference("ets", *a)),
-    "Histogram Binning": ("netcal 1.4.0 HistogramBinning(bins=15, equal_intervals=False), its bins applied",
-                          netcal_binning),
-    "Isotonic Regression": ("netcal 1.4.0 IsotonicRegression", netcal_isotonic),
-}
+class Comparison(NamedTuple):
+    method: str
+    reference: str
+    compute: Callable
+    settings: dict
+    #: The largest absolute difference of probabilities it is held to; None: a convention apart, shown only.
+    tolerance: float | None
 
 
-def main() -> None:
-    print("| method | reference | problem | largest difference | tolerance | objective: NCTV / reference |")
-    print("| --- | --- | --- | ---: | ---: | --- |")
-    for name, (label, reference) in REFERENCES.items():
+HB_NETCAL = "netcal 1.4.0 HistogramBinning(bins=15, equal_intervals=False), its bins applied"
+HB_KUMAR = "uncertainty-calibration 0.1.4 HistogramMarginalCalibrator (2 classes: HistogramCalibrator)"
+
+COMPARISONS = [
+    Comparison("Structured Vector Scaling", "probmetrics 1.3.0 get_calibrator('svs')",
+               lambda *a: probmetrics_reference("svs", *a), {}, 1e-3),
+    Comparison("Structured Matrix Scaling", "probmetrics 1.3.0 get_calibrator('sms')",
+               lambda *a: probmetrics_reference("sms", *a), {}, 5e-3),
+    Comparison("Ensemble Temperature Scaling", "probmetrics 1.3.0 ETSCalibrator(loss='mse')",
+               lambda *a: probmetrics_reference("ets", *a), {}, 1e-6),
+    Comparison("Histogram Binning", HB_NETCAL, netcal_binning, {"on_edge": "above"}, 1e-7),
+    Comparison("Histogram Binning", HB_NETCAL, netcal_binning, {}, None),
+    Comparison("Histogram Binning", HB_KUMAR, kumar_binning, {"edges": "midpoint"}, 1e-7),
+    Comparison("Histogram Binning", HB_KUMAR, kumar_binning, {}, None),
+    Comparison("Isotonic Regression", "netcal 1.4.0 IsotonicRegression", netcal_isotonic, {}, 1e-7),
+]
+
+
+def largest_difference(c: Comparison, zc, yc, zt) -> tuple[float, object, float | None]:
+    """max |NCTV − reference| over the scored probabilities, NCTV's calibrator, and the reference's
+    objective (SVS / SMS; else None). ValueError where the reference refuses the problem."""
+    mine, cal = ours(c.method, zc, yc, zt, **c.settings)
+    theirs = c.compute(zc, yc, zt)
+    theirs, objective = theirs if isinstance(theirs, tuple) else (theirs, None)
+    return float(np.abs(mine - theirs).max()), cal, objective
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help=f"where the table is written (default: {RESULTS}, unless --methods)")
+    ap.add_argument("--methods", nargs="*", help="only these methods (registry names); nothing written without --out")
+    args = ap.parse_args(argv)
+    out = args.out or (None if args.methods else RESULTS)
+    lines = ["| method | reference | NCTV settings | problem | largest difference | tolerance | "
+             "objective: NCTV / reference |", "| --- | --- | --- | --- | ---: | ---: | --- |"]
+    print("\n".join(lines), flush=True)
+    for c in COMPARISONS:
+        if args.methods and c.method not in args.methods:
+            continue
+        settings = ", ".join(f"{k}={v!r}" for k, v in c.settings.items()) or "defaults"
         for problem, (zc, yc, zt, _) in problems().items():
-            mine, cal = ours(name, zc, yc, zt)
             try:
-                theirs = reference(zc, yc, zt)
-            except ValueError as e:  # netcal's equal-mass bins where many scores coincide
-                print(f"| {name} | {label} | {problem} | the reference refuses: {e} | | |", flush=True)
-                continue
-            theirs, objective = theirs if isinstance(theirs, tuple) else (theirs, None)
-            diff = float(np.abs(mine - theirs).max())
-            verdict = "" if diff <= TOLERANCE[name] else " (over)"
-            both = "" if objective is None else f"{cal.objective_:.9f} / {objective:.9f}"
-            print(f"| {name} | {label} | {problem} | {diff:.1e}{verdict} | {TOLERANCE[name]:.0e} | {both} |",
-                  flush=True)
+                diff, cal, objective = largest_difference(c, zc, yc, zt)
+            except ValueError as e:  # netcal's equal-mass bins where its clipped scores tie at an edge
+                cells = [f"the reference refuses: {e}", "", ""]
+            else:
+                tolerance = "" if c.tolerance is None else f"{c.tolerance:.0e}"
+                verdict = (" (convention)" if c.tolerance is None
+                           else "" if diff <= c.tolerance else " (over)")
+                both = "" if objective is None else f"{cal.objective_:.9f} / {objective:.9f}"
+                cells = [f"{diff:.1e}{verdict}", tolerance, both]
+            line = "| " + " | ".join([c.method, c.reference, settings, problem, *cells]) + " |"
+            lines.append(line)
+            print(line, flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("Made by `python -m bench.calibrator_parity` (docs/calibrators.md says what each row "
+                       "compares).\n\n" + "\n".join(lines) + "\n")
+        print(f"written: {out}")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,119 @@ def test_histogram_binning_one_vs_rest_renormalises_and_floors_zeros():
     assert torch.isfinite(out).all() and torch.softmax(out.double(), 1).numpy() == pytest.approx(0.25)
 
 
+def _binary_logits(p1):
+    """Logits (0, log(p / (1 − p))): softmax gives back p as the positive class's probability."""
+    p1 = np.asarray(p1, dtype=np.float64)
+    return torch.from_numpy(np.stack([np.zeros_like(p1), np.log(p1 / (1 - p1))], axis=1))
+
+
+def test_histogram_binning_conventions_by_hand():
+    # Ten positive-class scores 0.05, 0.15, …, 0.95 and three bins. Quantile edges at positions
+    # 9·1/3 = 3 and 9·2/3 = 6 are the scores 0.35 and 0.65 themselves; runs of sorted scores
+    # (np.array_split: 4, 3, 3) put the midpoint edges at (0.35 + 0.45)/2 = 0.4 and (0.65 + 0.75)/2 = 0.7.
+    z = _binary_logits(np.arange(10) / 10 + 0.05)
+    y = torch.tensor([0, 0, 1, 1, 0, 1, 0, 1, 1, 0])
+    # Scored: the calibration score 0.35 itself (its logits, so the same float), 0.38 and 0.68.
+    zt = torch.cat([z[3:4], _binary_logits([0.38, 0.68])])
+    cases = {
+        # quantile edges, a score on an edge in the bin below: {.05–.35} {.45–.65} {.75–.95}
+        ("quantile", "below"): ([0, 0.35, 0.65, 1], [2 / 4, 1 / 3, 2 / 3], [2 / 4, 1 / 3, 2 / 3]),
+        # … in the bin above: {.05–.25} {.35–.55} {.65–.95}
+        ("quantile", "above"): ([0, 0.35, 0.65, 1], [1 / 3, 2 / 3, 2 / 4], [2 / 3, 2 / 3, 2 / 4]),
+        # midpoint edges: the same samples as the first, but 0.38 and 0.68 fall one bin lower
+        ("midpoint", "below"): ([0, 0.4, 0.7, 1], [2 / 4, 1 / 3, 2 / 3], [2 / 4, 2 / 4, 1 / 3]),
+    }
+    for (edges, on_edge), (want_edges, want_values, want_scored) in cases.items():
+        hb = make_method("hb", n_bins=3, edges=edges, on_edge=on_edge).fit(z, y)
+        assert hb.bin_edges_[0].tolist() == pytest.approx(want_edges, abs=1e-15), (edges, on_edge)
+        assert hb.bin_values_[0].tolist() == pytest.approx(want_values, abs=1e-15), (edges, on_edge)
+        assert _probs(hb, zt)[:, 1] == pytest.approx(want_scored, abs=1e-7), (edges, on_edge)
+
+
+def test_histogram_binning_midpoint_edges_with_fewer_scores_than_bins():
+    # Three scores, five bins: one run a score, edges halfway between them, the two left over at 1
+    # (empty bins of width 0, valued at their midpoint, 1); a score of 1 still joins the third bin.
+    z = _binary_logits([0.2, 0.4, 0.8])
+    hb = make_method("hb", n_bins=5, edges="midpoint").fit(z, torch.tensor([0, 1, 1]))
+    assert hb.bin_edges_[0].tolist() == pytest.approx([0, 0.3, 0.6, 1, 1, 1], abs=1e-15)
+    assert hb.bin_values_[0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]
+    above = make_method("hb", n_bins=5, edges="midpoint", on_edge="above").fit(z, torch.tensor([0, 1, 0]))
+    assert above.bin_values_[0].tolist() == [0.0, 1.0, 0.0, 1.0, 1.0]
+    # Above, a score of 1 sits on the edges 1 = 1 = 1: the last bin, [1, 1] (empty: its midpoint, 1);
+    # below, it joins (0.6, 1], as 0.7 does in both.
+    scored = torch.cat([torch.tensor([[-40.0, 40.0]], dtype=torch.float64), _binary_logits([0.7])])
+    assert _probs(above, scored)[:, 1] == pytest.approx([1.0, 0.0], abs=1e-7)
+    below = make_method("hb", n_bins=5, edges="midpoint").fit(z, torch.tensor([0, 1, 0]))
+    assert _probs(below, scored)[:, 1] == pytest.approx([0.0, 0.0], abs=1e-7)
+
+
+@pytest.mark.parametrize("setting,value,message", [
+    ("on_edge", "middle", r"on_edge must be one of 'below', 'above'; got 'middle'"),
+    ("edges", "equal", r"edges must be one of 'quantile', 'midpoint'; got 'equal'"),
+    ("edges", None, r"edges must be one of 'quantile', 'midpoint'; got None"),
+])
+def test_histogram_binning_refuses_unknown_conventions(setting, value, message):
+    z, y = _problem(2, n=100)
+    with pytest.raises(ValueError, match=message):
+        make_method("hb", **{setting: value}).fit(z, y)
+
+
+def test_histogram_binning_conventions_are_saved_and_loaded(tmp_path):
+    z = _binary_logits(np.arange(10) / 10 + 0.05)
+    y = torch.tensor([0, 0, 1, 1, 0, 1, 0, 1, 1, 0])
+    hb = make_method("hb", n_bins=3, edges="midpoint", on_edge="above").fit(z, y)
+    loaded = load_calibrator(hb.save_pretrained(tmp_path / "hb"))
+    assert (loaded.edges, loaded.on_edge) == ("midpoint", "above")
+    assert torch.equal(loaded.transform(z[3:4]), hb.transform(z[3:4]))  # a score on an edge: above
+    # A file written before the settings existed holds neither: it loads with the defaults it was fitted by.
+    old = make_method("hb", n_bins=3).fit(z, y).save_pretrained(tmp_path / "old")
+    config = json.loads((old / CONFIG_NAME).read_text())
+    del config["params"]["edges"], config["params"]["on_edge"]
+    (old / CONFIG_NAME).write_text(json.dumps(config))
+    assert (load_calibrator(old).edges, load_calibrator(old).on_edge) == ("quantile", "below")
+
+
+def _tie_problem(k, step, seed):
+    """Logits rounded to multiples of ``step``: many calibration scores tie, on the edges too."""
+    z, y = _problem(k, n=1200, seed=seed, scale=2.0)
+    return torch.round(z / step) * step, y
+
+
+_NETCAL, _KUMAR = {"on_edge": "above"}, {"edges": "midpoint"}
+
+
+@pytest.mark.parametrize("reference,settings,problem,other", [
+    # other: NCTV's settings with one convention changed, which must differ from the reference there
+    ("netcal", _NETCAL, "2 classes", {"on_edge": "below"}),
+    ("netcal", _NETCAL, "10 classes, z / 4", None),
+    ("netcal", _NETCAL, "ties, 4 classes", {"on_edge": "below"}),
+    ("netcal", _NETCAL, "ties, 2 classes", {"on_edge": "below"}),
+    ("uncertainty-calibration", _KUMAR, "10 classes", {"edges": "quantile"}),
+    ("uncertainty-calibration", _KUMAR, "2 classes", {"edges": "quantile"}),
+    ("uncertainty-calibration", _KUMAR, "ties, 4 classes", {"edges": "midpoint", "on_edge": "above"}),
+    ("uncertainty-calibration", _KUMAR, "ties, 2 classes", {"edges": "midpoint", "on_edge": "above"}),
+])
+def test_histogram_binning_equals_its_references(reference, settings, problem, other):
+    """Where the bench-only references are installed (bench/calibrator_parity.py says how): each equals
+    NCTV with the settings of its conventions, and differs from NCTV with either convention changed."""
+    pytest.importorskip({"netcal": "netcal.binning", "uncertainty-calibration": "calibration.calibrators"}[reference],
+                        reason=f"{reference} is bench-only")
+    from bench import calibrator_parity as bench
+
+    if problem.startswith("ties"):
+        k, step = (4, 1.0) if problem == "ties, 4 classes" else (2, 0.5)
+        (zc, yc), (zt, _) = _tie_problem(k, step, 0), _tie_problem(k, step, 1)
+        zc, yc, zt = zc.numpy(), yc.numpy(), zt.numpy()
+    else:
+        zc, yc, zt, _ = bench.problems()[problem]
+    theirs = (bench.netcal_binning if reference == "netcal" else bench.kumar_binning)(zc, yc, zt)
+    mine, _ = bench.ours("Histogram Binning", zc, yc, zt, **settings)
+    assert np.abs(mine - theirs).max() < 1e-7  # float32 log-probabilities
+    if other is not None:
+        mine, _ = bench.ours("Histogram Binning", zc, yc, zt, **other)
+        assert np.abs(mine - theirs).max() > 1e-3
+
+
 # ---- ensemble temperature scaling: the authors' formulas ----------------------------------------
 
 
@@ -210,9 +323,10 @@ def _saved(tmp_path, name, k=3):
     return make_method(name).fit(z, y).save_pretrained(tmp_path / name)
 
 
-def _tamper(folder, fitted=None, tensors=None):
+def _tamper(folder, fitted=None, tensors=None, params=None):
     config = json.loads((folder / CONFIG_NAME).read_text())
     config["fitted"].update(fitted or {})
+    config["params"].update(params or {})
     (folder / CONFIG_NAME).write_text(json.dumps(config))
     if tensors:
         stored = load_file(folder / TENSORS_NAME)
@@ -239,6 +353,17 @@ def test_crafted_files_are_refused(tmp_path, name, fitted, tensors, message):
     spec = next(s for s in METHODS.values() if s.short == name)
     assert type(load_calibrator(folder)).__name__ == spec.cls  # the file as saved loads
     _tamper(folder, fitted, tensors)
+    with pytest.raises(ValueError, match=message):
+        load_calibrator(folder)
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"on_edge": "sideways"}, r"The calibrator's on_edge must be one of 'below', 'above'; got 'sideways'"),
+    ({"edges": 7}, r"The calibrator's edges must be one of 'quantile', 'midpoint'; got 7"),
+])
+def test_crafted_histogram_binning_settings_are_refused(tmp_path, params, message):
+    folder = _saved(tmp_path, "hb")
+    _tamper(folder, params=params)
     with pytest.raises(ValueError, match=message):
         load_calibrator(folder)
 

@@ -6,10 +6,21 @@ fitted to the indicator 1[y = k] on the calibration split, and each row is then 
 sum to 1. A binary problem (K = 2) fits one function, to the positive class (k = 1), and gives the
 other class the complement, as the reference implementations do.
 
-* :class:`HistogramBinning` (Zadrozny & Elkan 2001): ``n_bins`` equal-mass bins per class (edges at
-  the linearly interpolated quantiles of that class's calibration scores, the outer ones set to 0
-  and 1), bins (e_{m−1}, e_m] with a score of 0 in the first; a bin's value is the share of its
-  calibration samples whose label is the class (an empty bin: its midpoint).
+* :class:`HistogramBinning` (Zadrozny & Elkan 2001): ``n_bins`` equal-mass bins per class, edges
+  e_0 = 0 < … ≤ e_B = 1 (B = ``n_bins``); a bin's value is the share of its calibration samples whose
+  label is the class (an empty bin: its midpoint, (e_{m−1} + e_m) / 2). Two conventions, where the
+  implementations in use differ (both are settings; the defaults are NCTV's own):
+
+  - ``edges``, where the inner edges lie: ``"quantile"`` (default; netcal's) the linearly
+    interpolated quantiles of the class's calibration scores at m / B (``np.quantile``'s default);
+    ``"midpoint"`` (Kumar, Liang & Ma's ``calibration`` package) the sorted scores split into B
+    runs of consecutive ones whose lengths differ by at most one, the longer runs first
+    (``np.array_split``), each inner edge halfway between the last score of one run and the first
+    of the next (with fewer scores than bins, one run a score and the edges left over at 1).
+  - ``on_edge``, which bin a score equal to an edge joins: ``"below"`` (default; Kumar et al.'s, and
+    the ECE's bins) bins (e_{m−1}, e_m], a score of 0 in the first; ``"above"`` (netcal's fit, by
+    scipy's ``binned_statistic_dd``) bins [e_{m−1}, e_m), a score of 1 in the last. Quantile edges
+    at whole positions, (N − 1)·m / B, are calibration scores themselves, so the two differ there.
 * :class:`IsotonicRegression` (Zadrozny & Elkan 2002): the least-squares non-decreasing fit
   (pool-adjacent-violators, equal scores pooled first), interpolated linearly between the fitted
   scores and held constant beyond them, as scikit-learn's ``IsotonicRegression(out_of_bounds="clip")``.
@@ -29,12 +40,15 @@ import numpy as np
 import torch
 
 from nctv.calibration.base import HeadCalibrator, saved_class_count
-from nctv.checks import check_logits_labels, check_whole_range
+from nctv.checks import check_logits_labels, check_whole_range, shown
 
 #: The least calibrated probability a class is given before renormalising (see the module notes).
 PROBABILITY_FLOOR = 1e-12
 #: Most bins a histogram binning takes: far beyond any calibration split's use.
 MAX_BINS = 100_000
+#: Where histogram binning's inner edges lie, and which bin a score on an edge joins (module notes).
+EDGE_RULES = ("quantile", "midpoint")
+ON_EDGE = ("below", "above")
 
 
 def _scores(z: torch.Tensor) -> torch.Tensor:
@@ -75,47 +89,80 @@ def _check_unit_rows(name: str, t: Any, increasing: bool) -> None:
 class BinningHead(torch.nn.Module):
     """Log of the renormalised bin values of each class's softmax probability (float64, returned float32)."""
 
-    def __init__(self, edges: torch.Tensor, values: torch.Tensor, classes: int):
+    def __init__(self, edges: torch.Tensor, values: torch.Tensor, classes: int, on_edge: str = "below"):
         super().__init__()
         self.classes = int(classes)
+        self.above = on_edge == "above"
         self.register_buffer("edges", torch.as_tensor(edges, dtype=torch.float64).clone())
         self.register_buffer("values", torch.as_tensor(values, dtype=torch.float64).clone())
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         s = _scores(logits).T.contiguous()  # (R, N)
         n_bins = self.values.shape[1]
-        # (e_{m−1}, e_m]: the first edge >= s closes s's bin; a score of 0 (or below) goes to the first.
-        idx = (torch.searchsorted(self.edges.contiguous(), s, side="left") - 1).clamp(0, n_bins - 1)
+        # below, (e_{m−1}, e_m]: the first edge >= s closes s's bin; above, [e_{m−1}, e_m): the last edge
+        # <= s opens it. Clamped: a score of 0 (below) goes to the first bin, a score of 1 (above) to the last.
+        idx = (torch.searchsorted(self.edges.contiguous(), s, right=self.above) - 1).clamp(0, n_bins - 1)
         return _calibrated_log_probabilities(self.values.gather(1, idx).T, self.classes).to(torch.float32)
 
 
-def equal_mass_edges(scores: np.ndarray, n_bins: int) -> np.ndarray:
-    """``n_bins`` + 1 edges at the linearly interpolated quantiles of ``scores``, the outer ones 0 and 1."""
-    edges = np.quantile(scores, np.linspace(0.0, 1.0, n_bins + 1))
+def equal_mass_edges(scores: np.ndarray, n_bins: int, rule: str = "quantile") -> np.ndarray:
+    """``n_bins`` + 1 non-decreasing edges of equal-mass bins of ``scores``, the outer ones 0 and 1:
+    at the linearly interpolated quantiles (``rule="quantile"``) or halfway between runs of sorted
+    scores (``"midpoint"``; module notes)."""
+    if rule == "quantile":
+        edges = np.quantile(scores, np.linspace(0.0, 1.0, n_bins + 1))
+    else:
+        x = np.sort(scores)
+        runs = min(n_bins, len(x))
+        size, longer = divmod(len(x), runs)
+        i = np.arange(1, runs)
+        starts = i * size + np.minimum(i, longer)  # the first score of runs 1 … runs − 1
+        edges = np.concatenate([[0.0], (x[starts - 1] + x[starts]) / 2.0, np.ones(n_bins + 1 - runs)])
     edges[0], edges[-1] = 0.0, 1.0
     return np.maximum.accumulate(edges)
+
+
+def bin_index(edges: np.ndarray, scores: np.ndarray, on_edge: str) -> np.ndarray:
+    """The bin of each score (0 … len(edges) − 2), a score on an edge in the bin below or above it."""
+    side = "right" if on_edge == "above" else "left"
+    return np.clip(np.searchsorted(edges, scores, side=side) - 1, 0, len(edges) - 2)
+
+
+def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {shown(value)}.")
+    return value
 
 
 class HistogramBinning(HeadCalibrator):
     """Histogram binning, one-vs-rest, ``n_bins`` equal-mass bins per class (module notes).
 
+    ``edges``: ``"quantile"`` (default) or ``"midpoint"``, where the inner edges lie; ``on_edge``:
+    ``"below"`` (default) or ``"above"``, which bin a score equal to an edge joins. netcal's
+    ``HistogramBinning(equal_intervals=False)`` fits ``edges="quantile", on_edge="above"``; Kumar et
+    al.'s ``HistogramMarginalCalibrator`` ``edges="midpoint", on_edge="below"``.
+
     Learned: ``bin_edges_`` (R, n_bins + 1) and ``bin_values_`` (R, n_bins), float64 tensors, one row
     per calibrated class (R = K, or 1 for K = 2: the positive class), and ``n_classes_`` (K).
     """
 
-    def __init__(self, n_bins: int = 15):
+    def __init__(self, n_bins: int = 15, edges: str = "quantile", on_edge: str = "below"):
         self.n_bins = n_bins
+        self.edges = edges
+        self.on_edge = on_edge
 
     def fit(self, logits: Any, labels: Any) -> "HistogramBinning":
         n_bins = check_whole_range(self.n_bins, "n_bins", 1, MAX_BINS)
+        rule = _check_choice(self.edges, "edges", EDGE_RULES)
+        on_edge = _check_choice(self.on_edge, "on_edge", ON_EDGE)
         z, y = check_logits_labels(logits, labels)
         k = z.shape[1]
         scores = _scores(z).cpu().numpy()
         targets = _targets(y.cpu().numpy(), k)
         edges, values = np.empty((scores.shape[1], n_bins + 1)), np.empty((scores.shape[1], n_bins))
         for r in range(scores.shape[1]):
-            e = equal_mass_edges(scores[:, r], n_bins)
-            idx = np.clip(np.searchsorted(e, scores[:, r], side="left") - 1, 0, n_bins - 1)
+            e = equal_mass_edges(scores[:, r], n_bins, rule)
+            idx = bin_index(e, scores[:, r], on_edge)
             count = np.bincount(idx, minlength=n_bins)
             hits = np.bincount(idx, weights=targets[:, r], minlength=n_bins)
             middle = 0.5 * (e[:-1] + e[1:])
@@ -127,12 +174,16 @@ class HistogramBinning(HeadCalibrator):
 
     def as_module(self) -> torch.nn.Module:
         self._check_fitted("bin_edges_", "bin_values_", "n_classes_")
-        return BinningHead(self.bin_edges_, self.bin_values_, self.n_classes_)
+        on_edge = _check_choice(self.on_edge, "on_edge", ON_EDGE)
+        return BinningHead(self.bin_edges_, self.bin_values_, self.n_classes_, on_edge)
 
     @classmethod
     def saved_shapes(cls, params: dict, fitted: dict, classes: int | None) -> dict[str, list[int]]:
         rows = _rows(saved_class_count(fitted, classes))
         n_bins = check_whole_range(params.get("n_bins"), "The calibrator's n_bins", 1, MAX_BINS)
+        # A file saved before these settings existed has neither: it was fitted with the defaults.
+        _check_choice(params.get("edges", "quantile"), "The calibrator's edges", EDGE_RULES)
+        _check_choice(params.get("on_edge", "below"), "The calibrator's on_edge", ON_EDGE)
         return {"bin_edges_": [rows, n_bins + 1], "bin_values_": [rows, n_bins]}
 
     @classmethod

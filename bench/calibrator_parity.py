@@ -23,7 +23,10 @@ uncertainty-calibration==0.1.4``):
     its per-class values are renormalised here as NCTV does (each floored at 1e-12, then divided by
     the row's sum; for 2 classes the positive class's held within [1e-12, 1 − 1e-12]);
 * isotonic regression: netcal 1.4.0 ``IsotonicRegression`` (scikit-learn's, clipped, one-vs-rest,
-  renormalised).
+  renormalised), and scikit-learn's ``IsotonicRegression(out_of_bounds="clip")`` itself, one-vs-rest,
+  renormalised as NCTV does: once as it is, and once against NCTV's fit (``isotonic_fit``) given the
+  scores scikit-learn fits, where it pools every score closer than 1e-15 (float64's resolution) to the
+  group's first into one; NCTV pools only equal scores, the one difference between the two.
 
 Inputs: the embedded default model's shipped test logits (``assets/precomputed/test_logits.safetensors``,
 10,000 images, 10 classes), the first 5,000 as the calibration split and the other 5,000 scored; and a
@@ -33,6 +36,7 @@ written to ``--out``): the largest absolute difference of the calibrated probabi
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -159,6 +163,57 @@ def netcal_isotonic(zc, yc, zt) -> np.ndarray:
     return IsotonicRegression().fit(pc, yc).transform(pt)
 
 
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _float64_softmax(z: np.ndarray) -> np.ndarray:
+    return torch.softmax(torch.as_tensor(z, dtype=torch.float64), dim=1).numpy()
+
+
+def _one_vs_rest(pc, yc, pt, fit_predict: Callable) -> np.ndarray:
+    """Per-class calibrated values (N, K) from ``fit_predict(scores, targets, scored)``, renormalised as NCTV."""
+    q = np.zeros_like(pt)
+    for k in ([1] if pc.shape[1] == 2 else range(pc.shape[1])):
+        q[:, k] = fit_predict(pc[:, k], (yc == k).astype(np.float64), pt[:, k])
+    return renormalised_as_nctv(q)
+
+
+def sklearn_isotonic(zc, yc, zt) -> np.ndarray:
+    from sklearn.isotonic import IsotonicRegression
+
+    return _one_vs_rest(_float64_softmax(zc), yc, _float64_softmax(zt),
+                        lambda x, t, s: IsotonicRegression(out_of_bounds="clip").fit(x, t).predict(s))
+
+
+def sklearn_pooled(x: np.ndarray) -> np.ndarray:
+    """``x`` with every score replaced by the first of its run, where scikit-learn's isotonic fit
+    (``_make_unique``) pools sorted scores closer than float64's resolution (1e-15) to that first one."""
+    order = np.argsort(x, kind="stable")
+    xs, out = x[order], np.empty_like(x)
+    anchor = xs[0]
+    for i, v in zip(order, xs):
+        if v - anchor >= np.finfo(np.float64).resolution:
+            anchor = v
+        out[i] = anchor
+    return out
+
+
+def nctv_isotonic_on_sklearn_pooling(zc, yc, zt) -> np.ndarray:
+    """NCTV's isotonic fit (its own code, ``isotonic_fit`` and linear interpolation with the ends held,
+    as ``IsotonicRegression`` applies it) given the scores as scikit-learn pools them."""
+    from nctv.calibration.nonparametric import isotonic_fit
+
+    def fit_predict(x, t, s):
+        knots, values = isotonic_fit(sklearn_pooled(x), t)
+        return np.interp(s, knots, values)
+
+    return _one_vs_rest(_float64_softmax(zc), yc, _float64_softmax(zt), fit_predict)
+
+
 class Comparison(NamedTuple):
     method: str
     reference: str
@@ -166,9 +221,12 @@ class Comparison(NamedTuple):
     settings: dict
     #: The largest absolute difference of probabilities it is held to; None: a convention apart, shown only.
     tolerance: float | None
+    #: NCTV's side when it is not the registered calibrator with ``settings`` (probabilities only).
+    mine: Callable | None = None
 
 
 HB_NETCAL = "netcal 1.4.0 HistogramBinning(bins=15, equal_intervals=False), its bins applied"
+SK_ISOTONIC = f"scikit-learn {_version('scikit-learn')} IsotonicRegression(out_of_bounds='clip')"
 HB_KUMAR = "uncertainty-calibration 0.1.4 HistogramMarginalCalibrator (2 classes: HistogramCalibrator)"
 
 COMPARISONS = [
@@ -182,14 +240,21 @@ COMPARISONS = [
     Comparison("Histogram Binning", HB_NETCAL, netcal_binning, {}, None),
     Comparison("Histogram Binning", HB_KUMAR, kumar_binning, {"edges": "midpoint"}, 1e-7),
     Comparison("Histogram Binning", HB_KUMAR, kumar_binning, {}, None),
-    Comparison("Isotonic Regression", "netcal 1.4.0 IsotonicRegression", netcal_isotonic, {}, 1e-7),
+    # Apart by their pooling of scores closer than 1e-15 (the next row replays it), so shown only.
+    Comparison("Isotonic Regression", "netcal 1.4.0 IsotonicRegression", netcal_isotonic, {}, None),
+    Comparison("Isotonic Regression", SK_ISOTONIC, sklearn_isotonic, {}, None),
+    Comparison("Isotonic Regression", SK_ISOTONIC, sklearn_isotonic, {"scores": "pooled as scikit-learn pools them"},
+               1e-12, nctv_isotonic_on_sklearn_pooling),
 ]
 
 
 def largest_difference(c: Comparison, zc, yc, zt) -> tuple[float, object, float | None]:
     """max |NCTV − reference| over the scored probabilities, NCTV's calibrator, and the reference's
     objective (SVS / SMS; else None). ValueError where the reference refuses the problem."""
-    mine, cal = ours(c.method, zc, yc, zt, **c.settings)
+    if c.mine is None:
+        mine, cal = ours(c.method, zc, yc, zt, **c.settings)
+    else:
+        mine, cal = c.mine(zc, yc, zt), None
     theirs = c.compute(zc, yc, zt)
     theirs, objective = theirs if isinstance(theirs, tuple) else (theirs, None)
     return float(np.abs(mine - theirs).max()), cal, objective
@@ -207,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     for c in COMPARISONS:
         if args.methods and c.method not in args.methods:
             continue
-        settings = ", ".join(f"{k}={v!r}" for k, v in c.settings.items()) or "defaults"
+        settings = ("NCTV's isotonic_fit, " * (c.mine is not None)
+                    + ", ".join(f"{k}={v!r}" if c.mine is None else f"{k} {v}" for k, v in c.settings.items())
+                    or "defaults")
         for problem, (zc, yc, zt, _) in problems().items():
             try:
                 diff, cal, objective = largest_difference(c, zc, yc, zt)

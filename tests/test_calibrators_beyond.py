@@ -51,6 +51,20 @@ def test_isotonic_equals_scikit_learn_one_vs_rest(k):
     assert np.abs(ours - ref).max() < 1e-7  # transform returns float32 log-probabilities
 
 
+def test_isotonic_differs_from_scikit_learn_only_by_its_pooling_of_near_scores():
+    # The shipped model's 10-class probabilities hold many below 1e-15, which scikit-learn pools as one
+    # score (its _make_unique); NCTV pools only equal ones. Given the scores as scikit-learn pools them,
+    # NCTV's own fit equals scikit-learn's, so that pooling is the whole difference.
+    from bench import calibrator_parity as bench
+
+    zc, yc, zt, _ = bench.problems()["10 classes"]
+    theirs = bench.sklearn_isotonic(zc, yc, zt)
+    assert np.abs(bench.ours("Isotonic Regression", zc, yc, zt)[0] - theirs).max() > 1e-6
+    assert np.abs(bench.nctv_isotonic_on_sklearn_pooling(zc, yc, zt) - theirs).max() < 1e-12
+    x = np.array([0.3, 1e-20, 5e-16, 2e-15, 0.3 + 1e-16, 9e-16])
+    assert bench.sklearn_pooled(x).tolist() == [0.3, 1e-20, 1e-20, 2e-15, 0.3, 1e-20]
+
+
 def test_isotonic_pools_violators_and_ties():
     from nctv.calibration.nonparametric import isotonic_fit
 

@@ -80,6 +80,7 @@ outputs (in --out, default ./out/<command>):
 COMMAND_EXAMPLES = {
     "run": ["nctv run", "nctv run --seeds 2 --bins 15 --methods ts ts-grid nc-fl",
             "nctv run --model fmnist-vit --calibration-size 2000 --out out/vit",
+            "nctv run --conformal aps --coverage 0.95",
             "nctv run --model hf-hub:timm/resnet101.tv_in1k --dataset folder:/data/imagenet/val --device cuda"],
     "ablation": ["nctv ablation", "nctv ablation --seeds 3 --gamma 0.5"],
     "timing": ["nctv timing", "nctv timing --resolutions 0.1 0.01 0.001"],
@@ -172,6 +173,19 @@ def _gamma(text: str) -> float:
     return v
 
 
+#: ``nctv run --conformal``: the scores of ``nctv.conformal.SCORES`` (written here, so that parsing imports no
+#: torch; a test holds the two equal), and "none" for no sets.
+CONFORMAL_CHOICES = ("lac", "aps", "raps", "none")
+
+
+def _coverage(text: str) -> float:
+    """A conformal coverage 1 − α: a fraction strictly between 0 and 1 (0.95 for 95 %)."""
+    v = _float(text)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1 (e.g. 0.95 for 95 %), got {text}")
+    return v
+
+
 def _nc_options(args: argparse.Namespace) -> NCOptions:
     """Neural Clamping's options from the command line (the fitter's own where none is given),
     checked as they are made: a bad one is refused before the model loads, not when its row starts
@@ -261,6 +275,31 @@ def _add_intervals(p: argparse.ArgumentParser) -> None:
                    help="show intervals as 'value [low, high]' (brackets, the default) or 'value ± half-width' (pm)")
 
 
+def _add_conformal(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("conformal prediction sets")
+    g.add_argument("--conformal", type=str.lower, choices=CONFORMAL_CHOICES, default=None, metavar="SCORE",
+                   help="the prediction sets every row is scored with (docs/conformal.md): lac (every class whose "
+                        "probability clears one threshold; the smallest sets), aps (the most probable classes until "
+                        "their probabilities add up to a threshold), raps (aps with a penalty on unlikely classes) or "
+                        "none (no sets) (default lac)")
+    g.add_argument("--coverage", type=_coverage, default=None, metavar="C",
+                   help="how often a set should hold the true class: a fraction between 0 and 1 (default 0.9)")
+
+
+def _conformal_settings(args: argparse.Namespace):
+    """The run's conformal sets (``RunOptions.conformal``) from ``--conformal`` and ``--coverage``: the
+    library's defaults for what is not given; None for ``--conformal none``."""
+    if args.conformal == "none":
+        if args.coverage is not None:
+            raise CLIError("--coverage is the coverage of the conformal sets, and --conformal none makes none: "
+                           "leave out one of the two.")
+        return None
+    from nctv.conformal import ConformalSettings
+
+    given = {"score": args.conformal, "coverage": args.coverage}
+    return ConformalSettings(**{k: v for k, v in given.items() if v is not None})
+
+
 class _TrainFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown in the option list; examples kept as written."""
 
@@ -301,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="methods to run (full names in quotes, or short names: " + ", ".join(short_names())
                         + "); default: all ten")
     _add_intervals(p)
+    _add_conformal(p)
 
     p = _command(sub, "ablation", cmd_ablation, "NC (FL) against input-only and output-only parts (Table 4)",
                  "Neural Clamping (FL) against f(x + δ*) (input only), f(x)/T* (output only), temperature scaling "
@@ -510,7 +550,8 @@ def cmd_run(args: argparse.Namespace, nc: NCOptions) -> str:
     from nctv.intervals import IntervalSettings
 
     options = _table_options(args, nc, intervals=IntervalSettings(args.interval_level, args.resamples,
-                                                                  args.interval_seed))
+                                                                  args.interval_seed),
+                             conformal=_conformal_settings(args))
     if args.logits is not None:
         return _run_logits(args, options)
     methods = experiment.check_methods(resolve_methods(args.methods) or experiment.DEFAULT_METHODS)
@@ -539,12 +580,15 @@ def _run_logits(args: argparse.Namespace, options: Any) -> str:
 
 
 def _shown_run(result, style: str) -> str:
-    """The main table with its intervals and marks, and the verdict of NC against TS by grid search."""
+    """The main table with its intervals and marks, the verdict of NC against TS by grid search, and the
+    conformal sets' table (the score and coverage chosen)."""
     from nctv import report
 
     b = _main_bins(result.bins)
     sentence = report.verdict(result, b)
-    return report.to_markdown(report.results_table(result, b), style) + ("\n" + sentence + "\n" if sentence else "") + "\n"
+    sets = report.conformal_table(result)
+    return (report.to_markdown(report.results_table(result, b), style) + ("\n" + sentence + "\n" if sentence else "")
+            + ("\n" + report.to_markdown(sets, style) if sets is not None else "") + "\n")
 
 
 def cmd_ablation(args: argparse.Namespace, nc: NCOptions) -> str:

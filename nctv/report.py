@@ -340,15 +340,16 @@ def conformal_table(result: RunResult) -> Table | None:
         cells.append([Cell(c[k][0] * col.scale, None, low=c[k][1] * col.scale, high=c[k][2] * col.scale)
                       for k, col in zip(("coverage", "mean_size", "worst_class_coverage"), columns)]
                      + [Cell(c["empty"] * 100.0)])
-    kind = {"lac": "LAC", "aps": "APS", "raps": "RAPS"}.get(first["score"], first["score"])
+    # The run's own settings, as every row recorded them: the score (randomised or not) and the coverage.
+    kind = first["score"].upper() + (" (randomised)" if first.get("randomized") else "")
     notes = [f"{kind} sets at {target:g} % coverage (nctv.conformal), the threshold from the calibration split as each row "
              "calibrates it, scored on the test split. Each calibrator was fitted on those same calibration "
              f"pictures, so its coverage can fall short of {target:g} % where it fitted them closely (a δ of many "
              "values on few pictures); nctv.conformal.split_calibration keeps the two apart (docs/conformal.md). "
              f"Worst class: the lowest coverage among classes with at least {first.get('min_class_points', 10)} test "
              "pictures."]
-    return Table(f"Conformal prediction sets at {target:g} % coverage", columns, [n for n, _ in rows], cells, notes,
-                 [], None, "Method")
+    return Table(f"Conformal prediction sets: {kind} at {target:g} % coverage", columns, [n for n, _ in rows], cells,
+                 notes, [], None, "Method")
 
 
 def _say_consistent(result: RunResult, columns: list[Column], cells: list[list[Cell]], n_bins: int) -> None:

@@ -39,9 +39,13 @@ def test_exactly_the_public_endpoints_are_listed(client):
     assert not api["unnamed_endpoints"]
     params = [p["parameter_name"] for p in api["named_endpoints"]["/calibrate"]["parameters"]]
     assert params == ["model", "hub_id", "dataset", "calibration_size", "test_size", "seed", "n_bins", "methods",
-                      "gamma", "weight_decay", "init", "fitter", "epochs", "lr"]
-    lr = api["named_endpoints"]["/calibrate"]["parameters"][-1]
-    assert lr["parameter_has_default"] and lr["parameter_default"] == "default"  # older calls still work
+                      "gamma", "weight_decay", "init", "fitter", "epochs", "lr", "conformal_score", "coverage"]
+    # Older calls (of gradio_client, which sends the defaults of what a call leaves out) still work.
+    lr, score, coverage = api["named_endpoints"]["/calibrate"]["parameters"][-3:]
+    assert lr["parameter_has_default"] and lr["parameter_default"] == "default"
+    assert (score["parameter_default"], coverage["parameter_default"]) == ("lac", 90)
+    params = [p["parameter_name"] for p in api["named_endpoints"]["/calibrate_logits"]["parameters"]]
+    assert params == ["file", "methods", "n_bins", "seed", "conformal_score", "coverage"]
 
 
 def test_queue_settings(server):

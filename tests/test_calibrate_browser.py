@@ -499,3 +499,63 @@ def test_one_error_beside_run_then_cleared_and_the_live_plot_counts_passes(page)
     count = int(page.locator("#calibrate-bin").get_attribute("data-count"))
     rows = page.locator("#calibrate-bin-list li").evaluate_all("items => items.map(li => Number(li.dataset.row))")
     assert len(rows) == min(24, count) and all(0 <= r < 1000 for r in rows)
+
+
+#: The conformal table of the results: its heading (the bold line above it) and, per row, its cells' text.
+CONFORMAL_TABLE = """() => {
+    const head = [...document.querySelectorAll('#results-table strong')].find(s => s.innerText.startsWith('Conformal'));
+    if (!head) return null;
+    let table = head.closest('p');
+    while (table && table.tagName !== 'TABLE') table = table.nextElementSibling;
+    return {heading: head.innerText, rows: Object.fromEntries([...table.querySelectorAll('tbody tr')].map(r =>
+        [r.cells[0].innerText.trim(), [...r.cells].slice(1).map(c => c.innerText.trim())]))};
+}"""
+
+
+def test_aps_at_95_chosen_in_the_page_makes_the_table_say_aps_with_the_librarys_figures(browser, server,  # noqa: F811
+                                                                                      tmp_path):
+    """A person opens the prediction sets' panel, picks APS and 95 %, and calibrates a file of logits: the
+    table under the results turns from the shipped LAC at 90 % to APS at 95 %, with the coverage and set
+    sizes of the library's run of APS at 95 % on that file (not those of LAC at 90 %)."""
+    from nctv.conformal import ConformalSettings
+    from nctv.experiment import RunOptions
+    from nctv.logits_file import read_logits, run_on_logits
+    from nctv.settings import APP_BINS
+    from test_logits_file import _data, _write
+
+    path = _write(tmp_path / "mine.npz", *_data(n=800), cut=400)
+    page = open_at(browser, server, 1400, 1000, False)
+    try:
+        assert page.evaluate(CONFORMAL_TABLE)["heading"] == "Conformal prediction sets: LAC at 90 % coverage"
+        panel = page.locator("#conformal-panel")
+        panel.get_by_role("button").first.click()
+        page.locator("#conformal-score").get_by_text("APS", exact=True).click()
+        box = page.locator("#conformal-coverage input[type=number]")
+        box.fill("95")
+        box.press("Tab")
+        # The panel's title says what is chosen, so that it can stay closed.
+        page.wait_for_function("document.querySelector('#conformal-panel').innerText"
+                               ".includes('Prediction sets: APS at 95 % coverage')")
+        page.locator("#logits-panel").get_by_role("button").first.click()
+        page.locator("#logits-file input[type=file]").set_input_files(str(path))
+        # The file's name in the upload box (its text: the box may draw the name over two lines).
+        page.wait_for_function("document.querySelector('#logits-file').textContent.includes('mine.npz')", polling=250)
+        page.locator("#logits-run").click()
+        wait_for_status(page, "Done", 120_000)
+        shown = page.evaluate(CONFORMAL_TABLE)
+        page.screenshot(path=str(ARTIFACTS / "calibrate-conformal-aps.png"), full_page=True)
+    finally:
+        page.context.close()
+    assert shown["heading"] == "Conformal prediction sets: APS at 95 % coverage"
+    # The rows the page ran: the ticked methods that work on logits (the uncalibrated reference first).
+    data, methods = read_logits(path), list(shown["rows"])
+    assert methods[0] == "Uncalibrated" and "Temperature Scaling" in methods
+    runs = {score: run_on_logits(data, methods, RunOptions(seeds=(0,), bins=(APP_BINS,), progress=False,
+                                                           conformal=ConformalSettings(score, coverage)))
+            for score, coverage in (("aps", 0.95), ("lac", 0.9))}
+    for name in methods:
+        cells = [c.split(" [")[0] for c in shown["rows"][name]]  # coverage %, mean set size, worst class %, empty %
+        for run, same in ((runs["aps"], True), (runs["lac"], False)):
+            c = run.methods[name].conformal
+            figures = [f"{100 * c['coverage'][0]:.1f}", f"{c['mean_size'][0]:.2f}"]
+            assert (cells[:2] == figures) is same, (name, cells, figures)

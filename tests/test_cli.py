@@ -344,9 +344,87 @@ def test_a_setting_typed_in_the_app_or_after_the_flag_is_the_same_value(flag, fi
     (["timing", "--resolutions", "nan"], "argument --resolutions: expected a finite number, got 'nan'"),
     (["sweep-gamma", "--gammas", "0", "1e999"], "argument --gammas: expected a finite number, got '1e999'"),
     (["sweep-gamma", "--gammas", "11"], "argument --gammas: expected a gamma from 0 to 10, got 11"),
+    (["run", "--coverage", "95"], "argument --coverage: expected a fraction between 0 and 1 (e.g. 0.95 for 95 %), got 95"),
+    (["run", "--coverage", "1"], "argument --coverage: expected a fraction between 0 and 1"),
+    (["run", "--coverage", "0"], "argument --coverage: expected a fraction between 0 and 1"),
+    (["run", "--coverage", "nan"], "argument --coverage: expected a finite number, got 'nan'"),
+    (["run", "--coverage", "０.９"], "argument --coverage: expected a number, got '０.９'"),
+    (["run", "--conformal", "thr"], "argument --conformal: invalid choice: 'thr'"),
 ])
 def test_numbers_beyond_range_are_refused_in_the_commands_words(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(args)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and "Traceback" not in err and "Overflow" not in err
+
+
+def test_run_makes_the_conformal_sets_asked_for(tmp_path, capsys):
+    """`nctv run --conformal SCORE --coverage C` (here on a file of logits) scores every row with those sets:
+    results.json, the printed table and table.md name them; `--conformal none` makes none; the score's
+    names are the library's (nctv.conformal.SCORES), and a coverage with no sets is refused in words."""
+    from nctv.cli import CONFORMAL_CHOICES, main
+    from nctv.conformal import DEFAULT_COVERAGE, SCORES
+    from tests.test_logits_file import _data, _write
+
+    assert CONFORMAL_CHOICES == (*SCORES, "none")
+    assert f"(default {DEFAULT_COVERAGE:g})" in " ".join(build_parser()._subparsers._group_actions[0].choices["run"]
+                                                         .format_help().split())
+    path = _write(tmp_path / "l.npz", *_data(n=600), cut=300)
+    small = ["--methods", "uncal", "ts", "--seeds", "1", "--bins", "15", "--quiet"]
+    for args, score, coverage in ((["--conformal", "RAPS", "--coverage", "0.8"], "raps", 0.8),
+                                  (["--coverage", "0.95"], "lac", 0.95), ([], "lac", DEFAULT_COVERAGE)):
+        out = tmp_path / f"{score}-{coverage}"
+        assert main(["run", "--logits", str(path), *small, *args, "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        sets = [m["conformal"] for m in json.loads((out / "results.json").read_text())["methods"].values()]
+        assert [(c["score"], c["coverage_target"]) for c in sets] == [(score, coverage)] * 2
+        heading = f"Conformal prediction sets: {score.upper()} at {100 * coverage:g} % coverage"
+        assert heading in printed and heading in (out / "table.md").read_text()
+        assert heading.replace("%", r"\%") in (out / "table.tex").read_text()  # the LaTeX table's caption
+    out = tmp_path / "none"
+    assert main(["run", "--logits", str(path), *small, "--conformal", "none", "--out", str(out)]) == 0
+    assert "Conformal" not in capsys.readouterr().out and "Conformal" not in (out / "table.md").read_text()
+    assert all(m["conformal"] is None for m in json.loads((out / "results.json").read_text())["methods"].values())
+    assert main(["run", "--logits", str(path), *small, "--conformal", "none", "--coverage", "0.9",
+                 "--out", str(tmp_path / "both")]) == 2
+    assert capsys.readouterr().err.strip() == ("nctv run: error: --coverage is the coverage of the conformal sets, and "
+                                               "--conformal none makes none: leave out one of the two.")
+    assert not (tmp_path / "both").exists()
+
+
+@pytest.mark.parametrize("score, percent, flags", [("aps", 95, ["--conformal", "aps", "--coverage", "0.95"]),
+                                                   ("raps", 80, ["--conformal", "RAPS", "--coverage", "0.8"]),
+                                                   ("lac", 90, [])])
+def test_the_sets_chosen_in_the_app_and_after_the_flags_are_the_same_settings(score, percent, flags):
+    """The Calibrate tab's score and coverage (per cent) and `nctv run --conformal --coverage` (a fraction) build
+    equal ConformalSettings: the same q̂ to the last bit (the coverage 0.95 is the same float either way)."""
+    from nctv.cli import _conformal_settings
+    from nctv.ui import calibrate as cal_tab
+
+    assert cal_tab.parse_conformal(score, percent) == _conformal_settings(build_parser().parse_args(["run", *flags]))
+
+
+@pytest.mark.parametrize("score, coverage, words", [
+    ("aps", 100, "Coverage must be a number from 50 to 99 (per cent); got 100."),
+    ("aps", 0.95, "Coverage must be a number from 50 to 99 (per cent); got 0.95."),
+    ("aps", float("nan"), "Coverage must be a number from 50 to 99 (per cent); got nan."),
+    ("aps", [95], "Coverage must be a number from 50 to 99 (per cent); got [95]."),
+    ("thr", 90, "Unknown conformal score 'thr'; use one of lac, aps, raps."),
+])
+def test_the_apps_handlers_refuse_bad_sets_in_words(score, coverage, words, tmp_path):
+    """Called directly (as gradio_client's values reach them once the inputs have passed), both Calibrate
+    handlers refuse a bad score or coverage in words, before anything runs."""
+    import gradio as gr
+
+    from nctv.ui import calibrate as cal_tab
+    from tests.test_logits_file import _data, _write
+
+    path = _write(tmp_path / "l.npz", *_data(n=100), cut=50)
+    with pytest.raises(gr.Error) as shown:
+        list(cal_tab.calibrate_logits(str(path), ["Temperature Scaling"], 15, 0, score, coverage))
+    assert shown.value.message == words
+    with pytest.raises(gr.Error) as shown:
+        list(cal_tab.calibrate("fmnist-resnet-overconfident", "", "model's own dataset", 300, 1000, 0, 15,
+                               ["Temperature Scaling"], "1", "default", "random", "fast", 100, "default", score,
+                               coverage))
+    assert shown.value.message == words

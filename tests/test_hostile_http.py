@@ -384,7 +384,7 @@ def test_a_50_mb_gamma_is_refused_at_once_and_briefly(app):
 
     def calibrate(gamma: str):
         data = [DEFAULT_MODEL, "", "model's own dataset", 20, 20, 0, 5, ["Neural Clamping (FL)"], gamma,
-                "default", "random", "fast", 10, "default"]
+                "default", "random", "fast", 10, "default", "lac", 90]
         return app.http.post("/gradio_api/call/calibrate", json={"data": data})
 
     cpu = app.cpu_seconds()
@@ -422,7 +422,7 @@ def test_one_address_cannot_fill_the_queue(app):
 
     def run(address: str, gamma: str = "x", fitter: str = "fast", epochs: int = 10, size: int = 20):
         data = [DEFAULT_MODEL, "", "model's own dataset", size, size, 0, 5, ["Neural Clamping (FL)"], gamma,
-                "default", "random", fitter, epochs, "default"]
+                "default", "random", fitter, epochs, "default", "lac", 90]
         return app.client(address).post("/gradio_api/call/calibrate", json={"data": data})
 
     holder = run("127.0.0.3", gamma="1", fitter="paper", epochs=100, size=2000)  # takes the heavy slot

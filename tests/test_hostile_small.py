@@ -176,10 +176,10 @@ def app(tmp_path_factory):
 
 
 def _calibrate(**changes) -> list:
-    """The calibrate endpoint's 14 values: a small, quick run, with ``changes`` by field name."""
+    """The calibrate endpoint's 16 values: a small, quick run, with ``changes`` by field name."""
     fields = dict(model=DEFAULT_MODEL, hub_id="", dataset="model's own dataset", calibration_size=20, test_size=20,
                   seed=0, bins=5, methods=["Temperature Scaling"], gamma="1", weight_decay="default", init="random",
-                  fitter="fast", epochs=10, lr="default")
+                  fitter="fast", epochs=10, lr="default", conformal_score="lac", coverage=90)
     fields.update(changes)
     return list(fields.values())
 
@@ -193,6 +193,11 @@ def _calibrate(**changes) -> list:
     ({"dataset": ["fashion-mnist"]}, "Calibration pool (dataset) must be text; got ['fashion-mnist']."),
     ({"hub_id": ["timm/resnet18"]}, "…or your own Hugging Face Hub model id must be text; got ['timm/resnet18']."),
     ({"gamma": {"value": 1}}, "Focal-loss γ must be text; got {'value': 1}."),
+    ({"conformal_score": "thr"}, "Score must be one of: lac, aps, raps; got 'thr'."),
+    ({"conformal_score": ["aps"]}, "Score must be one of: lac, aps, raps; got ['aps']."),
+    ({"coverage": 100}, "Coverage (%) must be a whole number from 50 to 99; got 100."),
+    ({"coverage": 95.5}, "Coverage (%) must be a whole number from 50 to 99; got 95.5."),
+    ({"coverage": "95"}, "Coverage (%) must be a whole number from 50 to 99; got '95'."),
 ])
 def test_a_value_the_setting_cannot_take_is_refused_in_the_apps_words(app, changes, words):
     kind, message = app.call("calibrate", _calibrate(**changes))

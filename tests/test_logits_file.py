@@ -180,7 +180,7 @@ def test_the_apps_calibrate_tab_takes_an_upload_of_logits(tmp_path):
     saved = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
     ts = library.methods["Temperature Scaling"]
     assert saved["methods"]["Temperature Scaling"]["params"]["temperature"] == pytest.approx(ts.params["temperature"])
-    assert f"{100 * ts.metrics[15]['ece'].mean:.2f}" in table and "Conformal prediction sets at 90 % coverage" in table
+    assert f"{100 * ts.metrics[15]['ece'].mean:.2f}" in table and "Conformal prediction sets: LAC at 90 % coverage" in table
     assert [m["name"] for m in diagrams["methods"]] == ["Uncalibrated", "Temperature Scaling"]
     with pytest.raises(ValueError, match="no pictures to show"):
         calibrate.group_pictures(shown, "Temperature Scaling", 14)

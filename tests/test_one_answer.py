@@ -218,3 +218,76 @@ def test_the_shipped_shift_study_is_todays(shipped_splits):
                    {k: pairs[key][k] for k in ("difference", "low", "high")}, f"comparison {key}", skip, tol)
             checked += 1
     assert checked >= len(conditions)  # NC against TS by grid search under every condition, at least
+
+
+# ------------------------------------------------------------------ the conformal sets: one answer per setting
+
+SETS = ("score", "coverage_target", "randomized", "threshold", "coverage", "mean_size", "worst_class_coverage",
+        "worst_class", "empty")
+
+
+def _sets(results: dict) -> dict:
+    """Per row of a results.json: its conformal sets, the figures every surface must agree on."""
+    return {name: {k: m["conformal"][k] for k in SETS} for name, m in results["methods"].items()}
+
+
+def test_aps_at_95_is_one_answer_in_the_app_the_cli_and_the_library_on_a_logits_file(tmp_path):
+    """APS at 95 % chosen in the Calibrate tab's logits panel, after `nctv run --logits FILE --conformal aps
+    --coverage 0.95`, and in the library's RunOptions: the same sets, whose figures are those of a conformal
+    predictor made here on the run's own temperature."""
+    import torch
+
+    from nctv.cli import main
+    from nctv.conformal import ConformalPredictor, ConformalSettings
+    from nctv.experiment import RunOptions
+    from nctv.logits_file import read_logits, run_on_logits
+    from nctv.ui import calibrate
+    from tests.test_logits_file import _data, _write
+
+    z, y = _data(n=800)
+    path = _write(tmp_path / "mine.npz", z, y, cut=400)
+    methods = ["Uncalibrated", "Temperature Scaling"]
+    *_, (status, table, *_, files, _) = calibrate.calibrate_logits(str(path), methods, 15, 0, "aps", 95)
+    app = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
+    assert main(["run", "--logits", str(path), "--methods", "uncal", "ts", "--seeds", "1", "--bins", "15",
+                 "--conformal", "aps", "--coverage", "0.95", "--out", str(tmp_path / "cli"), "--quiet"]) == 0
+    cli = json.loads((tmp_path / "cli" / "results.json").read_text())
+    library = _json(run_on_logits(read_logits(path), methods,
+                                  RunOptions(seeds=(0,), bins=(15,), progress=False,
+                                             conformal=ConformalSettings(score="aps", coverage=0.95))))
+    assert _sets(app) == _sets(cli) == _sets(library)
+    assert "Conformal prediction sets: APS at 95 % coverage" in table
+
+    # The figures themselves: APS sets at 95 % on temperature scaling's probabilities, made here.
+    data = read_logits(path)
+    t = cli["methods"]["Temperature Scaling"]["params"]["temperature"]
+    zc, zt = (torch.from_numpy(a).float() / t for a in (data.calibration_logits, data.test_logits))  # as a run does
+    predictor = ConformalPredictor(ConformalSettings("aps", 0.95)).fit(zc, torch.from_numpy(data.calibration_labels))
+    sets = predictor.predict_sets(zt)
+    ts = cli["methods"]["Temperature Scaling"]["conformal"]
+    assert ts["threshold"] == pytest.approx(predictor.threshold_, abs=1e-6)
+    assert ts["coverage"][0] == pytest.approx(float(sets[np.arange(len(zt)), data.test_labels].double().mean()), abs=1e-12)
+    assert ts["mean_size"][0] == pytest.approx(float(sets.sum(1).double().mean()), abs=1e-12)
+    # ... and not the default's (LAC at 90 %): the setting reached every surface.
+    lac = run_on_logits(data, methods, RunOptions(seeds=(0,), bins=(15,), progress=False))
+    assert lac.methods["Temperature Scaling"].conformal["mean_size"][0] < ts["mean_size"][0] - 0.5
+
+
+@pytest.mark.slow
+def test_a_calibrate_run_with_aps_at_95_is_nctv_run_with_the_same_sets(tmp_path):
+    """The Calibrate tab's run (its handler, as the page calls it) with APS at 95 %, and `nctv run --conformal
+    aps --coverage 0.95` on the same split of the embedded default: the same prediction sets on every row."""
+    from nctv.ui import calibrate, limits
+    from nctv.zoo import DEFAULT_MODEL
+
+    *_, last = calibrate.calibrate(DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15,
+                                   ["Temperature Scaling"], "1", "default", "random", "fast", 100, "default", "aps", 95)
+    status, table, files = last[0], last[3], last[7]
+    assert status.startswith("**Done**"), status
+    app = json.loads(Path(next(f for f in files if f.endswith("results.json"))).read_text())
+    nctv("run", "--methods", "uncal", "ts", "--seeds", "1", "--bins", "15", "--calibration-size", "300",
+         "--test-size", "1000", "--conformal", "aps", "--coverage", "0.95", "--out", str(tmp_path / "cli"), "--quiet",
+         cwd=tmp_path)
+    cli = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert _sets(app) == _sets(cli)
+    assert {m["score"] for m in _sets(cli).values()} == {"aps"} and "APS at 95 % coverage" in table

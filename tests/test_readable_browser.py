@@ -99,9 +99,12 @@ UNIT_LINES = """root => {
 
 def open_page(browser, url, width, height):  # noqa: F811 - browser: the fixture's value
     pg = open_app(browser, url, width, height, phone=width < 500)
-    # The shared panel's help texts are part of the page: open it once.
+    # The shared panel's help texts are part of the page, and so are the prediction sets' (their scores
+    # explained in a line each): open both once.
     pg.locator("#shared-panel").get_by_role("button").first.click()
     pg.locator("#calibration-size input").wait_for(state="visible")
+    pg.locator("#conformal-panel").get_by_role("button").first.click()
+    pg.locator("#conformal-info").wait_for(state="visible")
     return pg
 
 

@@ -280,6 +280,33 @@ def _nc_controls(gamma: bool = True, init: bool = True):
     return out
 
 
+def conformal_label(score: Any, coverage: Any) -> str:
+    """The prediction sets' panel title: the score and coverage chosen (shown while it is closed)."""
+    name = dict((value, label) for label, value in cal_tab.CONFORMAL_CHOICES).get(score, "?")
+    level = f" at {coverage:g} % coverage" if isinstance(coverage, (int, float)) else ""
+    return f"Prediction sets: {name}{level}"
+
+
+def _conformal_controls() -> tuple:
+    """The score and the coverage (per cent) of every row's conformal prediction sets: (score, coverage)."""
+    low, high = cal_tab.COVERAGE_PERCENT
+    with gr.Accordion(conformal_label(cal_tab.DEFAULT_SCORE, cal_tab.DEFAULT_COVERAGE_PERCENT), open=False,
+                      elem_id="conformal-panel") as panel:
+        gr.Markdown("Each method's row also gets a **set** of classes that should hold the right answer as often "
+                    "as the coverage says (split conformal prediction, on the calibration split). The table "
+                    "under the results gives each set's coverage and size on the test split.")
+        score = CheckedRadio(cal_tab.CONFORMAL_CHOICES, value=cal_tab.DEFAULT_SCORE, label="Score",
+                             elem_id="conformal-score")
+        gr.Markdown(cal_tab.CONFORMAL_INFO, elem_id="conformal-info")
+        coverage = CheckedSlider(low, high, cal_tab.DEFAULT_COVERAGE_PERCENT, step=1, label="Coverage (%)",
+                                 info="how often a set should hold the right answer", elem_id="conformal-coverage")
+    # One event for both, its last trigger answered last: two events could answer out of order, and the
+    # title then named the values before the last change.
+    gr.on([score.change, coverage.change], lambda *v: gr.update(label=conformal_label(*v)), [score, coverage], panel,
+          queue=False, show_progress="hidden", trigger_mode="always_last", api_visibility="private")
+    return score, coverage
+
+
 def _run_bar(label: str, status_id: str, status: str = ""):
     """Run and Stop, and below them the status line: progress, the time left, the result or what
     went wrong, where the person who pressed Run is looking."""
@@ -351,11 +378,13 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                                             "MS-ODIR and Dir-ODIR are slow on a CPU (up to minutes).")
             with gr.Accordion("Neural Clamping settings", open=True):
                 nc = _nc_controls()
+            sets = _conformal_controls()
             # Any classifier's logits (text, audio, tables…): the ticked logit methods, the same tables.
             with gr.Accordion("Your own logits (any classifier)", open=False, elem_id="logits-panel"):
                 gr.Markdown("A `.npz`, `.safetensors` or `.csv` file of calibration and test logits and labels, or of "
                             "one set that is split in halves by the seed (docs/logits.md). The ticked methods that "
-                            "work on logits run on it; Neural Clamping needs the model's pictures.")
+                            "work on logits run on it, with the prediction sets chosen above; Neural Clamping "
+                            "needs the model's pictures.")
                 logits_upload = gr.File(label="Logits and labels", file_types=[".npz", ".safetensors", ".csv"],
                                         elem_id="logits-file")
                 logits_run = gr.Button("Calibrate these logits", elem_id="logits-run")
@@ -372,7 +401,8 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
                                           "figures, δ)", file_count="multiple", interactive=False,
                             elem_id="calibrate-files", elem_classes="download-list")
-    inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"]]
+    inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"],
+                              *sets]
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state, shown]
     # The status line's own text is the progress (step, time left) and, after a failure, the error:
     # Gradio's progress and error marks go on it alone and are hidden there (APP_CSS), since they
@@ -381,7 +411,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
                       concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                       show_progress="hidden", trigger_mode=RUN_TRIGGER)
     _stop(stop, event, status)
-    logits_event = logits_run.click(cal_tab.calibrate_logits, [logits_upload, methods, shared.bins, shared.seed],
+    logits_event = logits_run.click(cal_tab.calibrate_logits, [logits_upload, methods, shared.bins, shared.seed, *sets],
                                     [status, table, diagrams, params, delta, files, shown], api_name="calibrate_logits",
                                     concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
                                     show_progress="hidden")

@@ -20,7 +20,8 @@ import numpy as np
 
 from nctv.results import CALIBRATORS_FOLDER
 from nctv.calibration.clamping import RECIPES
-from nctv.checks import LR_MAX
+from nctv.checks import LR_MAX, read_number, shown
+from nctv.conformal import DEFAULT_COVERAGE, SCORES, ConformalSettings
 from nctv.settings import INIT_STDS, RECIPE_LR, NCOptions
 from nctv.ui.common import (SAME_TASK, ProgressLine, duration, export_dir, parse_whole,
                              user_errors, with_warnings)
@@ -46,6 +47,18 @@ INIT_INFO = (f"the fitter's own: the fast fitter starts at δ₀ = 0, the recipe
 GAMMA_CHOICES = ["auto", "0", "0.5", "1", "2", "3"]
 WEIGHT_DECAY_CHOICES = ["default", "strong", "auto", "0", "0.001", "0.01", "0.1", "1"]
 
+#: The conformal scores by the names the table gives them.
+CONFORMAL_CHOICES = [(score.upper(), score) for score in SCORES]
+#: What each score puts in a set, in a line a lecturer can read out.
+CONFORMAL_INFO = ("- **LAC**: every class whose probability clears one bar; the smallest sets.\n"
+                  "- **APS**: the likeliest classes, added until their probabilities sum to enough; sets grow where "
+                  "the model is unsure.\n"
+                  "- **RAPS**: APS that charges extra for each unlikely class; shorter sets where there are many "
+                  "classes.")
+#: The coverage the page offers, in per cent (the library takes any fraction between 0 and 1).
+COVERAGE_PERCENT = (50, 99)
+DEFAULT_SCORE, DEFAULT_COVERAGE_PERCENT = ConformalSettings().score, round(100 * DEFAULT_COVERAGE)
+
 Report = Callable[[tuple], None]
 
 
@@ -70,10 +83,11 @@ def _ordered_methods(methods: Sequence[str]) -> list[str]:
 
 
 def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NCOptions,
-                    report: Report | None = None) -> tuple[Any, Calibration]:
+                    report: Report | None = None,
+                    conformal: ConformalSettings | None = ConformalSettings()) -> tuple[Any, Calibration]:
     """Fit ``methods`` on the calibration split of ``spec``, score them on its test split, through
     the library's :func:`nctv.experiment.run_experiment` (one run, seed = the split's seed), with
-    Neural Clamping's options ``nc``.
+    Neural Clamping's options ``nc`` and every row's prediction sets made as ``conformal`` says.
 
     ``report`` receives ``("progress", fraction, message, unit, unit_fraction)`` (``unit``: the
     running step, numbered: the two logit passes, then each method; ``unit_fraction``: how far into
@@ -102,27 +116,29 @@ def run_calibration(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NC
         say(("progress", min(0.02 + 0.97 * fraction, 0.99), message, unit, fraction * units - unit))
 
     options = RunOptions(seeds=[spec.calibration_seed], bins=[n_bins], nc=nc, progress=False, callback=progress,
-                         on_fit_step=lambda row, info: say(("nc", row, info)), dataset=spec.dataset)
+                         on_fit_step=lambda row, info: say(("nc", row, info)), dataset=spec.dataset,
+                         conformal=conformal)
     result = run_experiment(loaded, cal, test, names, options)
     say(("progress", 1.0, f"done in {result.seconds:.1f} s", "done", 1.0))
     return result, _calibration_of(result, spec, n_bins)
 
 
 def _calibration_work(spec: SplitSpec, methods: Sequence[str], n_bins: int, nc: NCOptions,
-                      report: Report) -> tuple[Any, Calibration, str]:
+                      conformal: ConformalSettings, report: Report) -> tuple[Any, Calibration, str]:
     """The GPU part of a Calibrate run (see ``nctv.ui.gpu``): :func:`run_calibration`, its fitted
     calibrators written to a fresh download folder (they hold the model, which stays where it is),
     and the result without them. Returns (result, calibration, that folder), all CPU values."""
     import dataclasses
 
-    result, calibration = run_calibration(spec, methods, n_bins, nc, report)
+    result, calibration = run_calibration(spec, methods, n_bins, nc, report, conformal)
     out = export_dir("calibration")
     result.save_calibrators(out / CALIBRATORS_FOLDER, get_model(spec.model))
     methods_kept = {k: dataclasses.replace(m, calibrator=None) for k, m in result.methods.items()}
     return dataclasses.replace(result, methods=methods_kept), calibration, str(out)
 
 
-#: The GPU function of the Calibrate tab: ``(seconds, spec, methods, n_bins, nc)`` → streamed items, then the result.
+#: The GPU function of the Calibrate tab: ``(seconds, spec, methods, n_bins, nc, conformal)`` → streamed items, then
+#: the result.
 calibration_on_gpu = gpu_generator(_calibration_work)
 
 
@@ -488,6 +504,17 @@ def parse_nc_options(fitter: Any, weight_decay: Any, epochs: Any, lr: Any, **fie
     return NCOptions(fitter=fitter, **{k: v for k, v in given.items() if v is not None})
 
 
+def parse_conformal(score: Any, coverage: Any) -> ConformalSettings:
+    """The run's prediction sets from the form: a score's name (``CONFORMAL_CHOICES``) and the coverage in
+    per cent (``COVERAGE_PERCENT``), as ``nctv run --conformal SCORE --coverage C`` gives them with C = the
+    per cent / 100."""
+    low, high = COVERAGE_PERCENT
+    percent = read_number(coverage)
+    if percent is None or not low <= percent <= high:  # NaN fails both
+        raise ValueError(f"Coverage must be a number from {low} to {high} (per cent); got {shown(coverage)}.")
+    return ConformalSettings(score=score, coverage=percent / 100)
+
+
 def parse_split(model: Any, hub_id: Any, dataset: Any, calibration_size: Any, test_size: Any, seed: Any) -> SplitSpec:
     """The split from the shared panel's fields; an empty (or 0) test size means the whole test split."""
     empty = test_size is None or (isinstance(test_size, str) and not test_size.strip()) or test_size == 0
@@ -511,16 +538,18 @@ def fold_message(method: str, info: dict) -> tuple[str, float] | None:
 
 @user_errors(status_of=len(OUTPUTS))
 def calibrate(model, hub_id, dataset, calibration_size, test_size, seed, n_bins, methods, gamma, weight_decay, init,
-              fitter, epochs, lr="default", progress=gr.Progress()):
-    """Run the chosen methods; streams (status, live panel visibility, live plot, table, diagrams,
-    parameters, δ, files, state, shown run)."""
+              fitter, epochs, lr="default", conformal_score=DEFAULT_SCORE, coverage=DEFAULT_COVERAGE_PERCENT,
+              progress=gr.Progress()):
+    """Run the chosen methods, their prediction sets made with ``conformal_score`` at ``coverage`` per cent;
+    streams (status, live panel visibility, live plot, table, diagrams, parameters, δ, files, state, shown run)."""
     spec = parse_split(model, hub_id, dataset, calibration_size, test_size, seed)
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     nc = parse_nc_options(fitter, weight_decay, epochs, lr, gamma=gamma, init=init)
+    sets = parse_conformal(conformal_score, coverage)
     names = _ordered_methods(methods or [])
     # The model work runs in one GPU call (nctv.ui.gpu); on ZeroGPU the server loads the model and the
     # splits first, and refuses a run that cannot fit the Space's GPU time.
-    worker = GpuRun(calibration_on_gpu, (spec, names, n_bins, nc),
+    worker = GpuRun(calibration_on_gpu, (spec, names, n_bins, nc, sets),
                     prepare=lambda report: prepare_calibration(spec, names, nc, report))
     live = LiveTrace()
     line = ProgressLine()
@@ -601,10 +630,12 @@ LOGITS_OUTPUTS = ("status", "table", "diagrams", "parameters", "δ", "files", "s
 
 
 @user_errors(status_of=len(LOGITS_OUTPUTS))
-def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, progress=gr.Progress()):
+def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, conformal_score: Any = DEFAULT_SCORE,
+                     coverage: Any = DEFAULT_COVERAGE_PERCENT, progress=gr.Progress()):
     """Any classifier's logits (a .npz, .safetensors or .csv upload, ``nctv.logits_file``) calibrated by
-    the ticked logit methods: streams (status, table, diagrams, parameters, δ, files, shown run). The
-    Learn and Try tabs keep their calibration: they need a model's pictures."""
+    the ticked logit methods, their prediction sets made with ``conformal_score`` at ``coverage`` per cent:
+    streams (status, table, diagrams, parameters, δ, files, shown run). The Learn and Try tabs keep their
+    calibration: they need a model's pictures."""
     from nctv import logits_file, plots, report
     from nctv.experiment import RunOptions
     from nctv.methods import METHODS
@@ -614,6 +645,7 @@ def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, progress=g
     path = Path(file if isinstance(file, str) else getattr(file, "path", "") or "")
     n_bins = parse_whole(n_bins, "Number of bins", 2, 100)
     seed = parse_whole(seed, "Seed", 0, 2**31 - 1)
+    sets = parse_conformal(conformal_score, coverage)
     ticked = _ordered_methods(methods or [])
     names = [m for m in ticked if m in METHODS and not METHODS[m].needs_model]
     if not [m for m in names if m != REFERENCE]:
@@ -625,7 +657,7 @@ def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, progress=g
     data = logits_file.read_logits(path, seed=seed, name=path.name)
     progress(0.1, desc=f"{len(names)} methods on {len(data.calibration_labels):,} + {len(data.test_labels):,} rows")
     result = logits_file.run_on_logits(data, [REFERENCE, *[m for m in names if m != REFERENCE]],
-                                       RunOptions(seeds=(seed,), bins=(n_bins,), progress=False))
+                                       RunOptions(seeds=(seed,), bins=(n_bins,), progress=False, conformal=sets))
     out = export_dir("logits")
     (out / "results.json").write_text(result.to_json(), encoding="utf-8")
     files = [out / "results.json", *report.write_tables(result, out),

@@ -348,8 +348,23 @@ def conformal_table(result: RunResult) -> Table | None:
              "values on few pictures); nctv.conformal.split_calibration keeps the two apart (docs/conformal.md). "
              f"Worst class: the lowest coverage among classes with at least {first.get('min_class_points', 10)} test "
              "pictures."]
+    if first["score"] == "raps" and all("penalty" in c for _, c in rows):
+        notes.append(_raps_note(rows))
     return Table(f"Conformal prediction sets: {kind} at {target:g} % coverage", columns, [n for n, _ in rows], cells,
                  notes, [], None, "Method")
+
+
+def _raps_note(rows: list[tuple[str, dict]]) -> str:
+    """RAPS's λ and k_reg as each row used them, and where they were tuned, on how many pictures."""
+    used = "; ".join(f"{name}: λ = {c['penalty']:g}, k_reg = {c['k_reg']}" for name, c in rows)
+    first = rows[0][1]
+    if not first.get("tuned"):
+        return f"RAPS's λ and k_reg as given: {used}."
+    which = " and ".join({"penalty": "λ", "k_reg": "k_reg"}[t] for t in first["tuned"])
+    return (f"RAPS's {which} {'were' if len(first['tuned']) > 1 else 'was'} tuned on {first['n_tune']:,} calibration "
+            "pictures held out from the threshold, "
+            f"which the other {first['n_conformal']:,} set (the smallest mean set size there; docs/conformal.md): "
+            f"{used}.")
 
 
 def _say_consistent(result: RunResult, columns: list[Column], cells: list[list[Cell]], n_bins: int) -> None:

@@ -381,6 +381,11 @@ def test_run_makes_the_conformal_sets_asked_for(tmp_path, capsys):
         heading = f"Conformal prediction sets: {score.upper()} at {100 * coverage:g} % coverage"
         assert heading in printed and heading in (out / "table.md").read_text()
         assert heading.replace("%", r"\%") in (out / "table.tex").read_text()  # the LaTeX table's caption
+        if score == "raps":  # the table names the λ and k_reg each row's sets used, tuned on a held-out part
+            table = " ".join((out / "table.md").read_text().split())
+            assert all(c["tuned"] == ["penalty", "k_reg"] and c["n_tune"] + c["n_conformal"] == 300 for c in sets)
+            assert f"tuned on {sets[0]['n_tune']:,} calibration pictures" in table
+            assert all(f"λ = {c['penalty']:g}, k_reg = {c['k_reg']}" in table for c in sets)
     out = tmp_path / "none"
     assert main(["run", "--logits", str(path), *small, "--conformal", "none", "--out", str(out)]) == 0
     assert "Conformal" not in capsys.readouterr().out and "Conformal" not in (out / "table.md").read_text()

@@ -23,6 +23,17 @@ At the boundary (a population error of 0) no bootstrap interval of a calibration
 every estimate of a bin's |gap| is positive. There the calibration test (``nctv.consistency``) decides:
 where it does not reject "calibrated", :func:`at_boundary` widens the interval down to 0.
 
+The same bias reaches a paired difference a − b of two methods' calibration errors: a (nearly)
+calibrated method's estimate reads high by about its noise, the other's hardly at all, so the
+difference's interval is pushed away from the truth, and two methods that are both consistent with
+calibrated can come out "separated". :func:`difference_at_boundary` is the rule for the difference:
+where A's test cannot reject, a = 0 is consistent with the data, and then a − b = −b, which B's own
+interval [b_lo, b_hi] (itself widened by :func:`at_boundary`) bounds: the difference's interval becomes
+the smallest interval holding both the paired one and [−b_hi, −b_lo]. Where B's test cannot reject,
+likewise with [a_lo, a_hi]; where both cannot, it holds 0 as well, so neither is ranked above the
+other. Where neither test can say "calibrated" the paired interval is left as it is (bench/boundary.py
+measures both sides: docs/method.md, "Paired differences at the boundary").
+
 Stochastic methods (several seeds): each resample also redraws the seeds with replacement and takes
 the mean over the drawn seeds, so the interval covers the test sample's randomness and the method's own.
 """
@@ -335,14 +346,68 @@ TOP_LABEL_ERRORS = ("ece", "aece", "mce", "smooth_ece", "ks", "l2_ce")
 CLASSWISE_ERRORS = ("sce",)
 
 
+def tested_p(metric: str, p_top_label: float | None, p_classwise: float | None) -> float | None:
+    """The p-value of the calibration test that speaks for ``metric``: the top-label test for
+    :data:`TOP_LABEL_ERRORS`, the classwise one for :data:`CLASSWISE_ERRORS`, None for any other metric."""
+    if metric in TOP_LABEL_ERRORS:
+        return p_top_label
+    if metric in CLASSWISE_ERRORS:
+        return p_classwise
+    return None
+
+
+def consistent(p_value: float | None, level: float = DEFAULT_LEVEL) -> bool:
+    """Whether the calibration test's ``p_value`` leaves "calibrated" standing at 1 − ``level``
+    (p ≥ 1 − level, with 1 − level rounded to 12 places: 1 − 0.95 is 0.05000000000000004 in floating
+    point, and a p of exactly 0.05 does not reject at 5 %); None (no test) is not."""
+    return p_value is not None and p_value >= round(1.0 - level, 12)
+
+
 def at_boundary(iv: Interval, p_value: float, level: float = DEFAULT_LEVEL) -> Interval:
     """The interval of a calibration error given the calibration test's p-value: where the test does
     not reject "calibrated" at 1 − ``level`` (p ≥ 1 − level), a population value of 0 is consistent with
     the data, so the interval is widened down to 0. Near that boundary no bootstrap interval of a
     binned error holds its level (docs/method.md, "At the boundary"); the test does, by construction."""
-    if p_value >= 1.0 - level:
+    if consistent(p_value, level):
         return Interval(iv.estimate, 0.0, iv.high)
     return iv
+
+
+def difference_at_boundary(diff: Interval, a: Interval, b: Interval, p_a: float | None, p_b: float | None,
+                           level: float = DEFAULT_LEVEL) -> Interval:
+    """The paired interval ``diff`` of a − b (two methods' calibration errors, :func:`difference`) made
+    honest where a method's calibration test cannot reject "calibrated" (``p_a``, ``p_b``: each method's
+    p-value for the metric, :func:`tested_p`; None: no test). ``a``, ``b``: each method's own interval,
+    as the table shows it (after :func:`at_boundary`).
+
+    * A consistent (:func:`consistent`): a may be 0, and then a − b = −b ∈ [−b.high, −b.low]; the
+      interval is widened to hold that range too (the smallest interval holding both).
+    * B consistent: b may be 0, and then a − b = a ∈ [a.low, a.high]; likewise.
+    * Both: a = b = 0 is consistent with the data, so the interval holds 0: the two are tied.
+
+    Neither: ``diff`` unchanged. The estimate is never moved."""
+    a_calibrated, b_calibrated = consistent(p_a, level), consistent(p_b, level)
+    low, high = diff.low, diff.high
+    if a_calibrated:
+        low, high = min(low, -b.high), max(high, -b.low)
+    if b_calibrated:
+        low, high = min(low, a.low), max(high, a.high)
+    if a_calibrated and b_calibrated:
+        low, high = min(low, 0.0), max(high, 0.0)
+    return Interval(diff.estimate, low, high)
+
+
+#: What a table says of a pair whose paired interval the rule widened (:func:`boundary_note`).
+BOTH_CONSISTENT = "both consistent with calibrated"
+
+
+def boundary_note(method: str, other: str, method_calibrated: bool, other_calibrated: bool) -> str:
+    """Why a pair's interval was widened at the boundary, in a reader's words ("" where it was not)."""
+    if method_calibrated and other_calibrated:
+        return BOTH_CONSISTENT
+    if method_calibrated or other_calibrated:
+        return f"{method if method_calibrated else other} consistent with calibrated"
+    return ""
 
 
 # --------------------------------------------------------------------------- a method's draws

@@ -34,10 +34,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from nctv.intervals import BOTH_CONSISTENT, boundary_note, consistent
 from nctv.methods import abbreviation
 from nctv.metrics import HIGHER_IS_BETTER, METRIC_NAMES
 from nctv.settings import INTERVAL_STYLES
-from nctv.results import COMPARED_METHOD, GRID_SEARCH_METHOD, REFERENCE_METHOD, RunResult, best_method
+from nctv.results import (COMPARED_METHOD, GRID_SEARCH_METHOD, REFERENCE_METHOD, RunResult, best_method,
+                          calibration_p)
 
 #: The columns of the paper's tables, in order, then smooth ECE.
 TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce", "smooth_ece")
@@ -258,7 +260,9 @@ def interval_note(result: RunResult) -> str:
             "too). ECE, AECE, SCE and MCE read high on a finite sample, so their intervals are built around a "
             "debiased estimate and may lie below the value shown; smooth ECE keeps the test split's bandwidth. "
             f"Where a row's calibration test does not reject calibration (p ≥ {1 - iv['level']:.2g}), the intervals "
-            "of its calibration errors reach 0 and its ECE (SCE) says \"consistent with calibrated\".")
+            "of its calibration errors reach 0 and its ECE (SCE) says \"consistent with calibrated\"; the paired "
+            "interval of its difference to another row then reaches what the other row's own interval allows, so two "
+            "rows both consistent with calibrated are tied.")
 
 
 def _percent(level: float) -> str:
@@ -370,12 +374,12 @@ def _raps_note(rows: list[tuple[str, dict]]) -> str:
 def _say_consistent(result: RunResult, columns: list[Column], cells: list[list[Cell]], n_bins: int) -> None:
     """Where a row's calibration test does not reject, its ECE (SCE) cell says so: its interval then
     reaches 0 (``nctv.intervals.at_boundary``), and a bootstrap interval alone would claim an error."""
-    alpha = 1.0 - result.settings["intervals"]["level"]
+    level = result.settings["intervals"]["level"]
     for j, col in enumerate(columns):
         test = _TESTED_BY.get(col.key)
         for m, row in zip(result.methods.values(), cells):
             stats = m.metrics[n_bins].get(test)
-            if stats is not None and stats.mean >= alpha:
+            if stats is not None and consistent(stats.mean, level):
                 row[j].note = f"consistent with calibrated (p = {_fmt_p(stats.mean)})"
 
 
@@ -446,14 +450,18 @@ def comparison_table(result: RunResult, n_bins: int = 15, metrics: Sequence[str]
             other = fixed or baseline[col.key]
             c = None if other is None or other == name else result.comparison(name, other, col.key, n_bins)
             row.append(Cell(text="—") if c is None else
-                       Cell(c.difference * col.scale, low=c.low * col.scale, high=c.high * col.scale))
+                       Cell(c.difference * col.scale, low=c.low * col.scale, high=c.high * col.scale,
+                            note=_boundary_note(result, c, n_bins)))
         rows.append(name if fixed is None else f"{name} − {fixed}")
         cells.append(row)
     named = "; ".join(f"{c.title}: {baseline[c.key]}" for c in columns if baseline[c.key] is not None)
     last = f"; the last row: {COMPARED_METHOD} − {GRID_SEARCH_METHOD}" if len(pairs) > len(result.methods) else ""
     notes = [f"Difference to the best baseline ({named}){last}.",
              f"Paired {_percent(result.settings['intervals']['level'])} intervals on the same resamples of the "
-             f"test split; an interval holding 0 is a tie. {n_bins} bins."]
+             f"test split; an interval holding 0 is a tie. {n_bins} bins.",
+             "Where a row's calibration test cannot reject calibration, its calibration error may be 0, so the "
+             "difference's interval also reaches what the other row's own interval allows; the cell says so "
+             "(\"both consistent with calibrated\": neither is ranked above the other)."]
     return Table(f"Differences between methods ({n_bins} bins)", columns, rows, cells, notes, [], n_bins,
                  paired=True)
 
@@ -462,7 +470,10 @@ def verdict(result: RunResult, n_bins: int = 15, metric: str = "ece", method: st
             other: str = GRID_SEARCH_METHOD) -> str | None:
     """One sentence on ``method`` against ``other`` from their paired interval, e.g. "Neural Clamping
     (FL) and TS by Grid Search are tied on this model: ECE −0.08 [−0.21, +0.05] point (95 % interval
-    of the difference)." None when the run has no such comparison (a method missing, no intervals)."""
+    of the difference)." Where both rows are consistent with calibrated (tied by
+    ``nctv.intervals.difference_at_boundary``) the sentence says so: "… are tied on this model (both
+    consistent with calibrated): …". None when the run has no such comparison (a method missing, no
+    intervals)."""
     c = result.comparison(method, other, metric, n_bins) if has_intervals(result) else None
     if c is None:
         return None
@@ -471,12 +482,23 @@ def verdict(result: RunResult, n_bins: int = 15, metric: str = "ece", method: st
     numbers = (f"{col.title} {_signed(c.difference * col.scale, col.decimals)} [{_signed(c.low * col.scale, col.decimals)}, "
                f"{_signed(c.high * col.scale, col.decimals)}]{unit}")
     level = _percent(result.settings["intervals"]["level"])
+    # Two rows both consistent with calibrated are tied by the boundary rule: the sentence says why.
+    both = _boundary_note(result, c, n_bins) == BOTH_CONSISTENT
     if c.tied:
-        head = f"{method} and {other} are tied on this model"
+        head = f"{method} and {other} are tied on this model" + (f" ({BOTH_CONSISTENT})" if both else "")
     else:
         lower = c.difference < 0
         head = f"{method} is {'better' if lower != bool(col.higher_is_better) else 'worse'} than {other} on this model"
     return f"{head}: {numbers} ({level} interval of the difference, {n_bins} bins)."
+
+
+def _boundary_note(result: RunResult, c: Any, n_bins: int) -> str | None:
+    """Why the pair ``c`` was widened at the boundary (``nctv.intervals.difference_at_boundary``), e.g.
+    "both consistent with calibrated"; None where neither row's calibration test speaks for the metric."""
+    level = result.settings["intervals"]["level"]
+    calibrated = [consistent(calibration_p(result.methods[n].metrics[n_bins], c.metric), level)
+                  for n in (c.method, c.other)]
+    return boundary_note(c.method, c.other, *calibrated) or None
 
 
 def _signed(v: float, decimals: int) -> str:

@@ -442,7 +442,11 @@ def interval_comparisons(methods: dict[str, MethodResult], draws: dict[str, dict
                          bins: Iterable[int], level: float) -> list[Comparison]:
     """The paired intervals the tables need (``draws[method][n_bins][metric]``: ``nctv.intervals``
     draws): every method against its column's leader and against the best baseline, and
-    ``COMPARED_METHOD`` against ``GRID_SEARCH_METHOD``. Metrics with no better direction have none."""
+    ``COMPARED_METHOD`` against ``GRID_SEARCH_METHOD``. Metrics with no better direction have none.
+
+    A calibration error's pair is widened where a method's calibration test cannot reject "calibrated"
+    (``nctv.intervals.difference_at_boundary``, from each row's p-value and its own interval in
+    ``methods``), so two rows both consistent with calibrated are tied."""
     from nctv.intervals import difference
 
     baselines = [n for n, m in methods.items() if m.is_baseline]
@@ -459,8 +463,28 @@ def interval_comparisons(methods: dict[str, MethodResult], draws: dict[str, dict
                 pairs.append((COMPARED_METHOD, GRID_SEARCH_METHOD, "grid search"))
             for name, other, role in pairs:
                 d = difference(draws[name][b][metric], draws[other][b][metric], level)
+                d = _at_boundary(d, methods[name].metrics[b], methods[other].metrics[b], metric, level)
                 out.append(Comparison(metric, b, name, other, role, d.estimate, d.low, d.high))
     return out
+
+
+def calibration_p(stats: dict[str, MetricStats], metric: str) -> float | None:
+    """A row's calibration test p-value for ``metric`` (``stats``: its metrics at one bin count); None for a
+    metric that is not a calibration error, or a row without a test."""
+    from nctv.intervals import tested_p
+
+    p = {k: stats[k].mean if k in stats else None for k in ("calibration_p", "classwise_calibration_p")}
+    return tested_p(metric, p["calibration_p"], p["classwise_calibration_p"])
+
+
+def _at_boundary(d: Any, a: dict[str, MetricStats], b: dict[str, MetricStats], metric: str, level: float) -> Any:
+    """The paired interval ``d`` of two rows (``a``, ``b``: their metrics at one bin count) after
+    ``nctv.intervals.difference_at_boundary``."""
+    from nctv.intervals import Interval, difference_at_boundary
+
+    own = lambda s: Interval(s.mean, s.ci_low, s.ci_high)  # noqa: E731
+    return difference_at_boundary(d, own(a[metric]), own(b[metric]), calibration_p(a, metric),
+                                  calibration_p(b, metric), level)
 
 
 # --------------------------------------------------------------------------- figures 2 and 3

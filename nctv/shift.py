@@ -320,8 +320,9 @@ def run_shift(model: Any, calibration: Any, test: Any, corruptions: Sequence[str
                          later_steps=len(conditions)) as run:
         fitted, fit_seconds, params = _fit_every_method(run, plans)
         scored = _score_shift(run, plans, fitted, conditions, corruption_seed, n_bins, intervals, examples)
-    figures, reliability, draws, cache_hits, example_pixels, timing = scored
-    average, comparisons = _shift_summaries(plans, draws, conditions, corruptions, severities, intervals.level)
+    figures, reliability, draws, cache_hits, example_pixels, timing, tested = scored
+    average, comparisons = _shift_summaries(plans, draws, conditions, corruptions, severities, intervals.level,
+                                            figures, tested)
     info = getattr(model, "class_names", None)
     return ShiftResult(
         model=run.model_info, calibration=ex._split_info(calibration), test=ex._split_info(test),
@@ -359,7 +360,8 @@ def _fit_every_method(run: Any, plans: Sequence[Any]) -> tuple[dict[str, list[An
 
 def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], conditions: list,
                  corruption_seed: int, n_bins: int, intervals: Any, examples: int):
-    """Every fitted method scored under every condition: points, intervals, the diagram's bins."""
+    """Every fitted method scored under every condition: points, intervals, the diagram's bins, and each
+    method's calibration test per condition (``tested[method][condition]``)."""
     from nctv import experiment as ex
     from nctv.cache import split_logits
     from nctv.corruptions import corrupt_split
@@ -377,6 +379,7 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
     figures: dict = {p.label: {} for p in plans}
     reliability: dict = {p.label: {} for p in plans}
     draws: dict = {p.label: {} for p in plans}
+    tested: dict = {p.label: {} for p in plans}
     cache_hits, pixels = {}, {}
     # Where the time goes: corrupting the pictures, the model's passes (the unperturbed logits of each
     # corrupted split, and Neural Clamping's f(x + δ)), and the rest (logit-space maps, metrics, intervals).
@@ -409,7 +412,8 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
             draws[p.label][key] = d
             # As a run does (nctv.experiment): where the calibration test cannot reject "calibrated", the
             # errors' intervals reach 0, so that the clean row is the run's row exactly.
-            test = consistency_test(per_seed, ctx.test_y, n_bins, intervals.resamples, intervals.seed)
+            test = tested[p.label][key] = consistency_test(per_seed, ctx.test_y, n_bins, intervals.resamples,
+                                                           intervals.seed)
             cell = {}
             for metric in points[0]:
                 cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}
@@ -429,7 +433,7 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
             timing["scoring"] += time.perf_counter() - t0
         ctx.progress.step(f"{key} scored")
     examples_out = {"indices": picked.tolist(), "png": pixels} if examples else {}
-    return figures, reliability, draws, cache_hits, examples_out, timing
+    return figures, reliability, draws, cache_hits, examples_out, timing, tested
 
 
 def _png(image: Any) -> str:
@@ -440,10 +444,13 @@ def _png(image: Any) -> str:
 
 
 def _shift_summaries(plans: Sequence[Any], draws: dict, conditions: list, corruptions: list[str],
-                     severities: list[int], level: float):
+                     severities: list[int], level: float, figures: dict, tested: dict):
     """The mean over corruptions per severity (its draws: the mean of the conditions' draws, which share
     their resamples) and the paired comparisons: every method against the condition's leader, and
-    Neural Clamping against temperature scaling (grid search and NLL)."""
+    Neural Clamping against temperature scaling (grid search and NLL). Under a condition, a calibration
+    error's pair is widened where a method's calibration test (``tested``) cannot reject "calibrated",
+    as a run's is (``nctv.intervals.difference_at_boundary``, with each method's interval in ``figures``);
+    a mean over corruptions has no test, and its pairs are left as they are."""
     from nctv.intervals import MethodDraws, difference, interval
 
     labels = [p.label for p in plans]
@@ -471,8 +478,21 @@ def _shift_summaries(plans: Sequence[Any], draws: dict, conditions: list, corrup
                 pairs += [(COMPARED_METHOD, r, "reference") for r in SHIFT_REFERENCES if r in labels]
             for a, b, role in pairs:
                 dd = difference(draws[a][key][metric], draws[b][key][metric], level)
+                if key in tested[a]:
+                    dd = _at_boundary(dd, figures[a][key][metric], figures[b][key][metric], tested[a][key],
+                                      tested[b][key], metric, level)
                 comparisons.append(ShiftComparison(key, metric, a, b, role, dd.estimate, dd.low, dd.high))
     return average, comparisons
+
+
+def _at_boundary(d: Any, a: dict, b: dict, test_a: Any, test_b: Any, metric: str, level: float) -> Any:
+    """``d`` (the paired interval of a − b) after ``nctv.intervals.difference_at_boundary`` from the two
+    methods' calibration tests and their cells ({"value", "ci_low", "ci_high"})."""
+    from nctv.intervals import Interval, difference_at_boundary, tested_p
+
+    own = lambda c: Interval(c["value"], c["ci_low"], c["ci_high"])  # noqa: E731
+    return difference_at_boundary(d, own(a), own(b), tested_p(metric, test_a.p_top_label, test_a.p_classwise),
+                                  tested_p(metric, test_b.p_top_label, test_b.p_classwise), level)
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -584,7 +604,10 @@ def comparison_table(result: ShiftResult, method: str = COMPARED_METHOD, referen
         rows.append(condition_title(key))
         cells.append(row)
     notes = [f"Paired {col.title} differences of {method} against each reference; lower: the interval lies below 0, "
-             "higher: above 0, tied: it holds 0."] + summary_sentences(result, method, refs)
+             "higher: above 0, tied: it holds 0.",
+             "Under a condition where a method's calibration test cannot reject calibration, its error may be 0, so "
+             "the difference's interval also reaches what the other's own interval allows (both consistent with "
+             "calibrated: tied), as in a run's table."] + summary_sentences(result, method, refs)
     return Table(f"{method} against temperature scaling under shift", columns, rows, cells, notes, [], result.n_bins,
                  "Condition")
 

@@ -229,6 +229,70 @@ def test_wilson_interval_known_values_and_reliability_bins(toy):
     assert np.all(np.isnan(low[~filled]))
 
 
+# --------------------------------------------------------------------------- paired differences at the boundary
+
+
+def test_the_difference_at_the_boundary_reaches_what_each_method_allows():
+    """The rule on hand-made intervals, each answer worked out by hand (fractions)."""
+    I = iv.Interval
+    d = I(0.02, 0.01, 0.03)  # the paired interval of a − b: a looks worse by 1 to 3 points
+    a, b = I(0.025, 0.0, 0.04), I(0.005, 0.001, 0.015)
+    # Neither test can say "calibrated" (p below 1 − level, or no test): the interval stays as it is.
+    assert iv.difference_at_boundary(d, a, b, 0.049, 0.0) == d
+    assert iv.difference_at_boundary(d, a, b, None, None) == d
+    # A consistent: a may be 0, and then a − b = −b, from −0.015 to −0.001.
+    assert iv.difference_at_boundary(d, a, b, 0.3, 0.01) == I(0.02, -0.015, 0.03)
+    # B consistent (p = 0.05 exactly does not reject at 95 %): b may be 0, and then a − b = a ∈ [0, 0.04].
+    assert iv.difference_at_boundary(d, a, b, 0.01, 0.05) == I(0.02, 0.0, 0.04)
+    # Both: from −b's lowest to a's highest, and 0 inside: tied.
+    both = iv.difference_at_boundary(d, a, b, 0.5, 0.5)
+    assert both == I(0.02, -0.015, 0.04) and both.low <= 0 <= both.high
+    # Both, with intervals that do not reach 0 (as a caller might pass them): 0 is still held.
+    assert iv.difference_at_boundary(I(0.01, 0.005, 0.02), I(0.012, 0.004, 0.03), I(0.002, 0.001, 0.002),
+                                     0.2, 0.2) == I(0.01, -0.002, 0.03)
+    # The level decides what "cannot reject" means: p = 0.07 rejects at 90 %.
+    assert iv.difference_at_boundary(d, a, b, 0.07, 0.07, level=0.9) == d
+    assert iv.tested_p("ece", 0.3, 0.01) == 0.3 and iv.tested_p("sce", 0.3, 0.01) == 0.01
+    assert iv.tested_p("accuracy", 0.3, 0.01) is None
+    assert iv.boundary_note("A", "B", True, True) == "both consistent with calibrated"
+    assert iv.boundary_note("A", "B", False, True) == "B consistent with calibrated"
+    assert iv.boundary_note("A", "B", False, False) == ""
+
+
+def test_two_calibrated_models_are_not_separated_and_miscalibrated_ones_keep_their_interval():
+    """Two models both calibrated exactly: softmax(z) with labels drawn from it, and the uniform model
+    (every logit 0: it says 1/K and predicts class 0, right with probability 1/K as the classes are
+    exchangeable). The population difference of their ECEs is 0, yet on this test set the plain paired
+    interval excludes 0 (the calibrated model's ECE reads high by its noise, the uniform one's hardly at
+    all). Both calibration tests cannot reject, so the rule's interval holds 0. Two clearly
+    miscalibrated models (T = 1.25 and 1.5, both rejected) keep their paired interval exactly."""
+    from nctv.consistency import consistency_test
+
+    n, k, resamples, seed = 2000, 10, 200, 0
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, k, generator=g, dtype=torch.float64) * 2
+    y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
+    counts = iv.resample_counts(n, resamples, seed)
+
+    def scored(logits):
+        d = iv.method_draws([logits], y, counts, 15, ["ece"])["ece"]
+        p = consistency_test([logits], y, 15, resamples, seed).p_top_label
+        return d, iv.at_boundary(iv.interval(d, "ece"), p), p
+
+    (da, a, pa), (db, b, pb) = scored(z), scored(torch.zeros_like(z))
+    plain = iv.difference(da, db)
+    assert pa >= 0.05 and pb >= 0.05
+    assert plain.excludes_zero()  # the failure the rule mends: a difference where there is none
+    ruled = iv.difference_at_boundary(plain, a, b, pa, pb)
+    assert ruled.low <= 0 <= ruled.high and ruled.estimate == plain.estimate
+    assert (ruled.low, ruled.high) == (min(plain.low, -b.high), max(plain.high, a.high))
+
+    (dc, c, pc), (dd, e, pe) = scored(z / 1.25), scored(z / 1.5)
+    assert pc < 0.05 and pe < 0.05
+    plain = iv.difference(dc, dd)
+    assert iv.difference_at_boundary(plain, c, e, pc, pe) == plain
+
+
 # --------------------------------------------------------------------------- the studies' bands
 
 
@@ -278,9 +342,18 @@ def test_gamma_sweep_and_init_study_carry_test_split_intervals():
     # random − data, paired on the same resamples: the difference of the two debiased estimates.
     d = st.ci_difference["ece"]
     assert d[1] <= d[2] and set(st.ci_difference) == set(st.ci["data"])
-    assert d[0] == pytest.approx(
-        iv.method_draws([z.double() for z in _random_logits(model, x, y, xt, 2)], yt, counts, 15, ["ece"],
-                        iv.seed_counts(2, 400, torch.Generator().manual_seed(4)))["ece"].estimate - data.estimate, abs=1e-6)
+    random_z = [z.double() for z in _random_logits(model, x, y, xt, 2)]
+    random = iv.method_draws(random_z, yt, counts, 15, ["ece"], iv.seed_counts(2, 400, torch.Generator().manual_seed(4)))
+    assert d[0] == pytest.approx(random["ece"].estimate - data.estimate, abs=1e-6)
+    # As a run's pairs: where an initialisation's calibration test cannot reject, its ECE may be 0, and the
+    # difference's interval reaches what the other's own interval allows (nctv.intervals.difference_at_boundary).
+    p = {"random": consistency_test(random_z, yt, 15, 400, 3).p_top_label,
+         "data": consistency_test([zd], yt, 15, 400, 3).p_top_label}
+    assert max(p.values()) >= 0.05  # the rule has something to do here
+    own = {init: iv.Interval(0.0, *st.ci[init]["ece"]) for init in p}
+    expected = iv.difference_at_boundary(iv.difference(random["ece"], data), own["random"], own["data"], p["random"],
+                                         p["data"])
+    assert d[1:] == pytest.approx([expected.low, expected.high], abs=1e-5)
 
 
 def _random_logits(model, x, y, xt, runs):

@@ -554,3 +554,46 @@ def test_smooth_ece_is_the_last_column_with_its_interval_and_old_runs_leave_it_o
                                            for b, per in m.metrics.items()}) for n, m in result.methods.items()})
     assert "smooth_ece" not in [c.key for c in results_table(old, 15).columns]
     assert "smooth_ece" not in [c.key for c in comparison_table(old, 15).columns]
+
+
+def test_a_run_of_two_rows_both_consistent_with_calibrated_ranks_them_tied():
+    """A run on logits that are calibrated (labels drawn from their softmax): temperature scaling keeps
+    T near 1, and neither row's calibration test can reject. Their ECEs' paired interval then reaches what
+    each row's own interval allows (either may be 0: nctv.intervals.difference_at_boundary), holds 0, and
+    the tables say why: both rows bold, the difference's cell and the verdict name the reason."""
+    from nctv import intervals as iv
+    from nctv.experiment import IntervalSettings, run_experiment
+    from nctv.report import verdict
+
+    n, k, resamples = 2000, 10, 200
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(2 * n, k, generator=g, dtype=torch.float64) * 2
+    y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
+    names = ["Uncalibrated", "Temperature Scaling"]
+    result = run_experiment(torch.nn.Identity(), (z[:n].float(), y[:n]), (z[n:].float(), y[n:]), names, seeds=1,
+                            bins=[15], cache_dir=False, progress=False, conformal=None,
+                            intervals=IntervalSettings(resamples=resamples))
+    rows = {m: result.methods[m].metrics[15] for m in names}
+    assert all(r["calibration_p"].mean >= 0.05 for r in rows.values())
+    # The plain paired interval, computed here from the rows' test logits on the run's resamples.
+    counts = iv.resample_counts(n, resamples, 0)
+    draws = {m: iv.method_draws([result.methods[m].test_logits], y[n:], counts, 15, ["ece"])["ece"] for m in names}
+    plain = iv.difference(draws["Temperature Scaling"], draws["Uncalibrated"])
+    a, b = rows["Temperature Scaling"]["ece"], rows["Uncalibrated"]["ece"]
+    c = result.comparison("Temperature Scaling", "Uncalibrated", "ece", 15)
+    assert c.low == pytest.approx(min(plain.low, -b.ci_high, a.ci_low, 0.0), abs=1e-9)
+    assert c.high == pytest.approx(max(plain.high, -b.ci_low, a.ci_high, 0.0), abs=1e-9)
+    assert c.low < plain.low and c.tied  # widened by the rule, and tied
+    table = results_table(result, 15)
+    ece = [col.key for col in table.columns].index("ece")
+    assert [r[ece].rank for r in table.cells] == [1, 1]
+    cells = comparison_table(result, 15).cells
+    assert any((cell.note or "") == "both consistent with calibrated" for row in cells for cell in row)
+    assert verdict(result, 15, method="Temperature Scaling", other="Uncalibrated").startswith(
+        "Temperature Scaling and Uncalibrated are tied on this model (both consistent with calibrated): ECE ")
+    # Accuracy has no calibration test: its pair is the plain paired interval.
+    acc = {m: iv.method_draws([result.methods[m].test_logits], y[n:], counts, 15, ["accuracy"])["accuracy"]
+           for m in names}
+    plain_acc = iv.difference(acc["Temperature Scaling"], acc["Uncalibrated"])
+    got = result.comparison("Temperature Scaling", "Uncalibrated", "accuracy", 15)
+    assert (got.low, got.high) == pytest.approx((plain_acc.low, plain_acc.high), abs=1e-9)

@@ -46,6 +46,18 @@ def test_the_clean_row_is_the_clean_run_exactly(small, study):
             assert result.value(m, "clean", metric) == run.stats(m, metric, 15).mean
         f, s = result.figure(m, "clean", "ece"), run.stats(m, "ece", 15)
         assert (f["ci_low"], f["ci_high"]) == (s.ci_low, s.ci_high)
+    # The paired differences too: the same pairs, widened alike where a row is consistent with calibrated.
+    same = tested = 0
+    for c in run.comparisons:
+        if c.n_bins != 15 or c.metric not in ("ece", "accuracy"):
+            continue
+        ours = result.comparison(c.method, c.other, "clean", c.metric)
+        if ours is not None:
+            assert (ours.difference, ours.low, ours.high) == (c.difference, c.low, c.high)
+            same += 1
+            rows = [run.stats(m, "calibration_p", 15).mean for m in (c.method, c.other)]
+            tested += c.metric == "ece" and max(rows) >= 0.05
+    assert same >= 4 and tested >= 1
 
 
 def test_each_condition_scores_the_methods_fitted_once_on_the_clean_split(small, study):

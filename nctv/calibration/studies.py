@@ -17,8 +17,9 @@ import torch
 from nctv.calibration.clamping import NeuralClamping
 from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
-from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, IntervalSettings, at_boundary,
-                            difference, interval, method_draws, resample_counts, seed_counts)
+from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, Interval, IntervalSettings, at_boundary,
+                            difference, difference_at_boundary, interval, method_draws, resample_counts, seed_counts,
+                            tested_p)
 from nctv.settings import STUDY_RANDOM_INIT_STD, SWEEP_GAMMAS, NCOptions
 
 __all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study",
@@ -373,11 +374,16 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         per_init = [[zs[id(d)] / t for d, t in dict((id(d), (d, t)) for d, t in chosen[init]).values()] for init in chosen]
         metrics = [m for m in METRIC_NAMES if m in RESAMPLED]
         draws = dict(zip(chosen, _test_draws(per_init, test_y, n_bins, metrics, intervals)))
-        ci = {init: _ends(d, intervals.level, _tested(logits, test_y, n_bins, intervals))
-              for (init, d), logits in zip(draws.items(), per_init)}
+        tests = {init: _tested(logits, test_y, n_bins, intervals) for init, logits in zip(chosen, per_init)}
+        ci = {init: _ends(d, intervals.level, tests[init]) for init, d in draws.items()}
         compared = {}
         for m in metrics:
             d = difference(draws["random"][m], draws["data"][m], intervals.level)
+            # As a run's pairs (nctv.intervals.difference_at_boundary): where an initialisation's test
+            # cannot reject "calibrated", its error may be 0, and the difference's interval says so.
+            own = {init: Interval(float("nan"), *ci[init][m]) for init in ci}  # only the ends are read
+            p = {init: tested_p(m, t.p_top_label, t.p_classwise) for init, t in tests.items()}
+            d = difference_at_boundary(d, own["random"], own["data"], p["random"], p["data"], intervals.level)
             compared[m] = [d.estimate, d.low, d.high]
     return InitStudy(runs=runs, seeds=seeds, fitter=nc.fitter, n_passes=n_passes, shared_data_fit=shared, n_bins=n_bins,
                      ci=ci, ci_difference=compared, intervals=None if ci is None else intervals.to_dict())

@@ -22,7 +22,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -299,14 +299,24 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
-def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = PANEL_INTERVALS) -> dict[str, Any]:
-    """Every row's test ECE on one shared set of resamples of the test split (``nctv.intervals``: one
+class Row(NamedTuple):
+    """A row's test ECE on the shared resamples (``draws``), and its calibration test's p-value, as the
+    engine scores a method: the p-value decides whether its interval, and its pairs, reach the boundary."""
+
+    draws: Any
+    p: float
+
+
+def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = PANEL_INTERVALS) -> dict[str, Row]:
+    """Every row's test ECE on one shared set of resamples of the test split, and its calibration test
+    (``Row``) (``nctv.intervals``: one
     count matrix for all rows, so differences are paired; a row's seeds are redrawn with each resample
     and pooled, as the engine pools a stochastic method's seeds, row after row in the order given).
     Rows whose runs did not all keep their logits (rows lent by reports made before logits were kept)
     or whose labels differ from the first row's (another test split) are left out."""
     from safetensors.torch import load_file
 
+    from nctv.consistency import consistency_test
     from nctv.intervals import method_draws, resample_counts, seed_counts
 
     loaded: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -326,15 +336,26 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
         if not torch.equal(y, labels):
             continue
         seeds = seed_counts(len(logits), settings.resamples, generator) if len(logits) > 1 else None
-        out[label] = method_draws(logits, labels, counts, N_BINS, ["ece"], seeds)["ece"]
+        test = consistency_test(logits, labels, N_BINS, settings.resamples, settings.seed)
+        out[label] = Row(method_draws(logits, labels, counts, N_BINS, ["ece"], seeds)["ece"], test.p_top_label)
     return out
 
 
-def paired(a: Any, b: Any, level: float = PANEL_INTERVALS.level) -> dict:
-    """The paired interval of (a − b) in test ECE points, and whether it lies below, around or above 0."""
-    from nctv.intervals import difference
+def row_interval(row: Row, level: float = PANEL_INTERVALS.level) -> Any:
+    """The row's ECE interval as a run gives it (``nctv.intervals.interval``, then ``at_boundary``)."""
+    from nctv.intervals import at_boundary, interval
 
-    d = difference(a, b, level)
+    return at_boundary(interval(row.draws, "ece", level), row.p, level)
+
+
+def paired(a: Row, b: Row, level: float = PANEL_INTERVALS.level) -> dict:
+    """The paired interval of (a − b) in test ECE points, as a run's comparisons give it (widened where a
+    row's calibration test cannot reject, ``nctv.intervals.difference_at_boundary``), and whether it lies
+    below, around or above 0."""
+    from nctv.intervals import difference, difference_at_boundary
+
+    d = difference_at_boundary(difference(a.draws, b.draws, level), row_interval(a, level), row_interval(b, level),
+                               a.p, b.p, level)
     relation = "lower" if d.high < 0 else "higher" if d.low > 0 else "tied"
     return {"difference": 100 * d.estimate, "low": 100 * d.low, "high": 100 * d.high, "relation": relation}
 
@@ -370,8 +391,6 @@ def panel_summary(model: str, baselines: dict, nc_runs: dict[str, list[dict]], d
     logits are in ``draws`` (see ``row_draws``); the default against the best baseline (Welch); the
     targets: the default not worse than the best alternative (``ece_target``), with at most 1/5 of the
     toolkit recipe's passes; the δ₀ = 0 row paired against the default, with its own ECE target."""
-    from nctv.intervals import interval
-
     draws = draws or {}
     rows: dict[str, dict] = {}
     for name, r in baselines["methods"].items():
@@ -391,8 +410,8 @@ def panel_summary(model: str, baselines: dict, nc_runs: dict[str, list[dict]], d
                            "rows": {k: {f: mean_std(v) for f, v in r.items()} for k, r in rows.items()},
                            "n_seeds": {k: len(r["ece"]) for k, r in rows.items()}, "best_baseline": best_baseline,
                            "intervals": {}}
-    for k, d in draws.items():
-        ci = interval(d, "ece", PANEL_INTERVALS.level)
+    for k, row in draws.items():
+        ci = row_interval(row)
         out["intervals"][k] = [100 * ci.low, 100 * ci.high]
     means = {k: float(np.mean(r["ece"])) for k, r in rows.items()}
     default = rows.get("NC default")

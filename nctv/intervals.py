@@ -385,7 +385,11 @@ def difference_at_boundary(diff: Interval, a: Interval, b: Interval, p_a: float 
     * B consistent: b may be 0, and then a − b = a ∈ [a.low, a.high]; likewise.
     * Both: a = b = 0 is consistent with the data, so the interval holds 0: the two are tied.
 
-    Neither: ``diff`` unchanged. The estimate is never moved."""
+    Neither: ``diff`` unchanged. The estimate is never moved. A pair whose every resample scores the two
+    methods alike (``diff`` exactly [0, 0]: the same predictions on this test split) is unchanged too:
+    their errors are equal whatever they are, so their difference is 0 with no boundary to reach."""
+    if diff.estimate == diff.low == diff.high == 0.0:
+        return diff
     a_calibrated, b_calibrated = consistent(p_a, level), consistent(p_b, level)
     low, high = diff.low, diff.high
     if a_calibrated:

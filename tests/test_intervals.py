@@ -250,6 +250,11 @@ def test_the_difference_at_the_boundary_reaches_what_each_method_allows():
     # Both, with intervals that do not reach 0 (as a caller might pass them): 0 is still held.
     assert iv.difference_at_boundary(I(0.01, 0.005, 0.02), I(0.012, 0.004, 0.03), I(0.002, 0.001, 0.002),
                                      0.2, 0.2) == I(0.01, -0.002, 0.03)
+    # Two rows scored alike on every resample (the same predictions): their difference is 0 exactly, at
+    # the boundary or not, so the pair stays [0, 0]; a difference only touching 0 is still widened.
+    zero = I(0.0, 0.0, 0.0)
+    assert iv.difference_at_boundary(zero, a, a, 0.5, 0.5) == zero
+    assert iv.difference_at_boundary(I(0.0, 0.0, 0.01), a, b, 0.5, 0.5) == I(0.0, -0.015, 0.04)
     # The level decides what "cannot reject" means: p = 0.07 rejects at 90 %.
     assert iv.difference_at_boundary(d, a, b, 0.07, 0.07, level=0.9) == d
     assert iv.tested_p("ece", 0.3, 0.01) == 0.3 and iv.tested_p("sce", 0.3, 0.01) == 0.01

@@ -146,7 +146,9 @@ def test_a_cancel_sent_with_this_pages_session_id_ends_its_run_on_the_page(page,
         page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Running')")
     finally:
         page.remove_listener("request", joined)
-    run = next(j for j in reversed(joins) if len(j.get("data", [])) == 14)  # the calibrate event's 14 inputs
+    config = httpx.get(server.rstrip("/") + "/config").json()
+    calibrate = next(d["id"] for d in config["dependencies"] if d.get("api_name") == "calibrate")
+    run = next(j for j in reversed(joins) if j.get("fn_index") == calibrate)  # the page's run of /calibrate
     r = httpx.post(server.rstrip("/") + "/gradio_api/cancel",
                    json={"session_hash": run["session_hash"], "fn_index": run["fn_index"], "event_id": "another"})
     assert r.status_code == 200

@@ -178,7 +178,10 @@ def test_torchrun_nctv_run_writes_one_result_equal_to_one_process(tmp_path):
     # One process writes and prints: the table once, then one summary line.
     lines = two.stdout.strip().splitlines()
     assert lines[-1].startswith("run: 2 methods") and sum(ln.startswith("run: ") for ln in lines) == 1, two.stdout
-    assert sum(ln.startswith("| Method |") for ln in lines) == 1, two.stdout
+    # The results table and the conformal sets' table, each once (not once per process).
+    assert sum(ln.startswith("**Calibration on the test split") for ln in lines) == 1, two.stdout
+    assert sum(ln.startswith("**Conformal prediction sets") for ln in lines) == 1, two.stdout
+    assert sum(ln.startswith("| Method |") for ln in lines) == 2, two.stdout
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("cache")) == ["one", "two"]
     assert len(list((tmp_path / "cache-two" / "logits").glob("*.safetensors"))) == 2
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))

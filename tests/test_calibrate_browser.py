@@ -454,6 +454,9 @@ def test_one_error_beside_run_then_cleared_and_the_live_plot_counts_passes(page)
     words = "Calibration size must be at least 10"
     for attempt in range(2):  # a second failure replaces the first: no pile of old errors
         page.locator("#calibration-size input").fill("3")
+        # The button at the screen's bottom edge, the status line below it out of sight (as on a phone
+        # after scrolling through the settings): the click brings the status line into view.
+        page.get_by_role("button", name="Run calibration").evaluate("b => b.scrollIntoView({block: 'end'})")
         page.get_by_role("button", name="Run calibration").click()
         wait_for_status(page, words, 60_000)
         page.wait_for_timeout(1000)  # time for a toast or an error mark to appear, were there one

@@ -316,9 +316,14 @@ def _run_bar(label: str, status_id: str, status: str = ""):
             stop = gr.Button("Stop", variant="stop", min_width=80)
         status = gr.Markdown(status, elem_id=status_id)
     # Said in the page at the click, before the server answers: runs take turns on the server, and
-    # the status line is where a run shows how it goes (Gradio's own progress marks are hidden).
-    run.click(None, None, status, js="() => '**Starting** — a run begins when the one before it (anyone\\'s) "
-                                     "has finished.'", queue=False, api_visibility="private")
+    # the status line is where a run shows how it goes (Gradio's own progress marks are hidden). On a
+    # phone the button may sit at the screen's bottom edge, the status line below it out of sight: it
+    # is scrolled just into view (no further, so the button stays in sight too).
+    run.click(None, None, status, js=f"""() => {{
+        const line = document.getElementById("{status_id}");
+        if (line) requestAnimationFrame(() => line.scrollIntoView({{block: "nearest"}}));
+        return "**Starting** — a run begins when the one before it (anyone's) has finished.";
+    }}""", queue=False, api_visibility="private")
     return run, stop, status
 
 

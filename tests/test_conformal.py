@@ -507,9 +507,15 @@ def test_a_run_records_the_raps_values_its_sets_used(tmp_path):
     assert RunResult.load(tmp_path).methods["Uncalibrated"].conformal == got
 
 
-def _shipped_with(tmp_path, **changes):
+#: What a run records of its sets' RAPS values; files written before these were recorded lack them.
+RAPS_FIELDS = ("penalty", "k_reg", "tuned", "n_tune", "n_conformal")
+
+
+def _shipped_with(tmp_path, without=(), **changes):
     data = json.loads(SHIPPED.read_text())
     row = data["methods"]["Temperature Scaling"]["conformal"]
+    for key in without:
+        del row[key]
     row.update(changes)
     (tmp_path / "results.json").write_text(json.dumps(data))
     from nctv.results import RunResult
@@ -540,9 +546,10 @@ BAD_ROWS = [
 
 
 def test_results_files_with_and_without_the_raps_values_load_and_crafted_bad_ones_are_refused(tmp_path):
-    # The shipped results.json predates the fields: it loads as it is.
-    old = _shipped_with(tmp_path)
-    assert "penalty" not in old.methods["Temperature Scaling"].conformal
+    # A results.json written before the fields were recorded (the shipped one without them) loads as it is.
+    old = _shipped_with(tmp_path, without=RAPS_FIELDS)
+    assert not set(RAPS_FIELDS) & set(old.methods["Temperature Scaling"].conformal)
+    assert _shipped_with(tmp_path).methods["Temperature Scaling"].conformal["n_conformal"] == 5000
     assert old.methods["Temperature Scaling"].conformal["score"] == "lac"
     assert _shipped_with(tmp_path, **RAPS_ROW).methods["Temperature Scaling"].conformal["k_reg"] == 3
     assert _shipped_with(tmp_path, penalty=None, k_reg=None, tuned=[], n_tune=0, n_conformal=5000)

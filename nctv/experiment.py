@@ -46,8 +46,8 @@ from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.conformal import ConformalPredictor, ConformalSettings
 from nctv.consistency import consistency_test
-from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, IntervalSettings, at_boundary, interval,
-                            method_draws, resample_counts, seed_counts)
+from nctv.intervals import (RESAMPLED, IntervalSettings, at_boundary, interval, method_draws, resample_counts,
+                            seed_counts, tested_p)
 from nctv.metrics import FURTHER_NAMES, METRIC_NAMES, evaluate, further
 from nctv.results import (
     COMPARED_METHOD,
@@ -558,8 +558,7 @@ def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stat
         per["classwise_calibration_p"] = MetricStats.from_runs([test.p_classwise])
         for k, d in ctx.draws[label][b].items():
             ci = interval(d, k, settings.level)
-            if k in TOP_LABEL_ERRORS or k in CLASSWISE_ERRORS:
-                ci = at_boundary(ci, test.p_top_label if k in TOP_LABEL_ERRORS else test.p_classwise, settings.level)
+            ci = at_boundary(ci, tested_p(k, test.p_top_label, test.p_classwise), settings.level)
             per[k].ci_low, per[k].ci_high = ci.low, ci.high
 
 

@@ -366,8 +366,7 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
     from nctv.cache import split_logits
     from nctv.corruptions import corrupt_split
     from nctv.consistency import consistency_test
-    from nctv.intervals import (CLASSWISE_ERRORS, TOP_LABEL_ERRORS, at_boundary, interval, method_draws,
-                                resample_counts, seed_counts)
+    from nctv.intervals import at_boundary, interval, method_draws, resample_counts, seed_counts, tested_p
     from nctv.metrics import evaluate, reliability_bins
 
     ctx = run.ctx
@@ -419,9 +418,7 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
                 cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}
                 if metric in d:
                     ci = interval(d[metric], metric, intervals.level)
-                    if metric in TOP_LABEL_ERRORS or metric in CLASSWISE_ERRORS:
-                        ci = at_boundary(ci, test.p_top_label if metric in TOP_LABEL_ERRORS else test.p_classwise,
-                                         intervals.level)
+                    ci = at_boundary(ci, tested_p(metric, test.p_top_label, test.p_classwise), intervals.level)
                     cell[metric]["ci_low"], cell[metric]["ci_high"] = ci.low, ci.high
             figures[p.label][key] = cell
             rb = reliability_bins(per_seed[0], ctx.test_y, n_bins)

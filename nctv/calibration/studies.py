@@ -17,7 +17,7 @@ import torch
 from nctv.calibration.clamping import NeuralClamping
 from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
-from nctv.intervals import (CLASSWISE_ERRORS, RESAMPLED, TOP_LABEL_ERRORS, Interval, IntervalSettings, at_boundary,
+from nctv.intervals import (RESAMPLED, Interval, IntervalSettings, at_boundary,
                             difference, difference_at_boundary, interval, method_draws, resample_counts, seed_counts,
                             tested_p)
 from nctv.settings import STUDY_RANDOM_INIT_STD, SWEEP_GAMMAS, NCOptions
@@ -60,8 +60,8 @@ def _ends(draws: dict[str, Any], level: float, tested: Any = None) -> dict[str, 
     out = {}
     for m, d in draws.items():
         ci = interval(d, m, level)
-        if tested is not None and (m in TOP_LABEL_ERRORS or m in CLASSWISE_ERRORS):
-            ci = at_boundary(ci, tested.p_top_label if m in TOP_LABEL_ERRORS else tested.p_classwise, level)
+        if tested is not None:
+            ci = at_boundary(ci, tested_p(m, tested.p_top_label, tested.p_classwise), level)
         out[m] = [ci.low, ci.high]
     return out
 

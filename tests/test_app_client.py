@@ -24,7 +24,9 @@ from nctv.ui.try_image import example_images
 from nctv.zoo import DEFAULT_MODEL
 
 PUBLIC = {"/calibrate", "/calibrate_logits", "/gamma_sweep", "/init_study", "/classify", "/classify_drawing",
-          "/explore_temperature"}
+          "/explore_temperature",
+          # the agents' tools (tests/test_mcp.py)
+          "/mcp_calibrate_logits", "/mcp_calibration_test", "/mcp_classify", "/mcp_explain_temperature"}
 SHARED = (DEFAULT_MODEL, "", limits.DEFAULT_DATASET_CHOICE, 300, 1000, 0, 15)
 
 

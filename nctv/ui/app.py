@@ -2,14 +2,16 @@
 tab modules, and the launch settings (queue, upload limits, host and port from the environment).
 
 Public API endpoints (``gradio_client``): ``/calibrate``, ``/gamma_sweep``, ``/init_study``,
-``/classify``, ``/classify_drawing`` and ``/explore_temperature``; everything else is private.
-Heavy endpoints share one concurrency slot (:data:`nctv.ui.common.HEAVY`).
+``/classify``, ``/classify_drawing`` and ``/explore_temperature``, and the agents' tools
+(``nctv.ui.mcp_tools``, also served over MCP); everything else is private. Heavy endpoints share one
+concurrency slot (:data:`nctv.ui.common.HEAVY`).
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
+from nctv.ui import mcp_tools
 from nctv.ui import shift as shift_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
@@ -624,6 +627,9 @@ def build_app() -> gr.Blocks:
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
                   show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)
+        # The agents' tools (MCP), each in the lane of the page's work of its kind.
+        mcp_tools.register(heavy=dict(concurrency_limit=1, concurrency_id=HEAVY),
+                           light=dict(concurrency_limit=LIGHT_CONCURRENCY))
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     return demo
 
@@ -654,10 +660,14 @@ def page_script() -> str:
 
 def launch(demo: gr.Blocks | None = None, **overrides: Any):
     """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
-    (default 7860), with the upload and request caps and error display the app relies on."""
+    (default 7860), with the upload and request caps and error display the app relies on, and the
+    agents' tools served over MCP at ``/gradio_api/mcp`` (docs/agents.md)."""
     from nctv.ui.gpu import prepare_server
 
     prepare_server()  # before any torch work: on ZeroGPU the server must stay safe to fork
+    # Gradio warns of endpoints with a gr.State input before tools_only drops the page's endpoints (which
+    # have them) from the tools; none of the tools has one.
+    warnings.filterwarnings("ignore", message="This MCP server includes a tool that has a gr.State input")
     demo = demo or build_app()
     threading.Thread(target=warm_up, name="nctv-warm-up", daemon=True).start()
     port = os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or "7860"
@@ -666,9 +676,10 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         server_port=int(port),
         show_error=True,
         max_file_size=MAX_UPLOAD_BYTES,
-        app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(RequestGuard),
-                                   Middleware(CancelEndsStreams), Middleware(NoServerPaths)],
-                    "lifespan": bounded_server},
+        app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(mcp_tools.CallerAddress),
+                                   Middleware(RequestGuard), Middleware(CancelEndsStreams), Middleware(NoServerPaths)],
+                    "lifespan": mcp_tools.tools_only(bounded_server)},
+        mcp_server=True,
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],
         css=APP_CSS,

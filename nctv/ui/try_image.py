@@ -473,12 +473,32 @@ def _picture_answers(loaded: Any, cal: Calibration, x: torch.Tensor, clean: torc
     return probs, z, clean_probs, verdict
 
 
-def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFAULT_CORRUPTION,
-                   severity: Any = 0) -> tuple[str, str, str, str]:
-    """(verdict, confidence chart, δ view, details) for one picture, corrupted by ``corruption`` at
-    ``severity`` (0: as it is) before the model's preprocessing."""
-    from nctv import plots
+@dataclass(frozen=True)
+class Scored:
+    """One picture's numbers, before any rendering: the model and calibration used, the picture as read
+    (``img``) and as scored (``picture``, corrupted when ``severity`` > 0), its preprocessed input ``x``,
+    the probabilities per way of scoring ({"raw", "ts"[, "nc"]}), its logits, the clean picture's
+    probabilities (None at severity 0), the out-of-distribution verdict, and the notes on reading it."""
 
+    loaded: Any
+    cal: Calibration
+    img: Image.Image
+    picture: Image.Image
+    x: torch.Tensor
+    probs: dict[str, np.ndarray]
+    z: torch.Tensor
+    clean: dict[str, np.ndarray] | None
+    verdict: Verdict
+    name: str
+    severity: int
+    channel_note: str
+    corruption_note: str
+
+
+def score_picture(image: Any, state: Calibration | None, corruption: Any = DEFAULT_CORRUPTION,
+                  severity: Any = 0) -> Scored:
+    """One picture through the model as it is, with temperature scaling and with Neural Clamping, corrupted
+    by ``corruption`` at ``severity`` (0: as it is) before the model's preprocessing."""
     name, severity = checked_corruption(corruption, severity)
     cal = current_calibration(state)
     loaded = get_model(cal.model)
@@ -490,19 +510,31 @@ def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFA
         raise ImageError(f"The calibration's δ has shape {tuple(cal.delta.shape)} but the model input is "
                          f"{tuple(x.shape)}.")
     probs, z, clean, verdict = _picture_answers(loaded, cal, x, loaded.preprocess(img) if severity else None)
-    shift = Shift(picture, name, severity, clean) if severity else None
+    return Scored(loaded, cal, img, picture, x, probs, z, clean, verdict, name, severity, channel_note,
+                  corruption_note)
+
+
+def classify_image(image: Any, state: Calibration | None, corruption: Any = DEFAULT_CORRUPTION,
+                   severity: Any = 0) -> tuple[str, str, str, str]:
+    """(verdict, confidence chart, δ view, details) for one picture, corrupted by ``corruption`` at
+    ``severity`` (0: as it is) before the model's preprocessing."""
+    from nctv import plots
+
+    s = score_picture(image, state, corruption, severity)
+    loaded, cal, probs = s.loaded, s.cal, s.probs
+    shift = Shift(s.picture, s.name, s.severity, s.clean) if s.severity else None
     view = NO_DELTA
     if cal.delta is not None:
         mean, std = loaded.data_config["mean"], loaded.data_config["std"]
-        view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=x, title=f"δ of {cal.nc_method}"),
+        view = delta_view(plots.delta_image_data(cal.delta, mean, std, example=s.x, title=f"δ of {cal.nc_method}"),
                           picture="Your picture", group=DELTA_GROUP,
-                          effect=delta_effect(loaded.class_names, probabilities(z / cal.nc_temperature), probs["nc"]))
-    lines = [verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), corruption_note,
-             f"Your picture ({img.size[0]} × {img.size[1]} pixels) was resized and normalised as the model expects: "
-             f"{tuple(x.shape)} (channels, height, width)."] + ([channel_note] if channel_note else [])
-    chart = confidence_chart(loaded.class_names, probs, verdict.flagged, shift, trust_sentence(cal, list(probs)),
-                             set_sentence(cal, z, loaded.class_names, verdict.flagged, severity))
-    return (verdict_html(verdict), chart, view,
+                          effect=delta_effect(loaded.class_names, probabilities(s.z / cal.nc_temperature), probs["nc"]))
+    lines = [s.verdict.how, classes_sentence(loaded.class_names), _calibration_line(cal), s.corruption_note,
+             f"Your picture ({s.img.size[0]} × {s.img.size[1]} pixels) was resized and normalised as the model "
+             f"expects: {tuple(s.x.shape)} (channels, height, width)."] + ([s.channel_note] if s.channel_note else [])
+    chart = confidence_chart(loaded.class_names, probs, s.verdict.flagged, shift, trust_sentence(cal, list(probs)),
+                             set_sentence(cal, s.z, loaded.class_names, s.verdict.flagged, s.severity))
+    return (verdict_html(s.verdict), chart, view,
             "\n\n".join(line for line in lines if line))
 
 

@@ -68,6 +68,7 @@ examples:
   nctv shift                                    calibration under noise, blur, contrast, JPEG, ... (5 severities)
   nctv train --dataset bloodmnist --epochs 5    train a classifier, then: nctv run --model local-dir:out/train
   nctv apply --calibrator out/ts IMAGE.png      calibrated top-5 classes of images with a saved calibrator
+  nctv push out/run --method ts --repo ORG/NAME one fitted calibrator to the Hugging Face Hub, with a model card
 
 method names for --methods (full names or short ones):
   <short names>
@@ -95,6 +96,9 @@ COMMAND_EXAMPLES = {
     "models": ["nctv models", "nctv models --json"],
     "apply": ["nctv apply --calibrator out/ts assets/precomputed/examples/0000-ankle-boot.png",
               "nctv apply --calibrator hf-hub:<org>/<name> --model fmnist-resnet --top-k 3 shoe.png shirt.jpg"],
+    "push": ["nctv push out/run --method ts --repo my-name/fmnist-resnet-ts",
+             "nctv push out/run --method nc-fl --repo my-org/resnet101-nc --private",
+             "nctv push out/run --method ts --repo my-name/fmnist-resnet-ts --dry-run --to out/card"],
 }
 
 
@@ -432,6 +436,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "was saved for)")
     p.add_argument("--top-k", type=_positive_int, default=5, metavar="K", help="classes shown per image (default 5)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default auto)")
+
+    p = _command(sub, "push", cmd_push, "one fitted calibrator of a run to the Hugging Face Hub, with a model card",
+                 "Upload one fitted calibrator of a run folder (written by nctv run) to a Hub repository, in one "
+                 "commit: config.json and calibrator.safetensors as save_pretrained writes them, the reliability "
+                 "diagram on the test split, and a README model card (base model, splits, a model-index with ECE, "
+                 "AECE, smooth ECE, NLL and Brier score on the test split, their 95 % intervals, how to load it). "
+                 "The token comes from HF_TOKEN or the Hub's login (hf auth login).")
+    p.add_argument("run", type=Path, metavar="RUN", help="run folder written by nctv run (its --out)")
+    p.add_argument("--method", required=True, metavar="NAME",
+                   help="the calibrator to push: a method of the run, full or short name (e.g. ts, nc-fl)")
+    p.add_argument("--repo", required=True, metavar="ORG/NAME", help="the Hub repository (made if it does not exist)")
+    p.add_argument("--private", action="store_true", help="make the repository private (when it is made)")
+    p.add_argument("--dry-run", action="store_true", help="upload nothing: write the folder to --to instead")
+    p.add_argument("--to", type=Path, default=None, metavar="DIR",
+                   help="with --dry-run: a new folder to write exactly what would be uploaded")
     return parser
 
 
@@ -813,6 +832,18 @@ def cmd_apply(args: argparse.Namespace) -> str:
         _print_top(path, p, loaded.class_names, k)
     return (f"apply: {config['method']} from {args.calibrator} on {len(paths)} image{'s' * (len(paths) != 1)} "
             f"with {loaded.name} (top {k}, calibrated confidences)")
+
+
+def cmd_push(args: argparse.Namespace) -> str:
+    from nctv import push
+
+    if args.dry_run != (args.to is not None):
+        raise CLIError("--dry-run and --to go together: --dry-run --to DIR writes the folder instead of uploading it.")
+    if args.dry_run:
+        folder = push.prepare(args.run, args.method, args.repo, args.to)
+        return f"push: dry run, nothing uploaded; {len(list(folder.iterdir()))} files for {args.repo} -> {folder}"
+    url = push.push(args.run, args.method, args.repo, private=args.private)
+    return f"push: {args.method} of {args.run} -> {args.repo} in one commit ({url})"
 
 
 def _print_top(path: Path, probabilities, class_names: Sequence[str], k: int) -> None:

@@ -81,11 +81,12 @@ def free_port() -> int:
 
 
 def start_app(tmp: Path, timeout: float = 180.0, **extra_env: str):
-    """Start ``python app.py`` offline on a free port (``extra_env``: more environment variables);
-    returns (process, url) once it answers."""
+    """Start ``python app.py`` offline on a free port (``extra_env``: more environment variables, which
+    override these); returns (process, url) once it answers."""
     port = free_port()
     env = dict(os.environ, PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1", NCTV_CACHE_DIR=str(tmp / "cache"),
-               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", MPLCONFIGDIR=str(tmp / "mpl"), **extra_env)
+               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", MPLCONFIGDIR=str(tmp / "mpl"))
+    env.update(extra_env)
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"

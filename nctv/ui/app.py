@@ -21,6 +21,7 @@ from starlette.middleware import Middleware
 from nctv.checks import GAMMA_MAX, MAX_TEXT_CHARS, WEIGHT_DECAY_MAX
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
+from nctv.ui import hub_push
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
 from nctv.ui import mcp_tools
@@ -409,6 +410,8 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
                                           "figures, δ)", file_count="multiple", interactive=False,
                             elem_id="calibrate-files", elem_classes="download-list")
+            # On a Space with sign-in: push one of the run's calibrators to the visitor's own repository.
+            hub_push.push_panel(files, [m for m in cal_tab.method_choices() if m != cal_tab.REFERENCE])
     inputs = shared.inputs + [methods, nc["gamma"], nc["weight_decay"], nc["init"], nc["fitter"], nc["epochs"], nc["lr"],
                               *sets]
     outputs = [status, live_panel, live, table, diagrams, params, delta, files, state, shown]

@@ -154,7 +154,7 @@ def explain_temperature(temperature: float = 1.0, bins: int = APP_BINS) -> str:
     softens over-confident answers; T below 1 sharpens them; accuracy never changes.
 
     Args:
-        temperature: The temperature T that divides the logits (from 0.05 to 100).
+        temperature: The temperature T that divides the logits (from 0.001 to 1000).
         bins: Number of equal-width confidence bins of ECE, AECE and classwise ECE (2 to 100; 15 is usual).
 
     Returns:

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -45,7 +46,7 @@ def calibrate_logits(logits_file: str, bins: int = APP_BINS, seed: int = 0) -> s
     (temperature scaling, TS by grid search, vector, matrix and structured scaling, MS-ODIR, Dir-ODIR,
     ensemble temperature scaling, histogram binning, isotonic regression, ...): each is fitted on the
     file's calibration split and scored on its test split. The table gives accuracy, ECE, AECE, classwise
-    ECE, smooth ECE, NLL and Brier score with 95 % intervals from resampling the test split; a best is
+    ECE and smooth ECE with 95 % intervals from resampling the test split; a best is
     marked only where the paired interval of its difference excludes 0. Slow methods (Matrix Scaling,
     MS-ODIR, Dir-ODIR) can take minutes on tens of thousands of rows.
 
@@ -186,8 +187,6 @@ TOOLS = (calibrate_logits, calibration_test, classify, explain_temperature)
 
 def _logits(logits_file: Any, bins: Any, seed: Any):
     """(the checked logits of a file a tool was given, bins, seed)."""
-    from pathlib import Path
-
     from nctv.logits_file import read_logits
 
     bins = parse_whole(bins, "Number of bins", 2, 100)
@@ -212,19 +211,19 @@ class ToolFile(gr.File):
     it; an agent's file comes through the upload route instead, under the page's caps and budget."""
 
     async def async_move_resource_to_block_cache(self, url_or_file_path: Any) -> str | None:
-        from gradio import processing_utils
+        from gradio.utils import get_upload_folder
         from gradio_client.utils import is_http_url_like
 
         if isinstance(url_or_file_path, str) and is_http_url_like(url_or_file_path):
             path = urllib.parse.urlsplit(url_or_file_path).path
             if _FILE_ROUTE not in path:
                 raise gr.Error(UPLOAD_FIRST, print_exception=False)
-            url_or_file_path = urllib.parse.unquote(path.split(_FILE_ROUTE, 1)[1])
-            try:
-                processing_utils._check_allowed(url_or_file_path, True)  # an upload of this app's, nothing else
-            except Exception:  # noqa: BLE001 - Gradio's refusal names the server's folders
+            local = Path(urllib.parse.unquote(path.split(_FILE_ROUTE, 1)[1])).resolve()
+            # Gradio serves more than uploads at this route (its allowed paths); a tool reads uploads only.
+            if not local.is_relative_to(Path(get_upload_folder()).resolve()) or not local.is_file():
                 raise gr.Error("That address is not a file uploaded to this app. " + UPLOAD_FIRST,
-                               print_exception=False) from None
+                               print_exception=False)
+            url_or_file_path = str(local)
         return await super().async_move_resource_to_block_cache(url_or_file_path)
 
 

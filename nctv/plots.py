@@ -131,6 +131,22 @@ def reliability_data_from_result(result: Any, n_bins: int = 15, methods: Sequenc
     return out
 
 
+def reliability_data_from_bins(method: str, counts: Sequence[int], confidence: Sequence[float | None],
+                               accuracy: Sequence[float | None], ece: float) -> ReliabilityData:
+    """A diagram's numbers from stored bins (a shift study's ``reliability``: equal-width bins, per bin the
+    count and the mean confidence and accuracy, None or NaN where empty) and the ECE recorded with them."""
+    n = np.asarray(counts, dtype=np.int64)
+    conf, acc = (np.asarray([np.nan if v is None else v for v in values], dtype=np.float64)
+                 for values in (confidence, accuracy))
+    if n.ndim != 1 or n.size < 1 or conf.shape != n.shape or acc.shape != n.shape or (n < 0).any() or not n.sum():
+        raise ValueError(f"The bins of {method!r} must be one count, mean confidence and accuracy per bin.")
+    filled = n > 0
+    bins = metrics.ReliabilityBins(metrics.bin_edges(n.size).numpy(), n, np.where(filled, conf, np.nan),
+                                   np.where(filled, acc, np.nan))
+    share = n[filled] / n.sum()
+    return ReliabilityData(method, bins, float(ece), float(share @ acc[filled]), float(share @ conf[filled]))
+
+
 def _as_list(data):
     items = [data] if not isinstance(data, (list, tuple)) else list(data)
     if not items:
@@ -208,16 +224,20 @@ def _reliability_cells(items: list[ReliabilityData], panels: Sequence[str], per_
     rows, cols = _grid(len(cells), per_row or _PER_ROW)
     fig = _new_figure(3.0 * cols, 4.0 * rows)
     grid = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows)
-    seen = set()
     for k, (d, kind) in enumerate(cells):
         r, c = divmod(k, cols)
         ax = fig.add_subplot(grid[2 * r, c])
         hx = fig.add_subplot(grid[2 * r + 1, c], sharex=ax)
         if kind == "binned":
-            _binned_panel(ax, hx, d, first=kind not in seen, left=c == 0)
+            _binned_panel(ax, hx, d, first=False, left=c == 0)
         else:
-            _smooth_panel(ax, hx, d, first=kind not in seen)
-        seen.add(kind)
+            _smooth_panel(ax, hx, d, first=False)
+    # One key for the figure, under it: inside a panel it would hide bars or the ECE written there.
+    keys: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            keys.setdefault(label, handle)
+    fig.legend(keys.values(), keys.keys(), loc="outside lower center", ncol=len(keys), fontsize="small", frameon=False)
     return fig
 
 
@@ -922,6 +942,8 @@ class ShiftCurveData:
     n_bins: int = 15
     level: float = 0.95
     title: str = ""
+    #: A severity marked on every panel (the one a page shows), or None.
+    marked: float | None = None
 
 
 def shift_curve_data(result: Any, metric: str = "ece", methods: Sequence[str] | None = None) -> ShiftCurveData:
@@ -975,17 +997,20 @@ def shift_figure(data: ShiftCurveData, backend: str = "matplotlib", per_row: int
             ax.fill_between(data.severities, data.low[panel][m] * col.scale, data.high[panel][m] * col.scale, color=c,
                             alpha=0.15, linewidth=0)
         ax.set_title(data.titles[panel], fontsize="medium", fontweight="bold" if panel == data.panels[0] else "normal")
-        ax.set(ylabel=col.label().replace(" ↓", "").replace(" ↑", ""))
+        if ax.get_subplotspec().is_first_col():
+            ax.set(ylabel=col.label().replace(" ↓", "").replace(" ↑", ""))
         if ax.get_subplotspec().is_last_row() or panel in data.panels[-cols:]:
-            ax.set_xlabel("severity (0 = clean)")
+            ax.set_xlabel("severity")
             ax.tick_params(labelbottom=True)
         ax.set_xticks(data.severities)
         ax.grid(alpha=0.3)
+        if data.marked is not None:
+            ax.axvline(data.marked, color="black", ls=":", lw=1)
     for ax in axes[len(data.panels):]:
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small", frameon=False)
-    fig.suptitle(f"{data.title}; bands: {100 * data.level:g} % intervals", fontsize="medium")
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 3), fontsize="small", frameon=False)
+    fig.suptitle(f"{data.title}; severity 0 = clean; bands: {100 * data.level:g} % intervals", fontsize="medium")
     return fig
 
 
@@ -1038,6 +1063,74 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 200, plotlyjs: str | bool
     raise ValueError(f"Cannot save an object of type {type(fig).__name__}; expected a matplotlib or plotly figure.")
 
 
+# --------------------------------------------------------------------------- one picture's confidences
+
+
+@dataclass(frozen=True)
+class PictureConfidenceData:
+    """One picture's probability of each class shown (``classes``) under each way of scoring it
+    (``ways``: uncalibrated, temperature scaling, …): ``probabilities`` (ways, classes), fractions;
+    ``clean`` the same for the clean picture where this one was corrupted (None: not corrupted)."""
+
+    classes: tuple[str, ...]
+    ways: tuple[str, ...]
+    colours: tuple[str, ...]
+    probabilities: np.ndarray
+    clean: np.ndarray | None = None
+    title: str = "How sure the model is, per class"
+
+
+def picture_confidence_data(classes: Sequence[str], probabilities: Mapping[str, Sequence[float]],
+                            colours: Mapping[str, str] | None = None,
+                            clean: Mapping[str, Sequence[float]] | None = None,
+                            title: str = "How sure the model is, per class") -> PictureConfidenceData:
+    """Check and pack one picture's probabilities: ``probabilities[way]`` one per class of ``classes``
+    (from 0 to 1); ``clean``, where given, the clean picture's for the same ways and classes."""
+    names = tuple(str(c) for c in classes)
+    ways = tuple(probabilities)
+    if not names or not ways:
+        raise ValueError("A picture's confidences need at least one class and one way of scoring it.")
+
+    def packed(values: Mapping[str, Sequence[float]]) -> np.ndarray:
+        if tuple(values) != ways:
+            raise ValueError(f"The clean picture's confidences must be given for {', '.join(ways)}.")
+        arr = np.asarray([np.asarray(values[w], dtype=np.float64).reshape(-1) for w in ways])
+        if arr.shape != (len(ways), len(names)) or not ((arr >= 0) & (arr <= 1)).all():
+            raise ValueError(f"Confidences must be probabilities from 0 to 1, one for each of the {len(names)} classes.")
+        return arr
+
+    shown = dict(colours or {})
+    palette = (GREY, BLUE, "#ff7f0e", GREEN, RED)
+    return PictureConfidenceData(names, ways, tuple(shown.get(w, palette[i % len(palette)]) for i, w in enumerate(ways)),
+                                 packed(probabilities), None if clean is None else packed(clean), title)
+
+
+def picture_confidence_figure(data: PictureConfidenceData):
+    """A bar per class and way of scoring, the classes top to bottom as given, each bar's percentage
+    at its end and, for a corrupted picture, a black mark where the clean picture's bar ended."""
+    k, w = len(data.classes), len(data.ways)
+    fig = _new_figure(8.0, 1.0 + 0.45 * k * w)
+    ax = fig.add_subplot()
+    height = 0.8 / w
+    for j, (way, colour) in enumerate(zip(data.ways, data.colours)):
+        y = np.arange(k) + (j - (w - 1) / 2) * height
+        p = data.probabilities[j]
+        ax.barh(y, p, height=height, color=colour, edgecolor="black", linewidth=0.5, label=way)
+        # The percentage beyond the bar and beyond the clean picture's mark, which it would otherwise cross.
+        ends = p if data.clean is None else np.maximum(p, data.clean[j])
+        for yi, pi, end in zip(y, p, ends):
+            ax.text(end + 0.015, yi, f"{100 * pi:.1f} %", va="center", fontsize="small")
+        if data.clean is not None:
+            ax.plot(data.clean[j], y, "|", color="black", ms=12, mew=1.5,
+                    label="the clean picture's" if j == 0 else None)
+    ax.set_yticks(range(k), data.classes)
+    ax.set(xlim=(0, 1.15), ylim=(k - 0.5, -0.5), xlabel="Confidence", title=data.title)
+    ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["0 %", "25 %", "50 %", "75 %", "100 %"])
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small", framealpha=0.9)
+    return fig
+
+
 # --------------------------------------------------------------------------- figures for slides
 
 
@@ -1051,14 +1144,14 @@ SLIDE_FORMATS = ("png", "svg", "pdf")
 #: paper figures (the δ image's pixels and the fills are not lines): a 0.5 pt bar edge becomes 1 pt,
 #: a 1.5 pt curve 3 pt, which read from the back of a lecture hall.
 SLIDE_LINE_SCALE = 2.0
-#: The presenter style (matplotlib rc): 20 pt type (legends and tick labels 16.7 pt, titles 24 pt;
+#: The presenter style (matplotlib rc): 20 pt type (legends and tick labels 16.7 pt, the title 24 pt;
 #: about the height of a slide's body text when the figure fills the slide), black ink on white,
 #: DejaVu Sans (matplotlib's own font, so the glyphs are the same on every machine). The PDF embeds
 #: its fonts as TrueType (``pdf.fonttype`` 42; the default, Type 3, is not a font a slide program
 #: can read or search); the SVG draws its text as paths, so it needs no font and holds no reference
 #: to anything outside it; ``svg.hashsalt`` makes its ids, and so the file, the same on every save.
 SLIDE_STYLE = {
-    "font.family": "DejaVu Sans", "font.size": 20, "axes.titlesize": "large", "axes.labelsize": "medium",
+    "font.family": "DejaVu Sans", "font.size": 20, "axes.titlesize": "medium", "axes.labelsize": "medium",
     "xtick.labelsize": "small", "ytick.labelsize": "small", "legend.fontsize": "small",
     "figure.titlesize": "large", "text.color": "black", "axes.labelcolor": "black", "axes.edgecolor": "black",
     "xtick.color": "black", "ytick.color": "black", "axes.linewidth": 1.5, "xtick.major.width": 1.5,
@@ -1087,7 +1180,24 @@ def slide_figure(draw: Any, *args: Any, **kwargs: Any):
         raise ValueError("A slide is drawn from a matplotlib figure (backend='matplotlib').")
     fig.set_size_inches(*SLIDE_INCHES)
     _thicken(fig, SLIDE_LINE_SCALE)
+    _wrap_titles(fig)
     return fig
+
+
+def _wrap_titles(fig: Any) -> None:
+    """The figure's and its panels' titles broken at spaces into lines that fit their width: at a
+    slide's type size a paper figure's one-line titles run off the figure or into each other."""
+    import textwrap
+
+    width = fig.get_figwidth() * 72  # points
+    titles = [(fig._suptitle, width)] + [(ax.title, ax.get_position().width * width) for ax in fig.axes]
+    for title, room in titles:
+        if title is None or not title.get_text():
+            continue
+        # DejaVu Sans averages a little under 0.6 em a character.
+        chars = max(8, int(room / (0.6 * title.get_fontsize())))
+        title.set_text("\n".join(textwrap.fill(line, chars, break_long_words=False, break_on_hyphens=False)
+                                 for line in title.get_text().split("\n")))
 
 
 def _thicken(fig: Any, k: float) -> None:

@@ -216,3 +216,91 @@ def test_every_table_of_a_run_compiles_as_a_beamer_frame(tmp_path):
     assert frames == (tmp_path / "run" / "table.tex").read_text().count(r"\begin{table}") >= 4
     assert tmp_path / "run" / "slides.tex" in paths
     assert compile_beamer(tex, tmp_path / "tex") == frames
+
+
+def test_every_tab_s_tables_compile_as_beamer_frames(tmp_path):
+    """slides.tex of the γ sweep, the initialisation study and the shift study as the tabs offer them, and
+    of the Learn view at T = 1.5: every frame of all four in one document, one page each."""
+    from nctv.ui import gamma, initialisation, shift, slides
+
+    texts = [Path(next(f for f in tab.shipped_view()[3] if f.endswith("slides.tex"))).read_text(encoding="utf-8")
+             for tab in (gamma, initialisation, shift)]
+    texts.append(Path(slides.learn_figure({"temperature": "1.5", "bins": "10"}, None)[-1]).read_text(encoding="utf-8"))
+    frames = [re.search(r"\\begin\{document\}\n(.*)\\end\{document\}", t, re.S).group(1) for t in texts]
+    count = sum(f.count(r"\begin{frame}") for f in frames)
+    assert count == 1 + 1 + 2 + 1
+    doc = texts[0].split(r"\begin{document}")[0] + "\\begin{document}\n" + "".join(frames) + "\\end{document}\n"
+    assert compile_beamer(doc, tmp_path) == count
+
+
+def test_learn_s_figure_is_the_view_at_its_t_and_bins():
+    """The Learn control's files: the diagrams and the table at the T and bins sent, from the shipped test
+    logits (read from their file here): the table's row at that T holds nctv.metrics' ECE."""
+    from safetensors.torch import load_file
+
+    from nctv import metrics
+    from nctv.ui import slides
+    from nctv.ui.shipped import precomputed_dir
+
+    files = slides.learn_figure({"temperature": "0.8", "bins": "12"}, None)
+    assert [Path(f).name for f in files] == ["learn_T0.80_12bins.png", "learn_T0.80_12bins.svg",
+                                             "learn_T0.80_12bins.pdf", "slides.tex"]
+    tensors = load_file(str(precomputed_dir() / "test_logits.safetensors"))
+    z, y = tensors["Uncalibrated"].double(), tensors["labels"]
+    row = next(r for r in Path(files[-1]).read_text().splitlines() if r.startswith("T = 0.80 (on screen)"))
+    assert [c.strip() for c in row.rstrip("\\ ").split("&")][3] == f"{100 * metrics.ece(z / 0.8, y, 12):.2f}"
+    with pytest.raises(ValueError, match="temperature must lie between"):
+        slides.learn_figure({"temperature": "9", "bins": "12"}, None)
+    with pytest.raises(ValueError, match="did not say what it shows"):
+        slides.learn_figure(None, None)
+
+
+def test_a_shift_condition_s_diagrams_are_the_study_s_bins(tmp_path):
+    """Every method's diagram under a condition: the shift study's stored bins and ECE, read from
+    shift.json itself; its accuracy and mean confidence the count-weighted means of the bins."""
+    import json
+
+    from nctv.ui import slides
+    from nctv.ui.shipped import precomputed_dir
+
+    study = json.loads((precomputed_dir() / "shift.json").read_text(encoding="utf-8"))
+    method = next(iter(study["reliability"]))
+    b = study["reliability"][method]["contrast/3"]
+    d = plots.reliability_data_from_bins(method, b["count"], b["confidence"], b["accuracy"], 0.1)
+    counts = np.asarray(b["count"])
+    np.testing.assert_array_equal(d.counts, counts)
+    filled = counts > 0
+    acc = np.asarray([np.nan if v is None else v for v in b["accuracy"]], dtype=float)
+    assert d.overall_accuracy == pytest.approx((counts[filled] * acc[filled]).sum() / counts.sum())
+    assert np.isnan(d.accuracy[~filled]).all() and d.ece == 0.1
+    names = [Path(f).name for f in slides.shift_figure({"condition": "contrast/3", "corruption": "contrast"})]
+    assert names == [f"shift_contrast-3_{k}.{e}" for k in ("curves", "diagrams") for e in ("png", "svg", "pdf")]
+    for bad in ({"condition": "contrast/9", "corruption": "contrast"}, {"condition": "clean", "corruption": "rain"}):
+        with pytest.raises(ValueError, match="no such condition"):
+            slides.shift_figure(bad)
+    with pytest.raises(ValueError, match="one count, mean confidence and accuracy per bin"):
+        plots.reliability_data_from_bins("x", [1, 2], [0.5], [0.5, 0.5], 0.0)
+
+
+def _chart(p_raw=0.9, clean=None):
+    bars = [{"method": m, "confidence": p, "clean": clean} for m, p in (("raw", p_raw), ("ts", 0.7), ("nc", 0.6))]
+    return [{"name": "Sandal", "bars": bars},
+            {"name": "Sneaker", "bars": [dict(b, confidence=round(1 - b["confidence"], 6)) for b in bars]}]
+
+
+def test_try_s_figure_draws_the_confidences_sent():
+    from nctv.ui import slides
+
+    data = plots.picture_confidence_data(["Sandal", "Sneaker"], {"a": [0.9, 0.1], "b": [0.7, 0.3]})
+    fig = plots.picture_confidence_figure(data)
+    bars = [p for p in fig.axes[0].patches if p.get_height() < 1]  # the bars, not the axes' background
+    assert sorted(round(p.get_width(), 9) for p in bars) == [0.1, 0.3, 0.7, 0.9]
+    files = slides.try_figure(_chart(clean=0.5))
+    assert [Path(f).name for f in files] == ["confidence.png", "confidence.svg", "confidence.pdf"]
+    for bad, words in [(None, "No picture"), ([], "No picture"), (_chart() * 8, "at most 15 classes"),
+                       (_chart(p_raw=1.5), "from 0 to 1"), (_chart(p_raw=float("nan")), "from 0 to 1"),
+                       (_chart(p_raw=True), "from 0 to 1"),
+                       ([{"name": "x", "bars": [{"method": "evil", "confidence": 0.5}]}], "one bar for each"),
+                       ([{"name": "", "bars": []}], "a name of 1 to"), (["Sandal"], "did not say")]:
+        with pytest.raises(ValueError, match=words):
+            slides.try_figure(bad)

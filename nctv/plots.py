@@ -131,6 +131,22 @@ def reliability_data_from_result(result: Any, n_bins: int = 15, methods: Sequenc
     return out
 
 
+def reliability_data_from_bins(method: str, counts: Sequence[int], confidence: Sequence[float | None],
+                               accuracy: Sequence[float | None], ece: float) -> ReliabilityData:
+    """A diagram's numbers from stored bins (a shift study's ``reliability``: equal-width bins, per bin the
+    count and the mean confidence and accuracy, None or NaN where empty) and the ECE recorded with them."""
+    n = np.asarray(counts, dtype=np.int64)
+    conf, acc = (np.asarray([np.nan if v is None else v for v in values], dtype=np.float64)
+                 for values in (confidence, accuracy))
+    if n.ndim != 1 or n.size < 1 or conf.shape != n.shape or acc.shape != n.shape or (n < 0).any() or not n.sum():
+        raise ValueError(f"The bins of {method!r} must be one count, mean confidence and accuracy per bin.")
+    filled = n > 0
+    bins = metrics.ReliabilityBins(metrics.bin_edges(n.size).numpy(), n, np.where(filled, conf, np.nan),
+                                   np.where(filled, acc, np.nan))
+    share = n[filled] / n.sum()
+    return ReliabilityData(method, bins, float(ece), float(share @ acc[filled]), float(share @ conf[filled]))
+
+
 def _as_list(data):
     items = [data] if not isinstance(data, (list, tuple)) else list(data)
     if not items:
@@ -158,17 +174,24 @@ def _hover_rows(d: ReliabilityData) -> list[str]:
 
 
 def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backend: str = "matplotlib",
-                       per_row: int | None = None):
+                       per_row: int | None = None, panels: Sequence[str] | None = None):
     """Reliability diagrams side by side (``per_row`` per row: five for matplotlib,
     :data:`PLOTLY_PER_ROW` for plotly; 1 stacks them): per bin the accuracy as a bar with its 95 %
     Wilson interval against the diagonal, the gap to the bin's mean confidence shaded, ECE written on
     the panel, and the sample count per bin below. A method with a smoothed curve (``smooth``) gets a
-    second panel beside it: the curve with its bootstrap band, smECE, and the confidence density below."""
+    second panel beside it: the curve with its bootstrap band, smECE, and the confidence density below.
+
+    ``panels`` (matplotlib): the diagrams to draw of each method, in order, from :data:`PANELS`
+    ("binned", "smooth"; a method without a smoothed curve has no "smooth" one), each a cell of one
+    grid of ``per_row`` cells a row, as a slide wants them (:func:`slide_figure`); None: the binned
+    diagram and, under it, the smoothed one where the method has it."""
     items = _as_list(data)
     if per_row is not None:
         check_whole(per_row, "per_row", 1)
     if _check_backend(backend) == "plotly":
         return _reliability_plotly(items, per_row or PLOTLY_PER_ROW)
+    if panels is not None:
+        return _reliability_cells(items, panels, per_row)
     rows, cols = _grid(len(items), per_row or _PER_ROW)
     # A method's smoothed diagram goes under its binned one, so that a row of methods stays a row.
     panels = 2 if any(d.smooth is not None for d in items) else 1
@@ -187,8 +210,39 @@ def reliability_figure(data: ReliabilityData | Sequence[ReliabilityData], backen
     return fig
 
 
+#: The diagrams :func:`reliability_figure` draws of a method: binned, and smoothed with its band.
+PANELS = ("binned", "smooth")
+
+
+def _reliability_cells(items: list[ReliabilityData], panels: Sequence[str], per_row: int | None):
+    unknown = [p for p in panels if p not in PANELS]
+    if unknown or not panels:
+        raise ValueError(f"Unknown reliability panel(s) {unknown or list(panels)}; use {' and/or '.join(PANELS)}.")
+    cells = [(d, kind) for d in items for kind in panels if kind == "binned" or d.smooth is not None]
+    if not cells:
+        raise ValueError("No method here has its smoothed curve: draw its binned diagram instead.")
+    rows, cols = _grid(len(cells), per_row or _PER_ROW)
+    fig = _new_figure(3.0 * cols, 4.0 * rows)
+    grid = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows)
+    for k, (d, kind) in enumerate(cells):
+        r, c = divmod(k, cols)
+        ax = fig.add_subplot(grid[2 * r, c])
+        hx = fig.add_subplot(grid[2 * r + 1, c], sharex=ax)
+        if kind == "binned":
+            _binned_panel(ax, hx, d, first=False, left=c == 0)
+        else:
+            _smooth_panel(ax, hx, d, first=False)
+    # One key for the figure, under it: inside a panel it would hide bars or the ECE written there.
+    keys: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            keys.setdefault(label, handle)
+    fig.legend(keys.values(), keys.keys(), loc="outside lower center", ncol=len(keys), fontsize="small", frameon=False)
+    return fig
+
+
 def _label_box(ax: Any, text: str) -> None:
-    ax.text(0.97, 0.04, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=9,
+    ax.text(0.97, 0.04, text, transform=ax.transAxes, ha="right", va="bottom", fontsize="small",
             bbox=dict(boxstyle="round", facecolor="white", edgecolor=GREY, alpha=0.9))
 
 
@@ -216,7 +270,7 @@ def _binned_panel(ax: Any, hx: Any, d: ReliabilityData, first: bool, left: bool)
     ax.set_ylabel("Accuracy" if left else "")
     _label_box(ax, f"ECE = {100 * d.ece:.2f}%")
     if first:
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        ax.legend(loc="upper left", fontsize="small", framealpha=0.9)
     ax.tick_params(labelbottom=False)
     hx.bar(edges, d.counts, width=width, align="edge", color=GREY, edgecolor="black", linewidth=0.5)
     hx.set_xlabel("Confidence")
@@ -245,7 +299,7 @@ def _smooth_panel(ax: Any, hx: Any, d: ReliabilityData, first: bool) -> None:
     ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{d.method}{joint}(smoothed)" if d.method else "Smoothed")
     _label_box(ax, f"smECE = {100 * b.smooth_ece:.2f}%\nσ = {b.bandwidth:.3f}")
     if first:
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        ax.legend(loc="upper left", fontsize="small", framealpha=0.9)
     ax.tick_params(labelbottom=False)
     hx.fill_between(b.confidence, b.density, color=GREY, alpha=0.6, linewidth=0)
     hx.set(xlabel="Confidence", ylabel="Density", ylim=(0, None))
@@ -392,7 +446,7 @@ def confidence_figure(data: ReliabilityData | Sequence[ReliabilityData], backend
         ax.axvline(d.mean_confidence, color=RED, ls=":", lw=1.5, label=f"Avg. confidence {100 * d.mean_confidence:.1f}%")
         ax.set(xlim=(0, 1), title=d.method or None, xlabel="Confidence")
         ax.set_ylabel("Share of samples" if k % cols == 0 else "")
-        ax.legend(fontsize=7, loc="upper left", framealpha=0.9)
+        ax.legend(fontsize="x-small", loc="upper left", framealpha=0.9)
     for k in range(len(items), rows * cols):
         axes[divmod(k, cols)].set_visible(False)
     return fig
@@ -569,7 +623,7 @@ def delta_figure(data: DeltaImageData, backend: str = "matplotlib"):
             ax.imshow(arr, interpolation="nearest")
         else:
             mappable = ax.imshow(arr, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize="small")
         ax.set_xticks([]), ax.set_yticks([])
     for k in range(n, rows * cols):
         axes[divmod(k, cols)].set_visible(False)
@@ -710,7 +764,7 @@ def gamma_figure(data: GammaCurveData, backend: str = "matplotlib"):
             ax.axvline(data.chosen, color=GREY, ls=":", lw=1)
         ax.set(xlabel="γ", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, frameon=False)
+    axes[0].legend(fontsize="small", frameon=False)
     extra = f", chosen γ = {data.chosen:g}" if data.chosen is not None else ""
     fit = f", fitter {data.fitter}" if data.fitter else ""
     fig.suptitle(f"{data.title} ({data.n_bins} bins{extra}{fit})")
@@ -827,10 +881,10 @@ def init_study_figure(data: InitStudyData, backend: str = "matplotlib"):
                             color=INIT_COLOURS.get(init, GREY), ecolor="black", capsize=3,
                             label=f"mean, {100 * data.level:g} % interval" if j == 0 else None)
             ax.set_xlim(0.5, len(inits) + 0.6)
-        ax.set_title(label, fontsize=10)
+        ax.set_title(label, fontsize="medium")
         ax.grid(axis="y", alpha=0.3)
     if data.ci is not None:
-        axes[0].legend(fontsize=7, loc="best", framealpha=0.9)
+        axes[0].legend(fontsize="x-small", loc="best", framealpha=0.9)
     fit = f", fitter {data.fitter}" if data.fitter else ""
     fig.suptitle(f"{data.title} ({data.n_bins} bins{fit})")
     return fig
@@ -888,6 +942,8 @@ class ShiftCurveData:
     n_bins: int = 15
     level: float = 0.95
     title: str = ""
+    #: A severity marked on every panel (the one a page shows), or None.
+    marked: float | None = None
 
 
 def shift_curve_data(result: Any, metric: str = "ece", methods: Sequence[str] | None = None) -> ShiftCurveData:
@@ -940,18 +996,21 @@ def shift_figure(data: ShiftCurveData, backend: str = "matplotlib", per_row: int
             ax.plot(data.severities, v * col.scale, marker="o", ms=3, color=c, label=m, lw=1.8 if i else 1.2)
             ax.fill_between(data.severities, data.low[panel][m] * col.scale, data.high[panel][m] * col.scale, color=c,
                             alpha=0.15, linewidth=0)
-        ax.set_title(data.titles[panel], fontsize=10, fontweight="bold" if panel == data.panels[0] else "normal")
-        ax.set(ylabel=col.label().replace(" ↓", "").replace(" ↑", ""))
+        ax.set_title(data.titles[panel], fontsize="medium", fontweight="bold" if panel == data.panels[0] else "normal")
+        if ax.get_subplotspec().is_first_col():
+            ax.set(ylabel=col.label().replace(" ↓", "").replace(" ↑", ""))
         if ax.get_subplotspec().is_last_row() or panel in data.panels[-cols:]:
-            ax.set_xlabel("severity (0 = clean)")
+            ax.set_xlabel("severity")
             ax.tick_params(labelbottom=True)
         ax.set_xticks(data.severities)
         ax.grid(alpha=0.3)
+        if data.marked is not None:
+            ax.axvline(data.marked, color="black", ls=":", lw=1)
     for ax in axes[len(data.panels):]:
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
-    fig.suptitle(f"{data.title}; bands: {100 * data.level:g} % intervals", fontsize=11)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 3), fontsize="small", frameon=False)
+    fig.suptitle(f"{data.title}; severity 0 = clean; bands: {100 * data.level:g} % intervals", fontsize="medium")
     return fig
 
 
@@ -1002,6 +1061,186 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 200, plotlyjs: str | bool
         raise ValueError(f"A plotly figure is saved as .html (static {ext} files need the kaleido package); "
                          "draw it with backend='matplotlib' for PNG/PDF.")
     raise ValueError(f"Cannot save an object of type {type(fig).__name__}; expected a matplotlib or plotly figure.")
+
+
+# --------------------------------------------------------------------------- one picture's confidences
+
+
+@dataclass(frozen=True)
+class PictureConfidenceData:
+    """One picture's probability of each class shown (``classes``) under each way of scoring it
+    (``ways``: uncalibrated, temperature scaling, …): ``probabilities`` (ways, classes), fractions;
+    ``clean`` the same for the clean picture where this one was corrupted (None: not corrupted)."""
+
+    classes: tuple[str, ...]
+    ways: tuple[str, ...]
+    colours: tuple[str, ...]
+    probabilities: np.ndarray
+    clean: np.ndarray | None = None
+    title: str = "How sure the model is, per class"
+
+
+def picture_confidence_data(classes: Sequence[str], probabilities: Mapping[str, Sequence[float]],
+                            colours: Mapping[str, str] | None = None,
+                            clean: Mapping[str, Sequence[float]] | None = None,
+                            title: str = "How sure the model is, per class") -> PictureConfidenceData:
+    """Check and pack one picture's probabilities: ``probabilities[way]`` one per class of ``classes``
+    (from 0 to 1); ``clean``, where given, the clean picture's for the same ways and classes."""
+    names = tuple(str(c) for c in classes)
+    ways = tuple(probabilities)
+    if not names or not ways:
+        raise ValueError("A picture's confidences need at least one class and one way of scoring it.")
+
+    def packed(values: Mapping[str, Sequence[float]]) -> np.ndarray:
+        if tuple(values) != ways:
+            raise ValueError(f"The clean picture's confidences must be given for {', '.join(ways)}.")
+        arr = np.asarray([np.asarray(values[w], dtype=np.float64).reshape(-1) for w in ways])
+        if arr.shape != (len(ways), len(names)) or not ((arr >= 0) & (arr <= 1)).all():
+            raise ValueError(f"Confidences must be probabilities from 0 to 1, one for each of the {len(names)} classes.")
+        return arr
+
+    shown = dict(colours or {})
+    palette = (GREY, BLUE, "#ff7f0e", GREEN, RED)
+    return PictureConfidenceData(names, ways, tuple(shown.get(w, palette[i % len(palette)]) for i, w in enumerate(ways)),
+                                 packed(probabilities), None if clean is None else packed(clean), title)
+
+
+def picture_confidence_figure(data: PictureConfidenceData):
+    """A bar per class and way of scoring, the classes top to bottom as given, each bar's percentage
+    at its end and, for a corrupted picture, a black mark where the clean picture's bar ended."""
+    k, w = len(data.classes), len(data.ways)
+    fig = _new_figure(8.0, 1.0 + 0.45 * k * w)
+    ax = fig.add_subplot()
+    height = 0.8 / w
+    for j, (way, colour) in enumerate(zip(data.ways, data.colours)):
+        y = np.arange(k) + (j - (w - 1) / 2) * height
+        p = data.probabilities[j]
+        ax.barh(y, p, height=height, color=colour, edgecolor="black", linewidth=0.5, label=way)
+        # The percentage beyond the bar and beyond the clean picture's mark, which it would otherwise cross.
+        ends = p if data.clean is None else np.maximum(p, data.clean[j])
+        for yi, pi, end in zip(y, p, ends):
+            ax.text(end + 0.015, yi, f"{100 * pi:.1f} %", va="center", fontsize="small")
+        if data.clean is not None:
+            ax.plot(data.clean[j], y, "|", color="black", ms=12, mew=1.5,
+                    label="the clean picture's" if j == 0 else None)
+    ax.set_yticks(range(k), data.classes)
+    ax.set(xlim=(0, 1.15), ylim=(k - 0.5, -0.5), xlabel="Confidence", title=data.title)
+    ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["0 %", "25 %", "50 %", "75 %", "100 %"])
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small", framealpha=0.9)
+    return fig
+
+
+# --------------------------------------------------------------------------- figures for slides
+
+
+#: A widescreen slide's own size, 13.33 × 7.5 in (16:9): a figure placed full-slide shows at 1:1, its
+#: type at the sizes of :data:`SLIDE_STYLE`.
+SLIDE_INCHES = (40 / 3, 7.5)
+#: The PNG's resolution: 13.33 × 7.5 in at 144 dpi is 1920 × 1080 pixels, a projector's full HD.
+SLIDE_DPI = 144
+SLIDE_FORMATS = ("png", "svg", "pdf")
+#: Every line, edge and marker of a figure drawn for slides is this many times as thick as in the
+#: paper figures (the δ image's pixels and the fills are not lines): a 0.5 pt bar edge becomes 1 pt,
+#: a 1.5 pt curve 3 pt, which read from the back of a lecture hall.
+SLIDE_LINE_SCALE = 2.0
+#: The presenter style (matplotlib rc): 20 pt type (legends and tick labels 16.7 pt, the title 24 pt;
+#: about the height of a slide's body text when the figure fills the slide), black ink on white,
+#: DejaVu Sans (matplotlib's own font, so the glyphs are the same on every machine). The PDF embeds
+#: its fonts as TrueType (``pdf.fonttype`` 42; the default, Type 3, is not a font a slide program
+#: can read or search); the SVG draws its text as paths, so it needs no font and holds no reference
+#: to anything outside it; ``svg.hashsalt`` makes its ids, and so the file, the same on every save.
+SLIDE_STYLE = {
+    "font.family": "DejaVu Sans", "font.size": 20, "axes.titlesize": "medium", "axes.labelsize": "medium",
+    "xtick.labelsize": "small", "ytick.labelsize": "small", "legend.fontsize": "small",
+    "figure.titlesize": "large", "text.color": "black", "axes.labelcolor": "black", "axes.edgecolor": "black",
+    "xtick.color": "black", "ytick.color": "black", "axes.linewidth": 1.5, "xtick.major.width": 1.5,
+    "ytick.major.width": 1.5, "xtick.major.size": 6, "ytick.major.size": 6, "grid.color": "#8c8c8c",
+    "grid.linewidth": 1.0, "figure.facecolor": "white", "axes.facecolor": "white", "savefig.facecolor": "white",
+    "legend.edgecolor": "black", "pdf.fonttype": 42, "svg.fonttype": "path", "svg.hashsalt": "nctv-slides",
+}
+
+
+def slide_columns(n: int, most: int = _PER_ROW) -> int:
+    """Panels a row for ``n`` panels on a slide: as few rows as hold ``most`` a row, shared out evenly
+    (6 panels: two rows of 3, not 5 and 1)."""
+    rows = math.ceil(max(n, 1) / most)
+    return math.ceil(max(n, 1) / rows)
+
+
+def slide_figure(draw: Any, *args: Any, **kwargs: Any):
+    """``draw(*args, **kwargs)``, a matplotlib figure function of this module, drawn for a slide: in
+    :data:`SLIDE_STYLE`, at :data:`SLIDE_INCHES`, its lines :data:`SLIDE_LINE_SCALE` times as thick.
+    Write it with :func:`save_slides`."""
+    import matplotlib
+
+    with matplotlib.rc_context(SLIDE_STYLE):
+        fig = draw(*args, **kwargs)
+    if not hasattr(fig, "savefig"):
+        raise ValueError("A slide is drawn from a matplotlib figure (backend='matplotlib').")
+    fig.set_size_inches(*SLIDE_INCHES)
+    _thicken(fig, SLIDE_LINE_SCALE)
+    _wrap_titles(fig)
+    return fig
+
+
+def _wrap_titles(fig: Any) -> None:
+    """The figure's and its panels' titles broken at spaces into lines that fit their width: at a
+    slide's type size a paper figure's one-line titles run off the figure or into each other."""
+    import textwrap
+
+    width = fig.get_figwidth() * 72  # points
+    titles = [(fig._suptitle, width)] + [(ax.title, ax.get_position().width * width) for ax in fig.axes]
+    for title, room in titles:
+        if title is None or not title.get_text():
+            continue
+        # DejaVu Sans averages a little under 0.6 em a character.
+        chars = max(8, int(room / (0.6 * title.get_fontsize())))
+        title.set_text("\n".join(textwrap.fill(line, chars, break_long_words=False, break_on_hyphens=False)
+                                 for line in title.get_text().split("\n")))
+
+
+def _thicken(fig: Any, k: float) -> None:
+    """Lines, edges and markers of the figure's panels and legends ``k`` times as thick (the axes and
+    ticks take theirs from the style)."""
+    from matplotlib.collections import Collection, PathCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    legends = [ax.get_legend() for ax in fig.axes] + list(fig.legends)
+    artists = [a for ax in fig.axes for a in (*ax.lines, *ax.collections, *ax.patches)]
+    artists += [h for lg in legends if lg is not None for h in lg.legend_handles if h is not None]
+    for a in artists:
+        if isinstance(a, Line2D):
+            a.set_linewidth(a.get_linewidth() * k)
+            a.set_markersize(a.get_markersize() * k)
+            a.set_markeredgewidth(a.get_markeredgewidth() * k)
+        elif isinstance(a, Collection):
+            a.set_linewidths(np.asarray(a.get_linewidths()) * k)
+            if isinstance(a, PathCollection):
+                a.set_sizes(np.asarray(a.get_sizes()) * k * k)  # sizes are areas
+        elif isinstance(a, Patch):
+            a.set_linewidth(a.get_linewidth() * k)
+
+
+def save_slides(fig: Any, stem: str | Path) -> list[Path]:
+    """Write a figure drawn by :func:`slide_figure` as ``stem``.png (1920 × 1080), .svg and .pdf, all
+    three from the one figure; returns their paths in that order. The files hold no date, so the same
+    numbers give the same bytes on every save."""
+    import matplotlib
+
+    if not hasattr(fig, "savefig"):
+        raise ValueError(f"Cannot save an object of type {type(fig).__name__} for slides; expected a matplotlib figure.")
+    base = Path(stem)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    undated = {"png": None, "svg": {"Date": None}, "pdf": {"CreationDate": None}}
+    paths = []
+    with matplotlib.rc_context(SLIDE_STYLE):
+        for ext in SLIDE_FORMATS:
+            path = base.with_name(f"{base.name}.{ext}")
+            fig.savefig(path, dpi=SLIDE_DPI, metadata=undated[ext])
+            paths.append(path)
+    return paths
 
 
 # --------------------------------------------------------------------------- from experiment results

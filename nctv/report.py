@@ -28,7 +28,7 @@ import itertools
 import json
 import math
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -694,25 +694,80 @@ def _greek(name: str) -> str | None:
 def to_latex(table: Table, label: str | None = None, style: str = "brackets") -> str:
     """A booktabs ``table`` environment (needs ``\\usepackage{booktabs}``); best bold, second underlined."""
     _check_style(style)
-    spec = "l" + "".join("c" if c.higher_is_better is not None or c.key in ("seconds",) else "l" for c in table.columns)
-    head = " & ".join([latex_escape(table.first_column)] + [latex_escape(c.label()) for c in table.columns])
     out = [r"\begin{table}[t]", r"\centering",
            r"\caption{" + latex_escape(" ".join([table.title + "."] * bool(table.title) + table.notes + (
                [_legend(table, "bold", "underlined")] if _has_marks(table) else []))) + "}"]
     if label:
         out.append(r"\label{" + label + "}")
-    out += [r"\begin{tabular}{" + spec + "}", r"\toprule", head + r" \\", r"\midrule"]
+    out += _tabular(table, style) + [r"\end{table}"]
+    return "\n".join(out) + "\n"
+
+
+def _tabular(table: Table, style: str, apart: list[str] | None = None) -> list[str]:
+    """The booktabs ``tabular`` of ``table``: one line per row, best bold, second underlined. With
+    ``apart`` (a list), a cell's note becomes a numbered mark and its text goes to ``apart`` (a note
+    said in several cells is listed once): the column stays as narrow as its numbers."""
+    spec = "l" + "".join("c" if c.higher_is_better is not None or c.key in ("seconds",) else "l" for c in table.columns)
+    head = " & ".join([latex_escape(table.first_column)] + [latex_escape(c.label()) for c in table.columns])
+    out = [r"\begin{tabular}{" + spec + "}", r"\toprule", head + r" \\", r"\midrule"]
     for i, (name, row) in enumerate(zip(table.rows, table.cells)):
         if i in table.rules_before:
             out.append(r"\midrule")
         bold = i in table.bold_rows
         parts = [_marked(latex_escape(name), None, bold, _LATEX_MARKS)]
         for cell, col in zip(row, table.columns):
-            s = cell.format(col.decimals, pm=r" $\pm$ ", style=style) if cell.text is None else latex_escape(cell.text)
+            if cell.text is not None:
+                s = latex_escape(cell.text)
+            elif apart is not None and cell.note is not None:
+                if cell.note not in apart:
+                    apart.append(cell.note)
+                s = replace(cell, note=None).format(col.decimals, pm=r" $\pm$ ", style=style)
+                s += f"$^{{{apart.index(cell.note) + 1}}}$"
+            else:
+                s = cell.format(col.decimals, pm=r" $\pm$ ", style=style)
             parts.append(_marked(s, cell.rank, bold, _LATEX_MARKS))
         out.append(" & ".join(parts) + r" \\")
-    out += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return out + [r"\bottomrule", r"\end{tabular}"]
+
+
+#: Of a slide's text height, what a table may take at most (the frame's title and the marks' legend
+#: under the table take the rest).
+BEAMER_TABLE_HEIGHT = 0.75
+
+
+def to_beamer(table: Table, style: str = "brackets") -> str:
+    """``table`` as one Beamer frame (``\\begin{frame}{title}`` … ``\\end{frame}``): the booktabs
+    tabular of :func:`to_latex`, shrunk to the frame's width, and to :data:`BEAMER_TABLE_HEIGHT` of its
+    height, where it is larger (never enlarged), with what the marks mean in small type under it; a
+    cell's note ("consistent with calibrated (p = 0.31)") is a numbered mark there, said under it. The
+    notes, which a slide has no room for, follow as comments. Needs ``\\usepackage{booktabs}`` (Beamer
+    loads graphicx, which does the shrinking)."""
+    _check_style(style)
+    height = f"{BEAMER_TABLE_HEIGHT:g}" + r"\textheight"
+    out = [r"\begin{frame}{" + latex_escape(table.title) + "}", r"\centering",
+           r"\resizebox*{!}{\ifdim\totalheight>" + height + " " + height + r"\else\totalheight\fi}{%",
+           r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%"]
+    apart: list[str] = []
+    out += _tabular(table, style, apart)
+    out[-1] += "}}"
+    under = [f"$^{{{i}}}$ {latex_escape(note)}" for i, note in enumerate(apart, 1)]
+    if _has_marks(table):
+        under.append(latex_escape(_legend(table, "bold", "underlined")))
+    if under:
+        out += ["", r"\smallskip{\scriptsize " + " ".join(under) + r"\par}"]
+    out += ["% " + latex_escape(note) for note in table.notes] + [r"\end{frame}"]
     return "\n".join(out) + "\n"
+
+
+def beamer_document(tables: Table | Sequence[Table], style: str = "brackets") -> str:
+    """A Beamer document (16:9) of one frame per table (:func:`to_beamer`), which pdflatex compiles as it
+    is: copy a frame into a talk whose preamble loads booktabs."""
+    tables = [tables] if isinstance(tables, Table) else list(tables)
+    if not tables:
+        raise ValueError("No tables to write.")
+    head = ["% NCTV tables for slides: one Beamer frame per table; each frame needs \\usepackage{booktabs}.",
+            r"\documentclass[aspectratio=169]{beamer}", r"\usepackage{booktabs}", r"\begin{document}", ""]
+    return "\n".join(head) + "\n".join(to_beamer(t, style) for t in tables) + "\n\\end{document}\n"
 
 
 def table_to_dict(table: Table) -> dict[str, Any]:
@@ -801,12 +856,13 @@ def result_tables(result: RunResult) -> list[Table]:
 
 
 def write_tables(result: RunResult, directory: str | Path, style: str = "brackets") -> list[Path]:
-    """Write ``table.md``, ``table.csv``, ``table.tex`` and ``table.json`` (all bin counts) into ``directory``,
-    and ``further.csv``: the further metrics and the calibration test (:func:`further_table`).
+    """Write ``table.md``, ``table.csv``, ``table.tex``, ``slides.tex`` and ``table.json`` (all bin counts)
+    into ``directory``, and ``further.csv``: the further metrics and the calibration test (:func:`further_table`).
 
     The Markdown and LaTeX files also hold, when the run has them, the differences between methods
-    with their verdict and the Welch t-test tables (none with a single run of NC (FL)). ``style``:
-    how intervals are shown (``INTERVAL_STYLES``).
+    with their verdict and the Welch t-test tables (none with a single run of NC (FL)). ``slides.tex``
+    is a Beamer document of the same tables, one frame each (:func:`beamer_document`). ``style``: how
+    intervals are shown (``INTERVAL_STYLES``).
     """
     _check_style(style)
     out = Path(directory)
@@ -816,29 +872,23 @@ def write_tables(result: RunResult, directory: str | Path, style: str = "bracket
     compared = [comparison_table(result, t.n_bins) for t in tables] if has_intervals(result) else []
     further = [further_table(result, t.n_bins) for t in tables] if result.kind != "timing" else []
     further = [t for t in further if any(c.key != "nll" for c in t.columns)]  # none in a result saved before them
-    md = [f"# NCTV {result.kind}: {result.model.get('name')}", ""]
-    tex = ["% NCTV tables; needs \\usepackage{booktabs}", ""]
-    for t in tables:
-        md.append(to_markdown(t, style))
-        tex.append(to_latex(t, label=f"tab:nctv-{result.kind}-{t.n_bins}bins", style=style))
-    for t in further:
-        md.append(to_markdown(t, style))
-        tex.append(to_latex(t, label=f"tab:nctv-further-{t.n_bins}bins", style=style))
-    for t in compared:
-        sentence = verdict(result, t.n_bins)
-        md.append(to_markdown(t, style) + ("\n" + sentence + "\n" if sentence else ""))
-        tex.append(to_latex(t, label=f"tab:nctv-differences-{t.n_bins}bins", style=style))
-    for t in welch:
-        md.append(to_markdown(t))
-        tex.append(to_latex(t, label=f"tab:nctv-welch-{t.n_bins}bins"))
     sets = conformal_table(result)
+    # (table, LaTeX label, the sentence under it in Markdown), in the files' order. The Welch tables hold
+    # text only, which the interval style leaves as it is.
+    shown = [(t, f"tab:nctv-{result.kind}-{t.n_bins}bins", None) for t in tables]
+    shown += [(t, f"tab:nctv-further-{t.n_bins}bins", None) for t in further]
+    shown += [(t, f"tab:nctv-differences-{t.n_bins}bins", verdict(result, t.n_bins)) for t in compared]
+    shown += [(t, f"tab:nctv-welch-{t.n_bins}bins", None) for t in welch]
     if sets is not None:
-        md.append(to_markdown(sets, style))
-        tex.append(to_latex(sets, label=f"tab:nctv-conformal-{result.kind}", style=style))
-    paths = {name: out / name for name in ("table.md", "table.csv", "table.tex", "table.json")}
+        shown.append((sets, f"tab:nctv-conformal-{result.kind}", None))
+    md = [f"# NCTV {result.kind}: {result.model.get('name')}", ""]
+    md += [to_markdown(t, style) + ("\n" + sentence + "\n" if sentence else "") for t, _, sentence in shown]
+    tex = ["% NCTV tables; needs \\usepackage{booktabs}", ""] + [to_latex(t, label, style) for t, label, _ in shown]
+    paths = {name: out / name for name in ("table.md", "table.csv", "table.tex", "slides.tex", "table.json")}
     paths["table.md"].write_text("\n".join(md), encoding="utf-8")
     paths["table.csv"].write_text(to_csv(tables, style), encoding="utf-8")
     paths["table.tex"].write_text("\n".join(tex), encoding="utf-8")
+    paths["slides.tex"].write_text(beamer_document([t for t, _, _ in shown], style), encoding="utf-8")
     paths["table.json"].write_text(to_json(tables + further + compared + welch), encoding="utf-8")
     if further:
         paths["further.csv"] = out / "further.csv"

@@ -214,7 +214,7 @@ def test_json_round_trip_and_files(case, tmp_path):
     assert to_markdown(results_table(again, 15)) == to_markdown(results_table(result, 15))
     assert again.welch == result.welch
     paths = write_tables(result, tmp_path)
-    assert sorted(p.name for p in paths) == ["table.csv", "table.json", "table.md", "table.tex"]
+    assert sorted(p.name for p in paths) == ["slides.tex", "table.csv", "table.json", "table.md", "table.tex"]
     assert all(p.stat().st_size > 0 for p in paths)
     assert "15 bins" in (tmp_path / "table.md").read_text()
     line = summary_line(result)

@@ -241,7 +241,8 @@ def test_calibrate_handler_streams_then_returns_everything(tmp_path):
     assert "T = " in params and isinstance(calibration, session.Calibration) and calibration.split == SMALL
     assert Path(files[0]).name == "calibrators.zip"  # the file to reuse first
     names = {Path(f).name for f in files}
-    assert {"results.json", "table.csv", "table.md", "reliability.png", "delta.png", "delta.safetensors"} <= names
+    assert {"results.json", "table.csv", "table.md", "slides.tex", "delta.safetensors"} <= names
+    assert {f"{f}.{ext}" for f in ("reliability", "smooth_reliability", "delta") for ext in ("png", "svg", "pdf")} <= names
     by_name = {Path(f).name: Path(f) for f in files}
     data = json.loads(by_name["results.json"].read_text())
     assert list(data["methods"]) == ["Uncalibrated", "Temperature Scaling", "Neural Clamping (FL)"]
@@ -1094,10 +1095,11 @@ def test_first_screen_is_the_shipped_result():
     assert loaded.nc_temperature == pre.nc_temperature and loaded.ts_temperature == pre.ts_temperature
 
 
-def test_the_downloaded_reliability_diagrams_are_drawn_as_nctv_run_draws_them(monkeypatch):
-    """reliability.png holds, per method, the binned diagram and the smoothed one with its band, as
-    ``nctv run`` draws it: the figure's numbers are each method's bins and nctv.intervals.smooth_band of the
-    shipped test logits (read from their file here) at the run's interval settings."""
+def test_the_downloaded_reliability_diagrams_are_drawn_as_nctv_run_draws_them(monkeypatch, tmp_path):
+    """reliability.png (.svg, .pdf) holds every method's binned diagram and smooth_reliability.png its
+    smoothed one with its band, both from the numbers ``nctv run`` draws: each method's bins and
+    nctv.intervals.smooth_band of the shipped test logits (read from their file here) at the run's
+    interval settings."""
     from safetensors.torch import load_file
 
     from nctv import plots
@@ -1112,9 +1114,10 @@ def test_the_downloaded_reliability_diagrams_are_drawn_as_nctv_run_draws_them(mo
 
     monkeypatch.setattr(plots, "reliability_figure", spy)
     pre = load_precomputed()
-    files = cal_tab.export_files(pre.result, pre.calibration, 15)
-    assert any(Path(f).name == "reliability.png" for f in files) and len(drawn) == 1
-    data, fig = drawn[0]
+    files = cal_tab.figures_for_slides(pre.result, pre.calibration, 15, tmp_path)
+    assert {"reliability.png", "smooth_reliability.png"} <= {Path(f).name for f in files} and len(drawn) == 2
+    (data, binned), (same, fig) = drawn
+    assert same is data and not any(ax.get_title().endswith("(smoothed)") for ax in binned.axes)
     saved = json.loads((precomputed_dir() / "results.json").read_text())
     how = saved["settings"]["intervals"]
     tensors = load_file(str(precomputed_dir() / "test_logits.safetensors"))
@@ -1131,7 +1134,7 @@ def test_the_downloaded_reliability_diagrams_are_drawn_as_nctv_run_draws_them(mo
             np.testing.assert_allclose(getattr(d.smooth, field), getattr(band, field), atol=1e-12, err_msg=d.method)
         assert d.smooth.smooth_ece == pytest.approx(band.smooth_ece, abs=1e-12)
         assert (d.smooth.high - d.smooth.low).max() > 0.01  # a band, not a line
-    # Drawn: a smoothed diagram under each binned one.
+    # Drawn: each method's smoothed diagram on the second slide.
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes]
     assert [t for t in titles if t.endswith("(smoothed)")] == [f"{d.method} (smoothed)" for d in data]
 

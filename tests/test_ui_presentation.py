@@ -99,11 +99,11 @@ def test_a_study_says_finished_once_its_work_ends():
     assert said[-1].startswith("**Finished**") and all(s.startswith("**Running**") for s in said[:-1])
 
 
-@pytest.mark.parametrize("tab, names", [(gamma_tab, ("gamma_sweep.json", "gamma_sweep.png")),
-                                        (init_tab, ("init_study.json", "init_study.png"))])
-def test_the_study_tabs_offer_json_and_png_from_the_first_screen(tab, names):
+@pytest.mark.parametrize("tab, name", [(gamma_tab, "gamma_sweep"), (init_tab, "init_study")])
+def test_the_study_tabs_offer_json_and_figures_for_slides_from_the_first_screen(tab, name):
     status, figure, table, files = tab.shipped_view()
-    assert "pre-computed" in status and [Path(f).name for f in files] == list(names)
+    assert "pre-computed" in status and [Path(f).name for f in files] == [
+        f"{name}.json", f"{name}.png", f"{name}.svg", f"{name}.pdf", "slides.tex"]
     data = json.loads(Path(files[0]).read_text(encoding="utf-8"))
     assert data["seconds"] > 0
     with Image.open(files[1]) as png:

@@ -26,6 +26,7 @@ from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
 from nctv.ui import mcp_tools
 from nctv.ui import shift as shift_tab
+from nctv.ui import slides as slides_tab
 from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.hub import max_model_bytes
@@ -358,7 +359,8 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
     run, stop, status = bar
     fig = gr.Plot(fit_width(first[0]), label=plot_label, elem_id=plot_id)
     table = gr.Markdown(first[1], elem_classes="result-table")
-    files = gr.File(first[2] or None, label="Download (JSON, PNG)", file_count="multiple", interactive=False,
+    files = gr.File(first[2] or None, label="Download (JSON; for slides: PNG, SVG, PDF, slides.tex)",
+                    file_count="multiple", interactive=False,
                     elem_classes="download-list")
     event = run.click(_plots_fit(handler), inputs, [status, fig, table, files],
                       api_name=api_name, concurrency_limit=1, concurrency_id=HEAVY, show_progress_on=[status],
@@ -408,7 +410,7 @@ def _calibrate_tab(shared: Shared, state: gr.State):
             delta = cal_tab.delta_viewer(delta0)
             # No height cap: every file in view, calibrators.zip (the one to reuse) first.
             files = gr.File(files0, label="Download this result (calibrators.zip, JSON, CSV, Markdown, LaTeX, "
-                                          "figures, δ)", file_count="multiple", interactive=False,
+                                          "figures and tables for slides, δ)", file_count="multiple", interactive=False,
                             elem_id="calibrate-files", elem_classes="download-list")
             # On a Space with sign-in: push one of the run's calibrators to the visitor's own repository.
             hub_push.push_panel(files, [m for m in cal_tab.method_choices() if m != cal_tab.REFERENCE])
@@ -512,6 +514,8 @@ def _try_tab(state: gr.State):
             chart = gr.HTML(css_template=try_tab.CHART_CSS, js_on_load=None, elem_id="try-chart")
             delta = delta_widget(elem_id="try-delta")
             note = gr.Markdown(elem_id="try-note")
+            slides_tab.figure_control("try", slides_tab.TRY_READ, slides_tab.try_download, [],
+                                      concurrency_limit=LIGHT_CONCURRENCY)
     outputs = [verdict, chart, delta, note]
     light = dict(concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
     shift = [corruption, severity]
@@ -550,6 +554,8 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
     # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
     # after each calibration run, never with a move.
     view = learn_tab.page_view()
+    slides_tab.figure_control("learn", slides_tab.LEARN_READ, slides_tab.learn_download, [state],
+                              concurrency_limit=LIGHT_CONCURRENCY)
     table = gr.Markdown(table0, elem_id="learn-table", elem_classes="result-table")
     text = gr.Markdown(text0, elem_id="learn-text")
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
@@ -586,11 +592,14 @@ def _shift_tab(shared: Shared) -> None:
     # the study's numbers: they go to the page on its first view of the tab, or when a menu model with a
     # study of its own is picked, never with a move.
     view = shift_tab.page_view()
+    slides_tab.figure_control("shift", slides_tab.SHIFT_READ, slides_tab.shift_download, [shared.model, shared.hub_id],
+                              concurrency_limit=LIGHT_CONCURRENCY)
     status = gr.Markdown(status0, elem_id="shift-status")
     table = gr.Markdown(table0, elem_id="shift-table", elem_classes="result-table")
     with gr.Accordion("Neural Clamping against temperature scaling, every condition", open=False):
         versus = gr.Markdown(versus0, elem_id="shift-versus", elem_classes="result-table")
-    files = gr.File(files0 or None, label="Download this study (shift.json, table.csv)", file_count="multiple",
+    files = gr.File(files0 or None, label="Download this study (shift.json, table.csv; for slides: PNG, SVG, PDF, "
+                    "slides.tex)", file_count="multiple",
                     interactive=False, elem_id="shift-files", elem_classes="download-list")
     view.first_view(shift_tab.first_view, [shared.model, shared.hub_id], [view], show_progress="hidden",
                     concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")

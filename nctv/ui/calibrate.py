@@ -30,6 +30,7 @@ from nctv.ui.caches import prepare_run
 from nctv.ui.gpu import GpuRun, calibration_work, gpu_generator
 from nctv.ui.limits import resolve_dataset, resolve_model_name
 from nctv.ui.session import NC_METHODS, TS_METHOD, Calibration, SplitSpec
+from nctv.ui import slides
 from nctv.ui.shipped import PRECOMPUTED_LABEL, study_folder, test_metrics
 
 REFERENCE = "Uncalibrated"
@@ -185,16 +186,6 @@ def table_markdown(result: Any, n_bins: int, source: str) -> str:
             + ("\n\n" + report.to_markdown(sets) if sets is not None else ""))
 
 
-def reliability_plot(result: Any, n_bins: int):
-    """The run's reliability diagrams as one matplotlib figure, for the downloads, drawn as ``nctv run``
-    draws its own: per method the binned diagram and, below it, the smoothed one with its band at the
-    run's interval settings (level, resamples, seed)."""
-    from nctv import plots
-
-    return plots.reliability_figure(plots.reliability_data_from_result(result, n_bins, smooth=True),
-                                    backend="matplotlib")
-
-
 def _numbers(values: Any, digits: int | None = None) -> list[float | None]:
     """A list for the page: floats (rounded to ``digits`` where a figure needs no more), None for NaN."""
     return [None if not math.isfinite(v) else (round(float(v), digits) if digits else float(v))
@@ -320,7 +311,8 @@ def diagram_view(value: dict | None) -> gr.HTML:
 
 
 def delta_plot(result: Any, calibration: Calibration):
-    """δ as a matplotlib figure (the input, input + δ, the change, δ per channel), for ``delta.png``."""
+    """δ as a matplotlib figure (the input, input + δ, the change, δ per channel), for ``delta.png``,
+    ``.svg`` and ``.pdf``."""
     from nctv import plots
 
     if calibration.delta is None:
@@ -416,27 +408,39 @@ def calibrators_zip(result: Any, model: str, out: Path, shipped: Path | None = N
     return Path(shutil.make_archive(str(out / "calibrators"), "zip", root_dir=folder))
 
 
+def figures_for_slides(result: Any, calibration: Calibration, n_bins: int, out: Path) -> list[str]:
+    """The run's figures as PNG, SVG and PDF for slides (``nctv.ui.slides``) in ``out``: the binned and the
+    smoothed reliability diagrams and, where the run learned one, δ."""
+    paths = slides.reliability_files(result, n_bins, out)
+    if calibration.delta is not None:
+        paths += slides.figure_files(out / "delta", delta_plot, result, calibration)
+    return paths
+
+
 def export_files(result: Any, calibration: Calibration, n_bins: int, out: Path | None = None) -> list[str]:
-    """Write the run's files for download: results.json, the tables (Markdown, CSV, LaTeX, JSON),
-    reliability.png, delta.png, delta.safetensors (δ with its temperature) and calibrators.zip
-    (every fitted calibrator in the Hub's layout), into ``out`` (where a live run's GPU part wrote
-    its calibrators) or a fresh folder."""
+    """Write the run's files for download: results.json, the tables (Markdown, CSV, LaTeX, JSON, and
+    slides.tex: a Beamer frame each), the figures for slides (:func:`figures_for_slides`; a shipped
+    result's drawn once per server), delta.safetensors (δ with its temperature) and calibrators.zip
+    (every fitted calibrator in the Hub's layout), into ``out`` (where a live run's GPU part wrote its
+    calibrators) or a fresh folder."""
     from safetensors.torch import save_file
 
-    from nctv import plots, report
+    from nctv import report
 
     out = out if out is not None else export_dir("calibration")
     (out / "results.json").write_text(result.to_json(), encoding="utf-8")
     paths = [out / "results.json"] + report.write_tables(result, out)
-    paths.append(plots.save_figure(reliability_plot(result, n_bins), out / "reliability.png", dpi=120))
-    fig = delta_plot(result, calibration)
-    if fig is not None:
-        paths.append(plots.save_figure(fig, out / "delta.png", dpi=120))
+    folder = study_folder(calibration.model) if calibration.source == PRECOMPUTED_LABEL else None
+    if folder is not None:  # a shipped result's figures are the same for every visitor: drawn once
+        paths += slides.shipped_files(folder / "results.json", lambda to: figures_for_slides(result, calibration,
+                                                                                            n_bins, to), n_bins)
+    else:
+        paths += figures_for_slides(result, calibration, n_bins, out)
+    if calibration.delta is not None:
         save_file({"delta": calibration.delta.contiguous()}, str(out / "delta.safetensors"),
                   metadata={"temperature": repr(calibration.nc_temperature), "method": str(calibration.nc_method),
                             "space": "normalised model input", "model": calibration.model})
         paths.append(out / "delta.safetensors")
-    folder = study_folder(calibration.model) if calibration.source == PRECOMPUTED_LABEL else None
     shipped = folder / CALIBRATORS_FOLDER if folder is not None else None
     archive = calibrators_zip(result, calibration.model, out, shipped)
     if archive is not None:
@@ -636,7 +640,7 @@ def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, conformal_
     the ticked logit methods, their prediction sets made with ``conformal_score`` at ``coverage`` per cent:
     streams (status, table, diagrams, parameters, δ, files, shown run). The Learn and Try tabs keep their
     calibration: they need a model's pictures."""
-    from nctv import logits_file, plots, report
+    from nctv import logits_file, report
     from nctv.experiment import RunOptions
     from nctv.methods import METHODS
 
@@ -660,8 +664,7 @@ def calibrate_logits(file: Any, methods: Any, n_bins: Any, seed: Any, conformal_
                                        RunOptions(seeds=(seed,), bins=(n_bins,), progress=False, conformal=sets))
     out = export_dir("logits")
     (out / "results.json").write_text(result.to_json(), encoding="utf-8")
-    files = [out / "results.json", *report.write_tables(result, out),
-             plots.save_figure(reliability_plot(result, n_bins), out / "reliability.png", dpi=120)]
+    files = [out / "results.json", *report.write_tables(result, out), *slides.reliability_files(result, n_bins, out)]
     shown = shown_run(result, None, n_bins)  # no split: a clicked group says there are no pictures
     note = (f" Not run: {', '.join(skipped)} ({'it needs' if len(skipped) == 1 else 'they need'} the model's "
             "pictures)." if skipped else "")

@@ -4,6 +4,7 @@ calibration ECE) marked."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 import gradio as gr
@@ -18,7 +19,8 @@ from nctv.ui.caches import prepare_run
 from nctv.ui.gpu import GpuRun, gpu_generator, sweep_work
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
-from nctv.ui.shipped import shipped_figure, shipped_study
+from nctv.ui.shipped import shipped_study
+from nctv.ui.slides import figure_files, shipped_files, tables_file
 
 #: At most this many γ values per sweep (the paper's grid has 21).
 MAX_GAMMAS = 41
@@ -82,8 +84,15 @@ def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | 
     status = (f"Showing the sweep *pre-computed, shipped with the app* (model {data['model'].get('name', '?')}, "
               f"γ from {result.sweep.gammas[0]:g} to {result.sweep.gammas[-1]:g}). Press **Run γ sweep** for a live "
               "run with your settings.")
-    png = shipped_figure("gamma_sweep.png", plots.gamma_figure(plots.gamma_curve_data_from_sweep(result)))
-    return status, fig, sweep_table(result), [str(path), png]
+    return status, fig, sweep_table(result), [str(path), *shipped_files(path, lambda to: sweep_slides(result, to))]
+
+
+def sweep_slides(result: Any, out: Path) -> list[str]:
+    """The sweep's figure (PNG, SVG, PDF) and table (a Beamer frame) for slides, in ``out``."""
+    from nctv import plots
+
+    return (figure_files(out / "gamma_sweep", plots.gamma_figure, plots.gamma_curve_data_from_sweep(result))
+            + [tables_file(out, [gamma_table(result)])])
 
 
 def sweep_table(result: Any) -> str:
@@ -110,6 +119,6 @@ def gamma_sweep(model, hub_id, dataset, calibration_size, test_size, seed, n_bin
     fig = plots.gamma_figure(plots.gamma_curve_data_from_sweep(result), backend="plotly")
     out = export_dir("gamma-sweep")
     (out / "gamma_sweep.json").write_text(json.dumps(result.to_dict(), indent=2), encoding="utf-8")
-    plots.save_figure(plots.gamma_figure(plots.gamma_curve_data_from_sweep(result)), out / "gamma_sweep.png", dpi=120)
     status = f"**Done**: {len(gammas)} γ values in {result.seconds:.1f} s; chosen γ = {result.sweep.chosen_gamma:g}."
-    yield with_warnings(status, worker), fig, sweep_table(result), [str(out / "gamma_sweep.json"), str(out / "gamma_sweep.png")]
+    yield with_warnings(status, worker), fig, sweep_table(result), [str(out / "gamma_sweep.json"),
+                                                                    *sweep_slides(result, out)]

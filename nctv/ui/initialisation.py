@@ -3,6 +3,7 @@ the data-driven δ̃ of Theorem 1, several runs each, scored on the test split a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 import gradio as gr
@@ -15,7 +16,8 @@ from nctv.ui.caches import prepare_run
 from nctv.ui.gpu import GpuRun, gpu_generator, init_work
 from nctv.ui.caches import get_model, get_splits
 from nctv.ui.session import SplitSpec
-from nctv.ui.shipped import shipped_figure, shipped_study
+from nctv.ui.shipped import shipped_study
+from nctv.ui.slides import figure_files, shipped_files, tables_file
 
 METRICS_SHOWN = ("entropy", "ece", "aece", "sce")
 MAX_RUNS = 20
@@ -60,7 +62,16 @@ def shipped_view(model: str | None = None) -> tuple[str, Any, str, list[str]] | 
     status = (f"Showing the study *pre-computed, shipped with the app* (model {data['model'].get('name', '?')}, "
               f"{len(result.study.seeds)} runs per initialisation). Press **Run initialisation study** for a live "
               "run with your settings.")
-    return status, figure, study_table(result), [str(path), shipped_figure("init_study.png", plots.init_study_figure(boxes))]
+    return status, figure, study_table(result), [str(path), *shipped_files(path, lambda to: study_slides(result, to))]
+
+
+def study_slides(result: Any, out: Path) -> list[str]:
+    """The study's box plots (PNG, SVG, PDF) and table (a Beamer frame) for slides, in ``out``."""
+    from nctv import plots
+
+    boxes = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)
+    return (figure_files(out / "init_study", plots.init_study_figure, boxes)
+            + [tables_file(out, [init_study_table(result, METRICS_SHOWN)])])
 
 
 def study_table(result: Any) -> str:
@@ -86,7 +97,6 @@ def init_study(model, hub_id, dataset, calibration_size, test_size, seed, n_bins
     data = plots.init_study_data_from_study(result, metrics_shown=METRICS_SHOWN)
     out = export_dir("init-study")
     (out / "init_study.json").write_text(json.dumps(result.to_dict(), indent=2), encoding="utf-8")
-    png = plots.save_figure(plots.init_study_figure(data), out / "init_study.png", dpi=120)
     status = f"**Done**: {runs} runs per initialisation in {result.seconds:.1f} s."
-    files = [str(out / "init_study.json"), str(png)]
+    files = [str(out / "init_study.json"), *study_slides(result, out)]
     yield with_warnings(status, worker), plots.init_study_figure(data, backend="plotly"), study_table(result), files

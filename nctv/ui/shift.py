@@ -27,6 +27,7 @@ from nctv.shift import (AVERAGE, SHIFT_FILE, SHIFT_REFERENCES, ShiftResult, comp
                         shift_table, summary_sentences, to_csv)
 from nctv.ui.common import export_dir, user_errors
 from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir
+from nctv.ui.slides import figure_files, shipped_files, tables_file
 
 #: The metrics each method's card shows, with their interval.
 CARD_METRICS = ("ece", "accuracy")
@@ -136,7 +137,20 @@ def study_view(result: ShiftResult, path: Path) -> tuple[str, str, str, list[str
     lines = "\n".join(f"- {s}" for s in summary_sentences(result))
     table = to_markdown(shift_table(result, "ece"))
     versus = to_markdown(comparison_table(result)) if COMPARED_METHOD in result.methods else ""
-    return status + ("\n\n" + lines if lines else ""), table, versus, [str(path), _table_csv(str(path))]
+    files = [str(path), _table_csv(str(path)), *shipped_files(path, lambda to: study_slides(result, to))]
+    return status + ("\n\n" + lines if lines else ""), table, versus, files
+
+
+def study_slides(result: ShiftResult, out: Path) -> list[str]:
+    """The study for slides, in ``out``: ECE against severity under every corruption and their mean (PNG,
+    SVG, PDF), and its two tables as Beamer frames. The page's view at one condition has a control of
+    its own (:func:`nctv.ui.slides.shift_download`)."""
+    from nctv import plots
+
+    tables = [shift_table(result, "ece")] + ([comparison_table(result)] if COMPARED_METHOD in result.methods else [])
+    return (figure_files(out / "shift_curves", plots.shift_figure, plots.shift_curve_data(result),
+                         per_row=plots.slide_columns(1 + len(result.corruptions), most=4))
+            + [tables_file(out, tables)])
 
 
 def shipped_view() -> tuple[str, str, str, list[str]]:

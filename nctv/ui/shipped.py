@@ -42,18 +42,6 @@ def shipped_study(name: str) -> tuple[dict, Path] | None:
     return (json.loads(path.read_text(encoding="utf-8")), path) if path.is_file() else None
 
 
-def shipped_figure(name: str, figure: Any) -> str:
-    """A shipped study's figure (a matplotlib figure) saved as the PNG ``name`` for its tab's
-    downloads, which a live run's PNG matches: the study files ship numbers only."""
-    import tempfile
-
-    from nctv import plots
-
-    folder = Path(tempfile.gettempdir()) / "nctv-app-shipped"
-    folder.mkdir(parents=True, exist_ok=True)
-    return str(plots.save_figure(figure, folder / name, dpi=120))
-
-
 def examples_dir() -> Path:
     return precomputed_dir() / "examples"
 

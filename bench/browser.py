@@ -10,7 +10,8 @@ Launches ``python app.py`` offline on a free port and opens it in headless Chrom
   from the input event's time stamp to the updated diagram and read-outs (``data-redraw-ms``),
   with the number of requests the drag sent (0: it is computed in the page);
 * the Learn tab's smoothed diagram and smooth ECE, computed in the page after a move, at most once
-  a frame (``data-smooth-ms``), at 5 temperatures;
+  a frame (``data-smooth-ms``), at 5 temperatures; and its table and explanations (accuracy, entropy,
+  ECE, AECE, SCE at the moved T), written in the page in the frame after the move (``data-words-ms``);
 * beside it, one round trip of the ``/explore_temperature`` endpoint (what every move of T cost when
   the server drew the diagram), so that the two read as a ratio.
 
@@ -67,15 +68,18 @@ def learn_drag(browser, url: str) -> dict:
     sent = len(requests)
     page.mouse.up()
     # The smoothed diagram and its smooth ECE, computed in the page after a move (data-smooth-ms).
-    smooth = []
+    smooth, words = [], []
     for t in (0.5, 1.0, 1.5, 2.0, 3.0):
         page.evaluate("""t => { const r = document.querySelector('#learn-t'); r.value = String(t);
                          r.dispatchEvent(new Event('input', {bubbles: true})); }""", t)
         page.wait_for_function(f"Number(document.querySelector('.nl').dataset.smoothTemperature) === {t}")
+        page.wait_for_function(f"Number(document.querySelector('.nl').dataset.wordsTemperature) === {t}")
         smooth.append(float(page.locator(".nl").get_attribute("data-smooth-ms")))
+        words.append(float(page.locator(".nl").get_attribute("data-words-ms")))
     page.close()
     return {"learn_first_view_s": first_view, "redraw_ms": times, "redraw_median_ms": statistics.median(times),
-            "requests_during_drag": sent, "smooth_ms": smooth, "smooth_median_ms": statistics.median(smooth)}
+            "requests_during_drag": sent, "smooth_ms": smooth, "smooth_median_ms": statistics.median(smooth),
+            "words_ms": words, "words_median_ms": statistics.median(words)}
 
 
 def server_round_trip(url: str, repeats: int = 5) -> dict:
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 | Learn redraw, median of {MOVES} drag moves (in the page) | {drag['redraw_median_ms']:.1f} ms |
 | requests sent during the drag | {drag['requests_during_drag']} |
 | Learn smoothed diagram and smooth ECE after a move, median of 5 T (in the page) | {drag['smooth_median_ms']:.0f} ms |
+| Learn table and explanations after a move, median of 5 T (in the page) | {drag['words_median_ms']:.0f} ms |
 | `/explore_temperature` round trip (server-drawn diagram), median of 5 | {trip['explore_temperature_median_ms']:.0f} ms |
 | round trip / in-page redraw | {report['round_trip_over_redraw']:.0f}× |""")
     return 0

@@ -1,6 +1,6 @@
 """Take the screenshots of docs/app.md: every tab of the launched app at a phone's, a projector's and a
 desktop's size, the Calibrate tab's diagrams, a group opened in Calibrate and in Learn, the Learn and
-Shift tabs in presenter mode, the Try tab with a corrupted picture, and the dark theme, with Debian's
+Shift tabs in presenter mode, Learn's lesson, the Try tab with a corrupted picture, and the dark theme, with Debian's
 Chromium (never a downloaded one).
 
     python scripts/screenshots.py                # into docs/img/
@@ -69,6 +69,22 @@ def try_corrupted(page, size: str, save) -> None:
         save(page.screenshot(), f"try-corrupt-{size}.png")
 
 
+def lesson_shots(browser, url: str, save) -> None:
+    """Learn's lesson opened by its links: step 3 (a group opened) in presenter mode on a projector, step 2
+    on a phone."""
+    for query, (w, h), name in (("?step=3&presenter=1", (1280, 720), "learn-lesson-presenter-1280.png"),
+                                ("?step=2", (390, 844), "learn-lesson-390.png")):
+        page = browser.new_page(viewport={"width": w, "height": h})
+        page.goto(url + query)
+        page.wait_for_function("document.querySelector('.nl') && document.querySelector('.nl').dataset.wordsMs",
+                               timeout=120_000)
+        if "step=3" in query:
+            page.wait_for_selector("#learn-bin-list li", timeout=60_000)
+        page.wait_for_timeout(1500)  # the band of the settled T follows the first drawing
+        save(page.screenshot(), name)
+        page.close()
+
+
 def shoot(url: str, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
@@ -123,6 +139,7 @@ def shoot(url: str, out: Path) -> list[Path]:
         page.wait_for_timeout(500)
         save(page.screenshot(), "shift-dark-1280.png")
         page.close()
+        lesson_shots(browser, url, save)
         browser.close()
     return written
 

@@ -93,7 +93,7 @@ def test_readouts_equal_the_library_metrics(page, shipped):
     box.fill("2.345")
     box.press("Enter")
     check_readouts(page, z, y, 2.345, 15)
-    # Once T settles, the server's table and explanations follow.
+    # The page's own table and explanations follow (tests/test_lesson_browser.py compares them with Python's).
     page.wait_for_function("document.querySelector('#learn-table').innerText.includes('T = 2.35 (slider)')")
     assert f"{100 * metrics.ece(z / 2.345, y, 15):.2f}%" in page.locator("#learn-text").inner_text()
 
@@ -174,7 +174,7 @@ def test_dragging_redraws_in_the_page_without_a_request(page):
     size = "{width}x{height}".format(**page.viewport_size)
     (ARTIFACTS / f"learn-redraw-{size}.json").write_text(json.dumps({"median_ms": statistics.median(times), "ms": times}))
     print(f"\nLearn redraw at {size}, median of 20 drag moves: {statistics.median(times):.1f} ms")
-    # Releasing the slider asks the server once for the table and the explanations.
+    # The table follows in the page too, without a request.
     page.wait_for_function(f"document.querySelector('#learn-table').innerText.includes('T = {temperatures[-1]:.2f} (slider)')")
 
 
@@ -406,7 +406,7 @@ def test_a_calibration_run_becomes_the_pages_data(browser, server, learn_seen_fi
         got = readouts(pg)
         assert f"{100 * got['ece'][0]:.2f}" == f"{_column(table, 'Uncalibrated', 'ECE (%) ↓'):.2f}"
         assert f"{100 * got['accuracy'][0]:.2f}" == f"{_column(table, 'Uncalibrated', 'Accuracy (%) ↑'):.2f}"
-        # The server's text follows the new calibration too.
+        # The page's explanations follow the new calibration too.
         pg.wait_for_function("document.querySelector('#learn-text').innerText.includes('your run')")
     finally:
         pg.context.close()

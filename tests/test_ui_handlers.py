@@ -914,10 +914,9 @@ def test_learn_recomputes_metrics_at_the_slider_temperature():
     assert len(fig.data) == 8  # two diagrams of four traces each
     with pytest.raises(gr.Error, match="between"):
         learn.explore_temperature(0.0, 15, None)
-    # The page's settled T gets the same table and text, and the same words when it is out of range.
-    assert learn.explain_settled(None, gr.EventData(None, {"temperature": 2.0, "bins": 10})) == (table, text)
     with pytest.raises(gr.Error, match="between 0.05 and 5; got 7"):
-        learn.explain_settled(None, gr.EventData(None, {"temperature": 7, "bins": 15}))
+        learn.explore_temperature(7, 15, None)
+    assert learn.explain(2.0, 10, None) == (table, text)
 
 
 def _decoded(data: dict) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from nctv.ui import gamma as gamma_tab
 from nctv.ui import hub_push
 from nctv.ui import initialisation as init_tab
 from nctv.ui import learn as learn_tab
+from nctv.ui import links
 from nctv.ui import mcp_tools
 from nctv.ui import shift as shift_tab
 from nctv.ui import slides as slides_tab
@@ -549,22 +550,16 @@ def _black_canvas():
 
 
 def _learn_tab(state: gr.State, *new_calibrations) -> None:
-    table0, text0 = _initial_learn()
-    # Controls, read-outs and diagram live in the page, which computes them from the test logits it
-    # holds: a move of T costs no request. The logits go to the page on its first view of the tab and
-    # after each calibration run, never with a move.
+    # Controls, read-outs, diagrams, the table, the explanations and the lesson live in the page, which
+    # computes them from the test logits it holds: a move of T costs no request. The logits go to the
+    # page on its first view of the tab (with the view a link asks for) and after each calibration run,
+    # never with a move.
     view = learn_tab.page_view()
     slides_tab.figure_control("learn", slides_tab.LEARN_READ, slides_tab.learn_download, [state],
                               concurrency_limit=LIGHT_CONCURRENCY)
-    table = gr.Markdown(table0, elem_id="learn-table", elem_classes="result-table")
-    text = gr.Markdown(text0, elem_id="learn-text")
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
         gr.Markdown(learn_tab.PAPER_TABLE)
-    # Every release counts (Gradio's "always_last" would resend the first release's T), one at a time so
-    # that the text of the latest T arrives last.
-    view.release(learn_tab.explain_settled, [state], [table, text], show_progress="hidden", trigger_mode="multiple",
-                 concurrency_limit=1, api_visibility="private")
-    view.first_view(learn_tab.page_data, [state], [view], show_progress="hidden",
+    view.first_view(links.learn_data, [state], [view], show_progress="hidden",
                     concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
     # A clicked bar: the pictures of the rows the page asks for go to the view's "bin" property. Every
     # click counts (with "once" a second bar clicked while the first loads would be dropped); the page
@@ -574,11 +569,13 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
     # A finished run, or loaded calibrators, become the Learn tab's model: its logits go to the page once.
     for event in new_calibrations:
         event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
-    # The API's own inputs and figure (hidden): /explore_temperature answers with a diagram for clients.
+    # The API's own inputs and outputs (hidden): /explore_temperature answers clients with a diagram, the
+    # table and the explanations, as the page computes them.
     api_t = CheckedNumber(1.0, label="Temperature T", visible=False)
     api_bins = CheckedNumber(APP_BINS, precision=0, label="Bins", visible=False)
     api_fig = gr.Plot(visible=False)
-    gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, table, text],
+    api_table, api_text = gr.Markdown(visible=False), gr.Markdown(visible=False)
+    gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, api_table, api_text],
           api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
 
 
@@ -609,13 +606,6 @@ def _shift_tab(shared: Shared) -> None:
                         concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
 
 
-def _initial_learn() -> tuple[str, str]:
-    try:
-        return learn_tab.explain(1.0, APP_BINS, None)
-    except ValueError as e:
-        return str(e), ""
-
-
 def build_app() -> gr.Blocks:
     """The whole app (not launched). Initial values come from the shipped pre-computed result."""
     # Uploads are deleted once UPLOAD_KEEP_S old, looked for every third of that.
@@ -623,7 +613,9 @@ def build_app() -> gr.Blocks:
         state = gr.State(None, time_to_live=CALIBRATION_TTL_S)  # this visitor's latest Calibration
         gr.Markdown(INTRO, elem_id="intro")
         shared = _shared_panel()
-        with gr.Tabs(overflow_behavior="wrap"):
+        # What a link asked for and could not be given (links.open_link).
+        link_note = gr.Markdown(visible=False, elem_id="link-note")
+        with gr.Tabs(overflow_behavior="wrap") as tabs:
             with gr.Tab("Calibrate", id="calibrate"):
                 run_event = _calibrate_tab(shared, state)
             with gr.Tab("γ sweep", id="gamma"):
@@ -636,6 +628,10 @@ def build_app() -> gr.Blocks:
                 _learn_tab(state, run_event, loaded)
             with gr.Tab("Shift", id="shift"):
                 _shift_tab(shared)
+        # A link's view (?tab=learn&t=1.5&bins=10&presenter=1, docs/app.md): read from the page's address
+        # with the app's own readers, outside the queue (it loads nothing).
+        demo.load(links.open_link, None, [tabs, shared.model, link_note], queue=False,
+                  show_progress="hidden", api_visibility="private")
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
                   show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)

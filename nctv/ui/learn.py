@@ -5,8 +5,10 @@ the numbers of the model in use, once T settles; the paper's headline results fo
 from __future__ import annotations
 
 import base64
+import html
 import io
 import math
+import re
 from importlib import resources
 from typing import Any
 
@@ -20,7 +22,8 @@ from nctv.settings import APP_BINS
 from nctv.ui.common import parse_whole, user_errors
 from nctv.ui.caches import test_pictures
 from nctv.ui.session import Calibration, SplitSpec
-from nctv.ui.shipped import load_precomputed, test_logits_of
+from nctv.ui import lesson
+from nctv.ui.shipped import PRECOMPUTED_LABEL, load_precomputed, test_logits_of
 
 T_MIN, T_MAX, T_STEP = 0.05, 5.0, 0.01
 BINS_MIN, BINS_MAX = 5, 50
@@ -47,44 +50,87 @@ ECE in % on the test split (15 bins, mean over 5 runs), as reported by Tang, Che
 Calibration" (TMLR 2024). Lowest per row in bold."""
 
 
+#: The Learn table's columns and rows (``learn.explain``'s, and the page's, which computes them itself): each
+#: row's key in the page and its label, where ``{t}`` is the view's T and ``{fit}`` the temperature-scaling fit.
+TABLE_METRICS = ("accuracy", "entropy", "ece", "aece", "sce")
+TABLE_ROWS = (("one", "T = 1 (uncalibrated)"), ("now", "T = {t} (slider)"), ("fit", "T = {fit} (temperature scaling)"))
+TABLE_NOTE = "{bins} bins; {split}."
+#: Numbers of the view (T, the bins and the table's figures, "now.ece" …) in the table and the explanations,
+#: written with this many decimals (``number``); the page writes them alike (learn.js ``fixed``).
+VIEW_DECIMALS = {"t": 2, "bins": 0, "width": 3, "last": 3, "perbin": 0}
+_PLACEHOLDER = re.compile(r"\{([a-z]+(?:\.[a-z]+)?)\}")
+
+
 def _scores(z: torch.Tensor, y: torch.Tensor, n_bins: int) -> dict[str, float]:
     return {"accuracy": metrics.accuracy(z, y), "entropy": metrics.entropy(z), "ece": metrics.ece(z, y, n_bins),
             "aece": metrics.aece(z, y, n_bins), "sce": metrics.sce(z, y, n_bins)}
 
 
-def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], cal: Calibration) -> str:
-    """Short explanations of ECE, AECE, SCE, temperature scaling and Neural Clamping with numbers."""
-    per_bin = n / n_bins
+def number(x: float, decimals: int) -> str:
+    """``x`` with ``decimals`` decimals and thousands separators, as the Learn page writes it; a value
+    that rounds to 0 has no sign ("-0.00" reads as a finding), as in the tables."""
+    s = f"{x:,.{decimals}f}"
+    return s.lstrip("-") if float(s.replace(",", "")) == 0 else s
+
+
+def fill(template: str, values: dict[str, str], partial: bool = False) -> str:
+    """``template`` with each ``{name}`` replaced by ``values[name]``; with ``partial``, names not in
+    ``values`` stay for the page to fill (learn.js fills the view's numbers the same way)."""
+    return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)) if partial else values[m.group(1)], template)
+
+
+def view_formats(k: int) -> dict[str, tuple[float, int]]:
+    """{name: (scale, decimals)} of every number of the view: T, the bins, and each table row's figures
+    in the table's units (``report.metric_column``)."""
+    out = {name: (1.0, d) for name, d in VIEW_DECIMALS.items()}
+    for row, _ in TABLE_ROWS:
+        for c in (report.metric_column(m, k) for m in TABLE_METRICS):
+            out[f"{row}.{c.key}"] = (c.scale, c.decimals)
+    return out
+
+
+def view_values(t: float, n: int, k: int, n_bins: int, rows: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The view's numbers as the table and the explanations write them (``rows``: the scores of
+    "one", "now" and "fit")."""
+    raw = {"t": t, "bins": n_bins, "width": 1 / n_bins, "last": 1 - 1 / n_bins, "perbin": n / n_bins}
+    raw.update({f"{row}.{m}": v for row, scores in rows.items() for m, v in scores.items()})
+    return {name: number(scale * raw[name], d) for name, (scale, d) in view_formats(k).items()}
+
+
+def explanation_blocks(n: int, k: int, cal: Calibration) -> list[tuple[str, str]]:
+    """Short explanations of ECE, AECE, SCE, temperature scaling and Neural Clamping with the numbers of
+    the model in use, as ("h", heading) and ("p", paragraph) blocks with **bold** and *italics*; the
+    view's numbers are placeholders ({t}, {now.ece}, …; :func:`view_values`)."""
     sce = report.metric_column("sce", k)
     text = [
-        "### What the numbers mean",
-        "**Confidence** is the probability of the predicted (top) class. A model is *calibrated* when, among "
-        "predictions made with confidence 80%, about 80% are right.",
-        f"**ECE** (expected calibration error): the {n:,} test predictions are sorted into {n_bins} bins of equal "
-        f"width by confidence (0–{1 / n_bins:.3f}, …, {1 - 1 / n_bins:.3f}–1). In each bin the accuracy (share "
-        "correct) is compared with the mean confidence; ECE is the average gap, each bin weighted by its share of "
-        "the predictions. In the diagram the blue bars are the accuracies, the shaded bars reach from there to "
-        "each bin's mean confidence: the gaps. "
-        f"At T = {t:.2f} it is **{100 * now['ece']:.2f}%** (0% is perfect).",
-        "**Smooth ECE** needs no bins: each prediction's gap (confidence minus right or wrong) is averaged with "
-        "those of its neighbours in confidence through a Gaussian kernel whose width the data choose, and the "
-        "average size of the smoothed gap is the smooth ECE (Błasiok & Nakkiran, 2024). The curve beside the "
-        "bars is that smoothed share correct; once T settles, the shaded band around it is its 95% interval "
-        "from 100 resamples of the test pictures.",
-        "**AECE** (adaptive ECE): the same formula, but every bin holds the same number of predictions (about "
-        f"{per_bin:,.0f} here), so the crowded high-confidence range is examined in more detail. At T = {t:.2f}: "
-        f"**{100 * now['aece']:.2f}%**.",
-        f"**SCE** (static calibration error) checks every class, not only the top one: for each of the {k} classes "
-        "the probabilities given to that class are binned and compared with how often that class is the true one; "
-        f"SCE is the average over the classes. At T = {t:.2f}: **{sce.scale * now['sce']:.4f} {sce.unit}**.",
-        "**Entropy** is the average uncertainty of the predicted distribution, in nats: 0 for one-hot "
-        f"predictions, at most ln {k} = {math.log(k):.3f} for uniform ones. At T = {t:.2f}: **{now['entropy']:.4f}**.",
-        "### The two methods",
-        "**Temperature scaling** divides the logits by one number T > 0 before the softmax. T > 1 softens the "
-        "probabilities (lower confidence, higher entropy), T < 1 sharpens them; the predicted class never changes, "
-        f"so the accuracy stays {100 * now['accuracy']:.2f}% whatever the slider says. T is fitted by minimising the "
-        "negative log-likelihood on the calibration split; for this model that gives "
-        f"**T = {cal.ts_temperature:.3f}**.",
+        ("h", "What the numbers mean"),
+        ("p", "**Confidence** is the probability of the predicted (top) class. A model is *calibrated* when, among "
+              "predictions made with confidence 80%, about 80% are right."),
+        ("p", f"**ECE** (expected calibration error): the {n:,} test predictions are sorted into {{bins}} bins of "
+              "equal width by confidence (0–{width}, …, {last}–1). In each bin the accuracy (share "
+              "correct) is compared with the mean confidence; ECE is the average gap, each bin weighted by its share of "
+              "the predictions. In the diagram the blue bars are the accuracies, the shaded bars reach from there to "
+              "each bin's mean confidence: the gaps. At T = {t} it is **{now.ece}%** (0% is perfect)."),
+        ("p", "**Smooth ECE** needs no bins: each prediction's gap (confidence minus right or wrong) is averaged with "
+              "those of its neighbours in confidence through a Gaussian kernel whose width the data choose, and the "
+              "average size of the smoothed gap is the smooth ECE (Błasiok & Nakkiran, 2024). The curve beside the "
+              "bars is that smoothed share correct; once T settles, the shaded band around it is its 95% interval "
+              "from 100 resamples of the test pictures."),
+        ("p", "**AECE** (adaptive ECE): the same formula, but every bin holds the same number of predictions (about "
+              "{perbin} here), so the crowded high-confidence range is examined in more detail. At T = {t}: "
+              "**{now.aece}%**."),
+        ("p", f"**SCE** (static calibration error) checks every class, not only the top one: for each of the {k} "
+              "classes the probabilities given to that class are binned and compared with how often that class is "
+              "the true one; SCE is the average over the classes. At T = {t}: "
+              f"**{{now.sce}} {sce.unit}**."),
+        ("p", "**Entropy** is the average uncertainty of the predicted distribution, in nats: 0 for one-hot "
+              f"predictions, at most ln {k} = {math.log(k):.3f} for uniform ones. At T = {{t}}: **{{now.entropy}}**."),
+        ("h", "The two methods"),
+        ("p", "**Temperature scaling** divides the logits by one number T > 0 before the softmax. T > 1 softens the "
+              "probabilities (lower confidence, higher entropy), T < 1 sharpens them; the predicted class never "
+              "changes, so the accuracy stays {now.accuracy}% whatever the slider says. T is fitted by minimising "
+              "the negative log-likelihood on the calibration split; for this model that gives "
+              f"**T = {cal.ts_temperature:.3f}**."),
     ]
     nc = cal.nc_method
     nc_text = ("**Neural Clamping** adds one learned perturbation δ, the shape of one preprocessed input, to "
@@ -99,8 +145,25 @@ def explanations(t: float, n: int, k: int, n_bins: int, now: dict[str, float], c
                     + (f" and {100 * cal.metrics['Temperature Scaling']['ece']:.2f}% with temperature scaling"
                        if "Temperature Scaling" in cal.metrics else "")
                     + f" ({cal.n_bins} bins), accuracy {100 * m['accuracy']:.2f}%.")
-    text.append(nc_text)
-    return "\n\n".join(text)
+    text.append(("p", nc_text))
+    return text
+
+
+def blocks_markdown(blocks: list[tuple[str, str]]) -> str:
+    return "\n\n".join(f"### {s}" if kind == "h" else s for kind, s in blocks)
+
+
+def blocks_html(blocks: list[tuple[str, str]]) -> str:
+    """The blocks as HTML for the page: every character escaped, then **bold** and *italics* marked."""
+    def inline(s: str) -> str:
+        s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", html.escape(s, quote=False))
+        return re.sub(r"\*(.+?)\*", r"<em>\1</em>", s)
+    return "".join(f"<h3>{inline(s)}</h3>" if kind == "h" else f"<p>{inline(s)}</p>" for kind, s in blocks)
+
+
+def explanations(t: float, n: int, k: int, n_bins: int, rows: dict[str, dict[str, float]], cal: Calibration) -> str:
+    """The explanations (Markdown) at T with the scores ``rows`` ("one", "now", "fit")."""
+    return fill(blocks_markdown(explanation_blocks(n, k, cal)), view_values(t, n, k, n_bins, rows))
 
 
 def _calibration(state: Calibration | None) -> Calibration:
@@ -120,16 +183,17 @@ def _checked(temperature: Any, n_bins: Any) -> tuple[float, int]:
 def _explain(t: float, n_bins: int, state: Calibration | None) -> tuple[str, str, torch.Tensor, torch.Tensor, str]:
     """(metrics table, explanations, test logits in float64, labels, where they come from) at T."""
     z, y, where = test_logits_of(state)
-    # float64 before dividing: the page divides in float64 too, so its read-outs match the table.
+    # float64 before dividing: the page divides in float64 too, so its figures match these.
     z = z.double()
     cal = _calibration(state)
-    ts_t = cal.ts_temperature
-    now = _scores(z / t, y, n_bins)
-    rows = [("T = 1 (uncalibrated)", _scores(z, y, n_bins)), (f"T = {t:.2f} (slider)", now),
-            (f"T = {ts_t:.3f} (temperature scaling)", _scores(z / ts_t, y, n_bins))]
-    k = int(z.shape[1])
-    table = report.to_markdown(report.metrics_table(rows, k, notes=[f"{n_bins} bins; test split."]))
-    return table, explanations(t, int(z.shape[0]), k, n_bins, now, cal), z, y, where
+    n, k = (int(s) for s in z.shape)
+    scores = {"one": _scores(z, y, n_bins), "now": _scores(z / t, y, n_bins),
+              "fit": _scores(z / cal.ts_temperature, y, n_bins)}
+    names = {"t": f"{t:.2f}", "fit": f"{cal.ts_temperature:.3f}"}
+    rows = [(fill(label, names), scores[key]) for key, label in TABLE_ROWS]
+    note = fill(TABLE_NOTE, {"bins": str(n_bins), "split": "test split"})
+    table = report.to_markdown(report.metrics_table(rows, k, TABLE_METRICS, notes=[note]))
+    return table, explanations(t, n, k, n_bins, scores, cal), z, y, where
 
 
 def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
@@ -157,22 +221,16 @@ def explain(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple[s
     return _explain(t, n_bins, state)[:2]
 
 
-@user_errors
-def explain_settled(state: Calibration | None, evt: gr.EventData) -> tuple[str, str]:
-    """(table, explanations) for the T and bins the page settled on (its "release" event)."""
-    data = evt._data if isinstance(evt._data, dict) else {}  # a page sends both; a hostile call may not
-    return explain(data.get("temperature"), data.get("bins"), state)
-
-
 def _b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
 
 
 def page_data(state: Calibration | None) -> dict:
-    """What the page needs to draw on its own, sent once per calibration: the test logits (float32,
-    little-endian, base64; a seeded sample of rows when the split has more than
-    :data:`PAGE_MAX_VALUES` logits), the labels (int32), and the temperature-scaling T; or, with no
-    calibration at all, a message."""
+    """What the page needs to draw and write on its own, sent once per calibration: the test logits
+    (float32, little-endian, base64; a seeded sample of rows when the split has more than
+    :data:`PAGE_MAX_VALUES` logits), the labels (int32), the temperature-scaling T, the table's and
+    the explanations' words with the view's numbers left to fill (:func:`page_words`) and the lesson;
+    or, with no calibration at all, a message."""
     try:
         z, y, where = test_logits_of(state)
     except ValueError as e:
@@ -186,9 +244,38 @@ def page_data(state: Calibration | None) -> dict:
         sampled = {"rows": _b64(keep.numpy().astype("<i4"))}
     else:
         sampled = {}
+    cal = _calibration(state)
     return {"logits": _b64(z.detach().cpu().numpy().astype("<f4")), "labels": _b64(y.cpu().numpy().astype("<i4")),
-            "n": rows, "k": k, "n_total": n, "where": where, "ts_temperature": _calibration(state).ts_temperature,
-            **sampled}
+            "n": rows, "k": k, "n_total": n, "where": where, "ts_temperature": cal.ts_temperature,
+            "words": page_words(cal, rows, n, k), "link_model": _link_model(state), **sampled}
+
+
+def page_words(cal: Calibration, n: int, n_total: int, k: int) -> dict:
+    """The table's and the explanations' words for a page holding ``n`` of the ``n_total`` test pictures,
+    the calibration's own numbers written in, the view's left as placeholders (:func:`view_formats` says
+    how to write each), and the lesson's steps (:mod:`nctv.ui.lesson`), their paragraphs as HTML."""
+    fitted = {"fit": f"{cal.ts_temperature:.3f}", "n": f"{n:,}"}
+    split = "test split" if n == n_total else f"a seeded sample of {n:,} of the test split's {n_total:,} pictures"
+    return {
+        "columns": [[c.key, c.label()] for c in (report.metric_column(m, k) for m in TABLE_METRICS)],
+        "rows": [[key, fill(label, fitted, partial=True)] for key, label in TABLE_ROWS],
+        "note": fill(TABLE_NOTE, {"split": split}, partial=True),
+        "formats": view_formats(k),
+        "text": blocks_html(explanation_blocks(n, k, cal)),
+        "lesson": [{"title": s.title, "t": s.t, "bins": s.bins or cal.n_bins, "group": s.group,
+                    "text": fill(blocks_html([("p", text)]), fitted, partial=True)}
+                   for s, text in zip(lesson.STEPS, lesson.paragraphs(cal, n), strict=True)],
+    }
+
+
+def _link_model(state: Calibration | None) -> str | None:
+    """The menu model whose pre-computed study the page shows (so that a link naming it shows the same
+    logits to whoever opens it); None for the shipped default and for a visitor's own run."""
+    from nctv.zoo import DEFAULT_MODEL
+
+    if state is None or state.source != PRECOMPUTED_LABEL or state.model == DEFAULT_MODEL:
+        return None
+    return state.model
 
 
 def checked_rows(rows: Any, n: int) -> list[int]:
@@ -278,4 +365,4 @@ def page_view() -> gr.HTML:
     """The page's controls and diagrams (``static/learn.{html,css,js}``); its value, empty at first,
     becomes :func:`page_data` when the tab is first shown (its "first_view" event)."""
     return diagram_widget("learn", elem_id="learn-view", t_min=T_MIN, t_max=T_MAX, t_step=T_STEP, bins_min=BINS_MIN,
-                          bins_max=BINS_MAX, bins=APP_BINS, bin=None)
+                          bins_max=BINS_MAX, bins=APP_BINS, bin=None, steps=len(lesson.STEPS))

@@ -245,8 +245,14 @@ def _why(error: Exception) -> str:
 
 
 def test_metrics(result: Any, n_bins: int) -> dict[str, dict[str, float]]:
-    """{method: {metric: mean}} (fractions) of a ``RunResult`` at ``n_bins`` bins."""
-    return {name: {k: s.mean for k, s in m.metrics[n_bins].items()} for name, m in result.methods.items()}
+    """{method: {metric: mean}} (fractions) of a ``RunResult`` at ``n_bins`` bins, and where the run has
+    them, each metric's interval as ``<metric>_low`` and ``<metric>_high`` (the Learn tab's lesson)."""
+    def of(stats: dict) -> dict[str, float]:
+        out = {k: s.mean for k, s in stats.items()}
+        out.update({f"{k}_{end}": getattr(s, f"ci_{end}") for k, s in stats.items() if s.ci_low is not None
+                    for end in ("low", "high")})
+        return out
+    return {name: of(m.metrics[n_bins]) for name, m in result.methods.items()}
 
 
 def test_logits_of(cal: Calibration | None) -> tuple[torch.Tensor, torch.Tensor, str]:

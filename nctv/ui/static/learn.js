@@ -1,8 +1,9 @@
 // The Learn tab in the page (after diagram.js, whose drawing and smooth ECE it uses): the server
-// sends the test logits once per calibration (props.value); every move of T or of the bins is
-// computed and drawn here, without a request. The conventions are
-// nctv.metrics': p = softmax(z / T) in float64, confidence = max p, prediction = first argmax,
-// equal-width bins ((m-1)/M, m/M] with confidence 0 in the first, ECE = sum |Σacc - Σconf| / N.
+// sends the test logits once per calibration (props.value), with the words of the table, of the
+// explanations and of the lesson; every move of T or of the bins is computed, drawn and written here,
+// without a request. The conventions are nctv.metrics': p = softmax(z / T) in float64, confidence = max p,
+// prediction = first argmax, equal-width bins ((m-1)/M, m/M] with confidence 0 in the first,
+// ECE = sum |Σacc - Σconf| / N.
 const root = element.querySelector(".nl");
 const pick = (sel) => root.querySelector(sel);
 const range = pick("#learn-t"), box = pick("#learn-t-box"), binsInput = pick("#learn-bins");
@@ -10,10 +11,17 @@ const binsOut = pick("#learn-bins-value"), message = pick("#learn-message"), plo
 const presenter = pick("#learn-presenter"), fitButton = pick("#learn-fit"), note = pick("#learn-note");
 const out = {ece: pick("#learn-ece"), accuracy: pick("#learn-accuracy"), confidence: pick("#learn-confidence")};
 const outSmooth = pick("#learn-smooth-ece"), smoothPlot = pick("#learn-smooth"), outAps = pick("#learn-aps");
+const tableBox = pick("#learn-table"), textBox = pick("#learn-text");
+const lessonBox = pick("#learn-lesson"), lessonTitle = pick("#learn-lesson-title"), lessonText = pick("#learn-lesson-text");
+const back = pick("#learn-back"), next = pick("#learn-next"), start = pick("#learn-start");
+const copy = pick("#learn-copy"), linkLine = pick("#learn-link");
 const panel = groupPanel(root, "learn");
+// The table and the explanations come after the diagrams and an opened group's pictures.
+root.append(pick(".nl-words"));
 // An opened group lists this many of its pictures (the server accepts up to 200 rows a request).
 const BIN_SHOWN = 24;
 const T_MIN = Number(range.min), T_MAX = Number(range.max);
+const BINS_MIN = Number(binsInput.min), BINS_MAX = Number(binsInput.max);
 let data = null, t = 1, bins = Number(binsInput.value), stats = null;
 // The opened group: {bin, m, t}, or null.
 let opened = null;
@@ -42,7 +50,8 @@ function load(value) {
   }
   // rows: where each row of a sample lies in the test split (the server's pictures are numbered so).
   const rows = value.rows ? decode(value.rows, Int32Array) : null;
-  data = {n, k, z, top, correct, rows, labels, fitted: value.ts_temperature};
+  data = {n, k, z, top, correct, rows, labels, fitted: value.ts_temperature, words: value.words,
+          linkModel: value.link_model || null, cached: new Map()};
   const sample = value.n < value.n_total
     ? `a seeded sample of ${value.n.toLocaleString("en")} of its ${value.n_total.toLocaleString("en")} test pictures`
     : `its ${value.n.toLocaleString("en")} test pictures`;
@@ -109,6 +118,66 @@ function apsSetSize(d, temperature) {
   return rows ? size / rows : NaN;
 }
 
+// The table's figures at T and m bins (nctv.metrics' accuracy, entropy, ECE, AECE and SCE, step for
+// step): p_j = exp(z_j / T - z_top / T) / Σ, entropy −Σ p log p (0 log 0 = 0), AECE over the
+// confidence-sorted rows (a stable sort: ties keep their order) in numpy.array_split's groups, SCE
+// every class's probabilities in the ECE bins against "is it the label".
+function tableScores(d, temperature, m) {
+  const n = d.n, k = d.k, p = new Float64Array(k), conf = new Float64Array(n);
+  const counts = new Float64Array(m), sumConf = new Float64Array(m), sumAcc = new Float64Array(m);
+  const classConf = new Float64Array(k * m), classHits = new Float64Array(k * m);
+  let entropy = 0, right = 0;
+  for (let i = 0; i < n; i++) {
+    const o = i * k, best = d.z[o + d.top[i]] / temperature;
+    let s = 0;
+    for (let j = 0; j < k; j++) { p[j] = Math.exp(d.z[o + j] / temperature - best); s += p[j]; }
+    let h = 0;
+    for (let j = 0; j < k; j++) {
+      const q = p[j] / s, b = j * m + binOf(q, m);
+      if (q > 0) h -= q * Math.log(q);
+      classConf[b] += q;
+      if (d.labels[i] === j) classHits[b] += 1;
+    }
+    entropy += h;
+    const c = p[d.top[i]] / s, b = binOf(c, m);
+    conf[i] = c;
+    counts[b] += 1;
+    sumConf[b] += c;
+    sumAcc[b] += d.correct[i];
+    right += d.correct[i];
+  }
+  let gap = 0, classGap = 0, groupGap = 0;
+  for (let b = 0; b < m; b++) gap += Math.abs(sumAcc[b] - sumConf[b]);
+  for (let b = 0; b < k * m; b++) classGap += Math.abs(classHits[b] - classConf[b]);
+  const order = Array.from({length: n}, (_, i) => i).sort((a, b) => conf[a] - conf[b] || a - b);
+  const base = Math.floor(n / m), extra = n % m;
+  for (let g = 0, at = 0; g < m; g++) {
+    let sc = 0, sa = 0;
+    for (const end = at + base + (g < extra ? 1 : 0); at < end; at++) { sc += conf[order[at]]; sa += d.correct[order[at]]; }
+    groupGap += Math.abs(sa - sc);
+  }
+  return {accuracy: right / n, entropy: entropy / n, ece: gap / n, aece: groupGap / n, sce: classGap / n / k};
+}
+
+// A number as Python's f"{x:,.{d}f}" writes it (nctv.ui.learn.number): correctly rounded, a tie (the
+// double exactly halfway) to the even neighbour where toFixed rounds it up; thousands separated by
+// commas; a value that rounds to 0 without a sign.
+function fixed(x, d) {
+  let s = x.toFixed(d);
+  const exact = Math.abs(x).toFixed(100), cut = exact.indexOf(".") + 1 + d;
+  if (/^50*$/.test(exact.slice(cut))) {
+    const kept = exact.slice(0, d ? cut : cut - 1);
+    if (Number(kept[kept.length - 1]) % 2 === 0) s = (x < 0 ? "-" : "") + kept;
+  }
+  if (Number(s) === 0) s = s.replace("-", "");
+  const [whole, frac] = s.split(".");
+  return whole.replace(/\B(?=(\d{3})+(?!\d))/g, ",") + (frac === undefined ? "" : `.${frac}`);
+}
+
+// {name} in a template from the server replaced by values[name] (nctv.ui.learn.fill); names without a
+// value stay as they are.
+const fill = (template, values) => template.replace(/\{([a-z]+(?:\.[a-z]+)?)\}/g, (all, name) => values[name] ?? all);
+
 const tText = (x) => (Math.abs(x * 100 - Math.round(x * 100)) < 1e-9 ? x.toFixed(2) : String(Number(x.toFixed(3))));
 
 function readouts() {
@@ -118,10 +187,11 @@ function readouts() {
   }
   root.dataset.temperature = String(t);
   root.dataset.bins = String(bins);
-  const aps = data && data.n >= 4 ? apsSetSize(data, t) : NaN;
-  outAps.dataset.value = Number.isFinite(aps) ? String(aps) : "";
-  outAps.textContent = Number.isFinite(aps) ? `${aps.toFixed(2)} classes` : "–";
+  apsNow = data && data.n >= 4 ? apsSetSize(data, t) : NaN;
+  outAps.dataset.value = Number.isFinite(apsNow) ? String(apsNow) : "";
+  outAps.textContent = Number.isFinite(apsNow) ? `${apsNow.toFixed(2)} classes` : "–";
 }
+let apsNow = NaN;
 
 // The binned diagram from the page's own counts.
 function draw() {
@@ -180,7 +250,9 @@ function computeSmooth() {
 
 function scheduleSmooth() {
   if (!smoothFrame) smoothFrame = requestAnimationFrame(computeSmooth);
+  if (!wordsFrame) wordsFrame = requestAnimationFrame(() => { wordsFrame = 0; writeWords(); });
 }
+let wordsFrame = 0;
 
 // The band: from the smoothed accuracy of seeded resamples of the pictures at the point estimate's
 // bandwidth, pointwise; a few resamples per turn of the page, so that it stays responsive.
@@ -218,6 +290,172 @@ function computeBand() {
   bandTimer = setTimeout(step, 0);
 }
 
+// ----------------------------------------------------------------------------- the table and the words
+
+// The numbers of the view, written as the server's words want them (words.formats: name → [scale,
+// decimals]; nctv.ui.learn.view_values), and the lesson's own: the mean confidence, the APS set sizes
+// at T and at T = 1, and the fullest group at T.
+function viewValues() {
+  const d = data, w = d.words, m = bins;
+  const cached = (key, make) => { if (!d.cached.has(key)) d.cached.set(key, make()); return d.cached.get(key); };
+  const rows = {one: cached(`one ${m}`, () => tableScores(d, 1, m)), now: tableScores(d, t, m),
+                fit: cached(`fit ${m}`, () => tableScores(d, d.fitted, m))};
+  const raw = {t, bins: m, width: 1 / m, last: 1 - 1 / m, perbin: d.n / m};
+  for (const [row, s] of Object.entries(rows)) for (const [key, v] of Object.entries(s)) raw[`${row}.${key}`] = v;
+  const values = {};
+  for (const [name, [scale, digits]] of Object.entries(w.formats)) values[name] = fixed(scale * raw[name], digits);
+  const fullest = fullestGroup(), count = stats.counts[fullest];
+  Object.assign(values, {
+    confidence: fixed(100 * stats.confidence, 2), aps: fixed(apsNow, 2),
+    "aps.one": fixed(cached("aps one", () => apsSetSize(d, 1)), 2),
+    "group.count": fixed(count, 0), "group.range": `<span class="nl-nowrap">${binRange(fullest, m)}</span>`, "group.share": fixed(100 * count / d.n, 1),
+    "group.conf": fixed(100 * stats.sumConf[fullest] / count, 2), "group.acc": fixed(100 * stats.sumAcc[fullest] / count, 2),
+  });
+  return values;
+}
+
+// The group holding the most pictures at the view's T and bins (the first of equals).
+function fullestGroup() {
+  let fullest = 0;
+  for (let b = 1; b < bins; b++) if (stats.counts[b] > stats.counts[fullest]) fullest = b;
+  return fullest;
+}
+
+// The table of T = 1, the view's T and the fit, the explanations and the lesson's paragraph, with the
+// view's numbers: at most once a frame, after the diagram.
+function writeWords() {
+  if (!data || !data.words || !stats) return;
+  const begin = performance.now(), w = data.words, values = viewValues();
+  const head = w.columns.map(([, label]) => `<th>${escapeXml(label)}</th>`).join("");
+  const body = w.rows.map(([row, label]) => `<tr><td>${escapeXml(fill(label, values))}</td>` +
+    w.columns.map(([key]) => `<td>${values[`${row}.${key}`]}</td>`).join("") + "</tr>").join("");
+  tableBox.innerHTML = `<table><thead><tr><th></th>${head}</tr></thead><tbody>${body}</tbody></table>` +
+    `<p>${escapeXml(fill(w.note, values))}</p>`;
+  textBox.innerHTML = fill(w.text, values);
+  if (step >= 0) lessonText.innerHTML = fill(w.lesson[step].text, values);
+  root.dataset.wordsTemperature = String(t);
+  root.dataset.wordsBins = String(bins);
+  root.dataset.wordsMs = (performance.now() - begin).toFixed(3);
+}
+
+// ----------------------------------------------------------------------------- views: the lesson, links
+
+// The lesson's step shown (0-based), or -1.
+let step = -1;
+// A view asked for before the logits arrived (a link, a step): set once they are here.
+let pending = null;
+
+// Set the view: t ("one", "fit" or a number), bins, group (null, "fullest" or a group's index); a part
+// left undefined stays as it is.
+function setView(view) {
+  if (!data) { pending = {...pending, ...view}; return; }
+  if (view.bins !== undefined) {
+    bins = Math.min(Math.max(Math.round(view.bins), BINS_MIN), BINS_MAX);
+    binsInput.value = String(bins);
+    binsOut.textContent = String(bins);
+  }
+  if (view.t !== undefined) {
+    const wanted = view.t === "one" ? 1 : view.t === "fit" ? data.fitted : view.t;
+    setTemperature(Math.min(Math.max(wanted, T_MIN), T_MAX));
+  } else update();
+  if (view.group === null) closeGroup();
+  else if (view.group !== undefined) {
+    const b = view.group === "fullest" ? fullestGroup() : Math.min(view.group, bins - 1);
+    openGroup(b, false);
+  }
+  settle();
+}
+
+// Show step i of the lesson (0-based; -1: none, the lesson's bar only) and set its view.
+function showStep(i, focus = true) {
+  step = i;
+  root.dataset.step = String(i + 1);
+  const steps = data ? data.words.lesson : null, total = steps ? steps.length : Number(root.dataset.steps);
+  start.hidden = i >= 0;
+  for (const b of [back, next, pick("#learn-lesson-close")]) b.hidden = i < 0;
+  lessonText.hidden = i < 0;
+  if (i < 0) {
+    lessonTitle.textContent = `A lesson in ${total} steps`;
+    layoutLesson();
+    return;
+  }
+  lessonTitle.textContent = `Step ${i + 1} of ${total}` + (steps ? `: ${steps[i].title}` : "");
+  back.disabled = i === 0;
+  next.disabled = i === total - 1;
+  if (steps) {
+    lessonText.textContent = "";
+    setView({t: steps[i].t, bins: steps[i].bins, group: steps[i].group});
+  } else {
+    lessonText.textContent = "Loading the test logits…";
+    pending = {...pending, step: i};
+  }
+  layoutLesson();
+  if (focus) lessonTitle.focus({preventScroll: true});
+}
+
+// The lesson sits above the diagrams: they give up its height and the gap under it.
+function layoutLesson() {
+  const h = lessonBox.getBoundingClientRect().height + parseFloat(getComputedStyle(root).rowGap || "0");
+  root.style.setProperty("--nl-lesson-h", `${Math.ceil(h)}px`);
+}
+new ResizeObserver(layoutLesson).observe(lessonBox);
+
+start.addEventListener("click", () => showStep(0));
+back.addEventListener("click", () => showStep(Math.max(step - 1, 0)));
+next.addEventListener("click", () => showStep(step + 1));
+pick("#learn-lesson-close").addEventListener("click", () => { showStep(-1); start.focus(); });
+
+// The view asked for before the logits arrived: a step first (it sets its own view), then the rest.
+function resume() {
+  if (!data || !pending) return;
+  const {step: wanted, ...view} = pending;
+  pending = null;
+  if (wanted !== undefined) showStep(wanted, false);
+  if (Object.keys(view).length) setView(view);
+}
+
+// A link's view (the first data's "link", read by the server from the page's address with the app's
+// own readers: nctv.ui.links), applied once: its step first, then the T, bins and opened group it
+// names, then presenter mode.
+let linked = false;
+function applyLink(link) {
+  if (!link || linked) return;
+  linked = true;
+  if (link.step) showStep(link.step - 1, false);
+  const view = {};
+  if (link.t !== undefined && link.t !== null) view.t = link.t;
+  if (link.bins) view.bins = link.bins;
+  if (link.bin) view.group = link.bin - 1;
+  if (Object.keys(view).length) setView(view);
+  if (link.presenter) setPresenter(true);
+}
+
+// The link of what is on screen: Learn, its T (written so that it reads back as the same number), bins,
+// presenter mode, the lesson's step, the opened group, and the menu model whose study it shows.
+function viewLink() {
+  const q = new URLSearchParams({tab: "learn", t: String(t), bins: String(bins)});
+  if (root.dataset.presenter === "on") q.set("presenter", "1");
+  if (step >= 0) q.set("step", String(step + 1));
+  if (opened) q.set("bin", String(opened.bin + 1));
+  if (data && data.linkModel) q.set("model", data.linkModel);
+  return `${location.origin}${location.pathname}?${q}`;
+}
+
+copy.addEventListener("click", async () => {
+  const url = viewLink(), field = pick("#learn-link-url"), said = pick("#learn-link-said");
+  field.value = url;
+  linkLine.hidden = false;
+  try {
+    await navigator.clipboard.writeText(url);
+    said.textContent = "Link copied:";
+  } catch {
+    // No clipboard here (a page served without https, or refused): the link is selected to copy by hand.
+    said.textContent = "Copy this link:";
+    field.focus();
+    field.select();
+  }
+});
+
 // data-redraw-ms: from the input event (its time stamp) to the diagram and read-outs in the page.
 function update(start = performance.now()) {
   stats = data ? compute(data, t, bins) : null;
@@ -234,13 +472,12 @@ function setTemperature(value, start, fromBox = false) {
   update(start);
 }
 
-// The server writes the explanations and the table for the settled T (slider released, T typed):
-// one request for a burst of settles (arrow keys held down), with the latest T and bins.
+// Once T settles (slider released, T typed): the smoothed diagram's band, and an opened group's pictures;
+// one for a burst of settles (arrow keys held down), with the latest T and bins.
 let settleTimer = null;
 function settle() {
   clearTimeout(settleTimer);
   settleTimer = setTimeout(() => {
-    trigger("release", {temperature: t, bins});
     computeBand();
     // An opened group follows the settled T and bins (not every move: its pictures come from the server).
     if (opened && (opened.t !== t || opened.m !== bins)) openGroup(opened.bin < bins ? opened.bin : bins - 1, false);
@@ -360,10 +597,12 @@ new ResizeObserver(() => {
 load(props.value);
 update();
 // Gradio mounts a tab's content when it is first shown: logits already here come from a calibration
-// run before that, whose text the server has not written yet.
+// run before that.
 if (props.value) settle();
-// The logits of the first view, or of a new calibration (after a run in the Calibrate tab); for a new
-// calibration the server's text follows too (the first view's text is already the page's).
+resume();
+if (props.value) applyLink(props.value.link);
+// The logits of the first view, or of a new calibration (after a run in the Calibrate tab): a lesson's
+// step is shown again with the new model's numbers.
 let viewed = false;
 watch("value", () => {
   const firstView = asked && !viewed;
@@ -371,6 +610,9 @@ watch("value", () => {
   if (opened) closeGroup();  // its rows belong to the logits being replaced
   load(props.value);
   update();
+  if (pending) resume();
+  else if (step >= 0 && data) showStep(step, false);
+  if (props.value) applyLink(props.value.link);
   if (firstView) computeBand();
   else settle();
 });

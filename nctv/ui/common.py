@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import queue
 import re
 import shutil
@@ -452,13 +453,38 @@ _EXPORT_ROOT = Path(tempfile.gettempdir()) / "nctv-app-exports"
 KEEP_EXPORTS = 30
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _exports_root() -> Path:
+    """This server's own folder of downloads (its forked workers inherit it): two servers on one
+    machine (a test's, a second copy) never remove each other's files; the folders of servers that
+    have ended go when it is made."""
+    pid = os.getpid()
+    _EXPORT_ROOT.mkdir(parents=True, exist_ok=True)
+    for p in _EXPORT_ROOT.iterdir():
+        if p.is_dir() and p.name.isdigit() and int(p.name) != pid and not _process_alive(int(p.name)):
+            shutil.rmtree(p, ignore_errors=True)
+    root = _EXPORT_ROOT / str(pid)
+    root.mkdir(exist_ok=True)
+    return root
+
+
 def export_dir(prefix: str) -> Path:
     """A fresh folder for one result's downloadable files (in the temp folder Gradio serves from)."""
-    _EXPORT_ROOT.mkdir(parents=True, exist_ok=True)
-    old = sorted(_EXPORT_ROOT.iterdir(), key=lambda p: p.stat().st_mtime)
+    root = _exports_root()
+    old = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
     for p in old[: max(0, len(old) - KEEP_EXPORTS + 1)]:
         shutil.rmtree(p, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=_EXPORT_ROOT))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root))
 
 
 # --------------------------------------------------------------------------- parsing inputs

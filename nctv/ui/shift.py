@@ -25,7 +25,7 @@ from nctv.report import to_markdown
 from nctv.results import COMPARED_METHOD
 from nctv.shift import (AVERAGE, SHIFT_FILE, SHIFT_REFERENCES, ShiftResult, comparison_table, condition_title,
                         shift_table, summary_sentences, to_csv)
-from nctv.ui.common import export_dir, user_errors
+from nctv.ui.common import user_errors
 from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir
 from nctv.ui.slides import figure_files, shipped_files, tables_file
 
@@ -117,12 +117,15 @@ def first_view(model: Any = None, hub_id: Any = None) -> dict[str, Any]:
     return _shipped_page()
 
 
-@lru_cache(maxsize=8)
 def _table_csv(path: str) -> str:
-    """table.csv of the study in ``path``, written once per server beside the other downloads."""
-    out = export_dir("shift") / "table.csv"
-    out.write_text(to_csv(ShiftResult.load(path)), encoding="utf-8")
-    return str(out)
+    """table.csv of the study in ``path``, written once per server in the study's own folder (which
+    no later download removes, as the rotated download folders' would be)."""
+    def write(folder: Path) -> list[str]:
+        out = folder / "table.csv"
+        out.write_text(to_csv(ShiftResult.load(path)), encoding="utf-8")
+        return [str(out)]
+
+    return shipped_files(Path(path), write, variant="table.csv")[0]
 
 
 def study_view(result: ShiftResult, path: Path) -> tuple[str, str, str, list[str]]:

@@ -2,6 +2,9 @@
 import os
 
 if os.environ.get("SPACES_ZERO_GPU"):
+    from nctv.settings import fork_safe_environment
+
+    fork_safe_environment()  # before torch loads: the server forks a worker for every GPU call
     # On a ZeroGPU Space the `spaces` package is imported before torch (it prepares CUDA for its workers).
     try:
         import spaces  # noqa: F401

@@ -6,6 +6,7 @@ explains the choices and docs/glossary.md the names.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -290,3 +291,15 @@ def hub_datasets_available() -> bool:
     """Whether Hub datasets (``hf-dataset:<org/name>``, ``imagenet``) can be read: ``pyarrow`` is installed
     (a dependency; nctv.hubdata reads parquet with it)."""
     return importlib.util.find_spec("pyarrow") is not None
+
+
+def fork_safe_environment() -> None:
+    """Settings a ZeroGPU server needs before torch loads (app.py calls this first there).
+
+    The server forks a worker for every GPU call while its own threads may be inside MKL (a picture, a
+    table): MKL's memory manager keeps a lock and per-thread bookkeeping that a fork copies half-made,
+    and a worker forked at such a moment spun for ever in its first matrix product (tests/test_zerogpu.py
+    shows it: about one fork in four with the manager on, none with it off). MKL reads
+    ``MKL_DISABLE_FAST_MM`` when torch's library loads, so it is set here, before that; the cost is
+    plain ``malloc`` for MKL's work buffers. A value the operator set is kept."""
+    os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")

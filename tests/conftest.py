@@ -80,12 +80,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(tmp: Path, timeout: float = 180.0, **extra_env: str):
-    """Start ``python app.py`` offline on a free port (``extra_env``: more environment variables, which
-    override these); returns (process, url) once it answers."""
+def start_app(tmp: Path, timeout: float = 600.0, base_env: dict | None = None, **extra_env: str):
+    """Start ``python app.py`` offline on a free port (``base_env``: its environment, default this
+    process's; ``extra_env``: more variables, which override these); returns (process, url) once it
+    answers. It is waited for while it runs (a busy machine starts it slowly); ``timeout`` only bounds
+    a server that never answers."""
     port = free_port()
-    env = dict(os.environ, PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1", NCTV_CACHE_DIR=str(tmp / "cache"),
-               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", MPLCONFIGDIR=str(tmp / "mpl"))
+    env = dict(os.environ if base_env is None else base_env, PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1",
+               NCTV_CACHE_DIR=str(tmp / "cache"), HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+               MPLCONFIGDIR=str(tmp / "mpl"))
     env.update(extra_env)
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -80,6 +80,10 @@ def prepare_server() -> None:
     if zero_gpu():
         torch.set_num_threads(1)
         log.info("ZeroGPU: the server computes on one thread; heavy work runs in spaces.GPU workers")
+        if os.environ.get("MKL_DISABLE_FAST_MM") != "1":
+            log.warning("ZeroGPU: MKL_DISABLE_FAST_MM is not 1, so a worker forked while a server thread is in "
+                        "MKL may hang; start the server with app.py, or call nctv.settings.fork_safe_environment() "
+                        "before importing torch")
 
 
 #: Intra-op threads of a ZeroGPU worker ($NCTV_WORKER_THREADS; default: every core).

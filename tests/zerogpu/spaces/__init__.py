@@ -6,7 +6,10 @@ live with (tests/test_zerogpu.py puts this folder on PYTHONPATH and sets SPACES_
 * arguments cross to the worker as a pickle, results come back as pickles (a generator's items one
   by one, as it yields them), and nothing the worker changes in memory comes back;
 * ``duration`` (seconds, or a function of the call's arguments that gives them) is honoured: a
-  worker still running past it is killed, and the call raises ``gr.Error("GPU task aborted")``;
+  worker still running past it is killed, and the call raises ``gr.Error("GPU task aborted")``.
+  The app asks for the seconds its work takes on the Space's GPU; this machine's CPU is slower, by a
+  factor that the test measures and hands over as ``SPACES_STANDIN_SLOWDOWN`` (default 1): the
+  worker may run that many times its duration;
 * closing a streaming call's generator (Gradio does on Stop) kills its worker;
 * an exception in the worker comes back as the real package (0.51) hands it: a ``gr.Error`` as it
   is, any other as ``gr.Error`` whose message is only the exception's class name ("ValueError").
@@ -62,7 +65,7 @@ def _worker(conn: Any, fn: Callable, payload: bytes, stream: bool, seconds: floa
     second before its duration ends it writes every thread's stack to stderr (why it is late)."""
     import faulthandler
 
-    faulthandler.dump_traceback_later(max(seconds - 1, 0.5), exit=False)
+    faulthandler.dump_traceback_later(min(max(seconds - 1, 0.5), 86_400), exit=False)
     try:
         args, kwargs = pickle.loads(payload)
         if stream:
@@ -78,21 +81,28 @@ def _worker(conn: Any, fn: Callable, payload: bytes, stream: bool, seconds: floa
         os._exit(0)  # none of the server's exit handlers run in the worker
 
 
+def _slowdown() -> float:
+    return float(os.environ.get("SPACES_STANDIN_SLOWDOWN", "1"))
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict, seconds: float, stream: bool) -> Iterator[Any]:
     request = _in_request()
+    allowed = seconds * _slowdown()  # the GPU's seconds, as this CPU takes them
     payload = pickle.dumps((args, kwargs))  # arguments cross as a pickle
     receive, send = _FORK.Pipe(duplex=False)
-    proc = _FORK.Process(target=_worker, args=(send, fn, payload, stream, seconds), daemon=True)
+    proc = _FORK.Process(target=_worker, args=(send, fn, payload, stream, allowed), daemon=True)
     proc.start()
     send.close()
     how = "closed"
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + allowed
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not receive.poll(left):
+            if left <= 0:
                 how = "aborted"
                 raise _aborted()
+            if not receive.poll(min(left, 60)):  # a slow machine's allowance can exceed poll's longest wait
+                continue
             try:
                 kind, value = pickle.loads(receive.recv_bytes())
             except EOFError:  # the worker died without a word

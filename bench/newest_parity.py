@@ -300,7 +300,7 @@ TVA_BINARY = "tva-calibration fit_binary_method('{}') (netcal 1.4.0)"
 PROBS, CONF = "probabilities", "top-label confidence"
 
 COMPARISONS = [
-    Comparison("SMART", SMART_REF, PROBS, lambda *a: ours("smart", *a)[0], smart_reference, 5e-3),
+    Comparison("SMART", SMART_REF, PROBS, lambda *a: ours("smart", *a)[0], smart_reference, 1e-2),
     Comparison("Spline Calibration", GUPTA, CONF, lambda *a: ours_confidence("spline", *a)[0], gupta_spline, None),
     Comparison("Spline Calibration", f"{GUPTA}, its points interpolated linearly", CONF,
                lambda *a: ours_confidence("spline", *a)[0], gupta_spline_interpolated, None),

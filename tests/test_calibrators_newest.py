@@ -339,3 +339,22 @@ def test_on_the_margin_problem_smart_splines_binning_and_isotonic_tva_beat_ts(tm
     for name in ("SMART", "Spline Calibration", "HB + TvA", "Isotonic + TvA"):
         assert ece[name] < ts, (name, ece)
     assert set(ece) == {"Temperature Scaling", *(s.name for s in METHODS.values() if s.short in NEW)}
+
+
+# ---- everywhere a logit method goes: the shift study ---------------------------------------------
+
+
+def test_the_shift_study_scores_the_newest_methods_under_corruption(default_model, tmp_path):
+    from nctv.data import get_splits
+    from nctv.experiment import run_experiment
+    from nctv.shift import run_shift
+
+    cal, test = get_splits(default_model, calibration_size=600, test_size=300)
+    names = ["Temperature Scaling", "Spline Calibration", "HB + TvA"]
+    result = run_shift(default_model, cal, test, ["contrast"], [3], names, cache_dir=tmp_path, progress=False,
+                       intervals=None, examples=1)
+    run = run_experiment(default_model, cal, test, names, seeds=1, bins=[15], cache_dir=False, progress=False,
+                         intervals=None)
+    for name in names:  # the clean row is the run's, and the corrupted one is a figure of its own
+        assert result.value(name, "clean", "ece") == run.stats(name, "ece", 15).mean
+        assert 0 <= result.value(name, "contrast/3", "ece") <= 1

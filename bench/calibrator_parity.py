@@ -47,6 +47,7 @@ from safetensors.numpy import load_file
 from nctv.calibration import make_method
 from nctv.calibration.nonparametric import PROBABILITY_FLOOR
 
+from bench import newest_parity
 from bench.parity import LOGITS
 
 #: Where the table is written.
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help=f"where the table is written (default: {RESULTS}, unless --methods)")
     ap.add_argument("--methods", nargs="*", help="only these methods (registry names); nothing written without --out")
-    args = ap.parse_args(argv)
+    # --calibench, --tva and --spline go to bench.newest_parity, whose section of the file this keeps.
+    args, newest = ap.parse_known_args(argv)
     out = args.out or (None if args.methods else RESULTS)
     lines = ["| method | reference | NCTV settings | problem | largest difference | tolerance | "
              "objective: NCTV / reference |", "| --- | --- | --- | --- | ---: | ---: | --- |"]
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("Made by `python -m bench.calibrator_parity` (docs/calibrators.md says what each row "
-                       "compares).\n\n" + "\n".join(lines) + "\n")
+                       "compares).\n\n" + "\n".join(lines) + "\n" + newest_parity.section(newest, out))
         print(f"written: {out}")
 
 

@@ -38,6 +38,9 @@ OVERCONFIDENT = ("fmnist-resnet-overconfident", "fmnist-resnet-overconfident-s1"
 MILD = ("fmnist-resnet", "fmnist-vit", "fmnist-mixer")
 #: The logit-space baselines of the panel, deterministic.
 PANEL_BASELINES = ("Temperature Scaling", "TS by Grid Search", "Dir-ODIR")
+#: Today's best post-hoc methods (docs/method.md, "Neural Clamping against today's best"), deterministic: each
+#: against the default Neural Clamping by the paired interval of their difference in test ECE.
+NEWEST = ("SMART", "Spline Calibration", "TS + TvA", "VS + TvA", "HB + TvA", "Isotonic + TvA")
 #: The registry method every Neural Clamping row of the panel is (with the row's fitter and settings).
 NC_METHOD = COMPARED_METHOD
 #: Bins of every panel figure.
@@ -142,17 +145,17 @@ def _keep_logits(p: dict, label: str, logits: torch.Tensor, labels: Any) -> str:
 
 
 def case_panel_baselines(p: dict, device: torch.device) -> dict:
-    """Uncalibrated, TS, TS grid, Dir-ODIR on one model (test ECE, 15 bins; fit seconds); TS grid's
-    calibrated test logits are kept for the paired comparisons."""
+    """Uncalibrated, TS, TS grid, Dir-ODIR and today's best (``NEWEST``) on one model (test ECE, 15 bins; fit
+    seconds); the calibrated test logits of TS grid and of today's best are kept for the paired comparisons."""
     loaded, cal, test = _splits(p, device)
-    result = _run(loaded, cal, test, ["Uncalibrated", *PANEL_BASELINES], p, device)
+    result = _run(loaded, cal, test, ["Uncalibrated", *PANEL_BASELINES, *NEWEST], p, device)
     rows = {}
     for name, m in result.methods.items():
         row = {"test_ece": result.stats(name, "ece", N_BINS).mean, "accuracy": result.stats(name, "accuracy", N_BINS).mean,
                "seconds": 0.0 if m.is_reference else m.fit_seconds[0]}
         if "temperature" in m.params:
             row["temperature"] = float(m.params["temperature"])
-        if name in ALTERNATIVES and p.get("logits_dir"):
+        if (name in ALTERNATIVES or name in NEWEST) and p.get("logits_dir"):
             row["logits"] = _keep_logits(p, name, m.test_logits, result.test_labels)
         rows[name] = row
     return {"model": p["model"], "cal_size": result.calibration["size"], "test_size": result.test["size"],
@@ -410,6 +413,8 @@ def panel_summary(model: str, baselines: dict, nc_runs: dict[str, list[dict]], d
                            "rows": {k: {f: mean_std(v) for f, v in r.items()} for k, r in rows.items()},
                            "n_seeds": {k: len(r["ece"]) for k, r in rows.items()}, "best_baseline": best_baseline,
                            "intervals": {}}
+    if "NC default" in draws:  # the default against each of today's best, paired
+        out["newest"] = {k: paired(draws["NC default"], draws[k]) for k in NEWEST if k in draws}
     for k, row in draws.items():
         ci = row_interval(row)
         out["intervals"][k] = [100 * ci.low, 100 * ci.high]
@@ -570,7 +575,7 @@ def summarise(results: dict) -> dict:
         own = _pick(tk_all, model=model, settings="toolkit", order="own")
         if own:
             runs["NCToolkit"] = own
-        kept = {name: [r] for name, r in b["methods"].items() if name in ALTERNATIVES}
+        kept = {name: [r] for name, r in b["methods"].items() if name in ALTERNATIVES or name in NEWEST}
         summary = panel_summary(model, b, runs, row_draws({**kept, **{k: v for k, v in runs.items() if v}}))
         summary["from_reports"] = sorted({r["from_report"] for rs in runs.values() for r in rs if r.get("from_report")})
         summary["referenced_rows"] = [label for label, rs in runs.items() if rs and all(r.get("from_report") for r in rs)]
@@ -654,6 +659,32 @@ def target_lines(label: str, t: dict, level: str) -> list[str]:
     return [line]
 
 
+def newest_table(panel: list[dict], level: str) -> list[str]:
+    """Neural Clamping against today's best: per model, the default's test ECE, each method's, and the paired
+    interval of (NC default − method) in points: *NC better* where it lies below 0, *worse* above, else *tied*."""
+    models = [m for m in panel if m.get("newest")]
+    if not models:
+        return []
+    names = [n for n in NEWEST if any(n in m["newest"] for m in models)]
+    lines = ["## Neural Clamping against today's best", "",
+             f"Test ECE in % (15 bins) of the default Neural Clamping (*NC*) and of each method; below it the {level} "
+             "paired interval of (NC − method) in points on the shared resamples: **NC better** where it lies below 0, "
+             "**NC worse** where above, *tied* where it holds 0.", "",
+             "| model | NC | " + " | ".join(names) + " |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    verdict = {"lower": "**NC better**", "higher": "**NC worse**", "tied": "tied"}
+    for m in models:
+        cells = []
+        for n in names:
+            c = m["newest"].get(n)
+            cells.append("–" if c is None else f"{m['rows'][n]['ece'][0]:.2f}<br>{c['difference']:+.2f} "
+                                               f"[{c['low']:+.2f}, {c['high']:+.2f}] {verdict[c['relation']]}")
+        lines.append(f"| {m['model']} | {m['rows']['NC default']['ece'][0]:.2f} | " + " | ".join(cells) + " |")
+    counts = {r: sum(m["newest"][n]["relation"] == r for m in models for n in m["newest"]) for r in verdict}
+    lines += ["", f"Over {sum(counts.values())} pairs: NC better in {counts['lower']}, worse in {counts['higher']}, "
+                  f"tied in {counts['tied']}.", ""]
+    return lines
+
+
 def _zero_init_table(panel: list[dict], level: str) -> list[str]:
     """Across the models: the default started at δ₀ = 0 against the default, paired."""
     rows = [m for m in panel if m.get("zero_init")]
@@ -734,6 +765,7 @@ def markdown(summary: dict, settings: dict) -> list[str]:
                 lines.append(f"Cost target: {pt['ratio']:.3f} of the recipe's passes (≤ 0.2): {'met' if pt['met'] else '**missed**'}.")
             lines.append("")
         lines += _zero_init_table(summary["panel"], level)
+        lines += newest_table(summary["panel"], level)
     if summary["fidelity"]:
         lines += ["## Fidelity: the recipes against NCToolkit", "",
                   "*Same batches*: our fitter and NCWrapper start from the same δ₀ and see the same batches in the "

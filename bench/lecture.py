@@ -105,7 +105,8 @@ class Visitor:
     def __init__(self, url: str, where: str, log: list):
         self.http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=60),
                                       transport=httpx.AsyncHTTPTransport(local_address=where),
-                                      limits=httpx.Limits(max_connections=8, max_keepalive_connections=4))
+                                      limits=httpx.Limits(max_connections=8, max_keepalive_connections=4,
+                                                          keepalive_expiry=1.0))  # under the server's 5 s
         self.where, self.log = where, log
         self.session = uuid.uuid4().hex[:11]
         self.heartbeat: asyncio.Task | None = None

@@ -272,3 +272,14 @@ def test_one_address_holds_a_bounded_number_of_pages(hall):
     assert past == (429, f"{PAGES_PER_ADDRESS} pages of this app are open from this address already; please close "
                          "one first.")
     assert again == (200, None)
+
+
+def test_the_page_from_memory_is_the_one_gradio_makes(hall):
+    """The page is made once per root URL and then sent from memory: the same bytes Gradio makes for a
+    request it answers itself (one with a query), with the cache folder's alias and no server path."""
+    url, _ = hall
+    first, again = httpx.get(url, timeout=60), httpx.get(url, timeout=60)
+    made = httpx.get(url + "?fresh=1", timeout=60)
+    assert first.status_code == again.status_code == made.status_code == 200
+    assert first.content == again.content == made.content
+    assert b"gradio-cache/" in first.content and b"/tmp/" not in first.content

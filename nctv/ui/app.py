@@ -33,7 +33,8 @@ from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider, CheckedTextbox, CheckedTypedDropdown)
 from nctv.ui.guard import UPLOAD_KEEP_S, PageSessions, RequestGuard, bounded_server
-from nctv.ui.wire import AppBlocks, CancelEndsStreams, GoneResults, NoServerPaths, QuietDisconnects, stoppable
+from nctv.ui.wire import (AppBlocks, CancelEndsStreams, GoneResults, NoServerPaths, QuietDisconnects, SharedPage,
+                          stoppable)
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.caches import get_logits
@@ -673,7 +674,8 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         show_error=True,
         max_file_size=MAX_UPLOAD_BYTES,
         app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(RequestGuard), Middleware(PageSessions),
-                                   Middleware(CancelEndsStreams), Middleware(GoneResults), Middleware(NoServerPaths)],
+                                   Middleware(CancelEndsStreams), Middleware(GoneResults), Middleware(SharedPage),
+                                   Middleware(NoServerPaths)],
                     "lifespan": bounded_server},
         allowed_paths=[str(examples_dir())],
         footer_links=["api", "gradio"],

@@ -15,6 +15,7 @@ is in its words and every run a page waits for ends:
   cache (the shipped examples, a run's downloads) by :data:`CACHE_ALIAS` instead of the cache's
   folder on the server (``/tmp/gradio/<hash>/…``); a file address or a value sent back with the
   alias is read with the folder again.
+- :class:`SharedPage`: the page (``GET /``) is made once per root URL and sent from memory.
 - :class:`GoneResults`: asking for the result of a call that is no longer kept (see
   :data:`nctv.ui.session.RESULT_KEEP_S`) is answered in words, not with Gradio's "404: Not Found"
   inside an event stream.
@@ -25,6 +26,7 @@ import asyncio
 import json
 import logging
 import re
+from collections import OrderedDict
 from typing import Any
 
 import gradio as gr
@@ -307,3 +309,48 @@ class GoneResults:
         await refuse(send, 404, f"This server holds no result of the call {shown(event_id)}: a result is kept "
                                 f"{RESULT_KEEP_S:g} s after its call ends (the latest {RESULTS_KEPT:,} at most), "
                                 "then dropped. Call again, and collect the result sooner.")
+
+
+# --------------------------------------------------------------------------- the page
+
+
+class SharedPage:
+    """ASGI middleware: the page (``GET /`` without a query) is the same for every visitor who reaches
+    the server by the same root URL (Gradio writes that root into it), so it is made once per root and
+    then sent from memory. Gradio makes it anew for each request (its configuration copied and walked
+    for the root, its API description built, megabytes serialised), which a room of students loading
+    the page at once waited for in turn."""
+
+    #: Root URLs (host and proxy headers) whose page is kept.
+    KEPT = 8
+
+    def __init__(self, app):
+        self.app = app
+        self.pages: OrderedDict[tuple, tuple[dict, bytes]] = OrderedDict()
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope["method"] != "GET" or scope["path"] != "/"
+                or scope.get("query_string")):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        key = (scope.get("scheme"), scope.get("root_path", ""), scope.get("server"),
+               *(headers.get(h) for h in (b"host", b"x-forwarded-host", b"x-forwarded-proto", b"x-forwarded-port")))
+        if key in self.pages:
+            self.pages.move_to_end(key)
+            start, body = self.pages[key]
+            await send(start)
+            return await send({"type": "http.response.body", "body": body, "more_body": False})
+        start, chunks = {}, []
+
+        async def kept(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False) and start.get("status") == 200:
+                    self.pages[key] = (start, b"".join(chunks))
+                    while len(self.pages) > self.KEPT:
+                        self.pages.popitem(last=False)
+            await send(message)
+
+        await self.app(scope, receive, kept)

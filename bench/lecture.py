@@ -41,6 +41,7 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -318,7 +319,7 @@ def summary(log: list[dict], wall_s: float) -> dict:
         "wall_s": wall_s,
         "light_calls": len(light), "served": len(served),
         "refused": dict(Counter(r["outcome"] for r in light if r["outcome"] != "ok")),
-        "refusals": sorted({r.get("detail") or "" for r in light if r["outcome"] != "ok"})[:5],
+        "refusals": sorted({r["detail"] for r in light if r["outcome"] != "ok" and r.get("detail")})[:5],
         "p50_s": percentile(served, 50), "p95_s": percentile(served, 95), "max_s": max(served, default=None),
         "by_kind": kinds,
         "backlog": {"runs_done": len(done), "run_p50_s": percentile(done, 50),
@@ -355,12 +356,14 @@ def markdown(report: dict) -> str:
                      f"{_fmt(s['p95_s'])} | {_fmt(s['max_s'])} | {wait} ({s['newcomer_waited_for_runs']}) | "
                      f"{s['backlog']['runs_done']} ({_fmt(s['backlog']['run_p50_s'])}) | "
                      f"{s['backlog']['refused']} | {r['server']['cpu_s']:.0f} | {r['server']['hwm_mb']} |")
-    lines += ["", "Per kind of call (p50 / p95 / max in seconds, served of calls):", ""]
+    lines += ["", "Refused: an HTTP refusal, or (failed: …) a connection the client saw dropped without an answer.",
+              "", "Per kind of call (p50 / p95 / max in seconds, served of calls):", ""]
     for name, r in report["rooms"].items():
         parts = [f"{k} {_fmt(v['p50_s'])} / {_fmt(v['p95_s'])} / {_fmt(v['max_s'])} ({v['served']} of {v['calls']})"
                  for k, v in r["summary"]["by_kind"].items()]
         lines.append(f"- **{name}**: " + "; ".join(parts))
-    refusals = {name: r["summary"]["refusals"] for name, r in report["rooms"].items() if r["summary"]["refusals"]}
+    refusals = {name: [t for t in r["summary"]["refusals"] if t] for name, r in report["rooms"].items()}
+    refusals = {name: texts for name, texts in refusals.items() if texts}
     if refusals:
         lines += ["", "What the refused calls were told (first of each room):", ""]
         lines += [f"- {name}: {texts[0]}" for name, texts in refusals.items()]
@@ -379,6 +382,12 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if len(argv) == 2 and argv[0] == "--render":  # report.md again from its .json (after a change of layout)
+        path = Path(argv[1])
+        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose app.py is measured")
     p.add_argument("--rooms", nargs="+", choices=ROOMS, default=list(ROOMS))
@@ -401,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
                       "gradio": gradio.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                       "load_start": os.getloadavg()[0], "students": a.students, "arrive_s": a.arrive_s, "runs": a.runs,
                       "run_size": a.run_size,
-                      "newcomer_s": a.newcomer_s, "argv": argv if argv is not None else __import__("sys").argv[1:]},
+                      "newcomer_s": a.newcomer_s, "argv": argv},
               "rooms": {}}
     for kind in a.rooms:
         with tempfile.TemporaryDirectory() as tmp:

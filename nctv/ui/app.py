@@ -3,8 +3,10 @@ tab modules, and the launch settings (queue, upload limits, host and port from t
 
 Public API endpoints (``gradio_client``): ``/calibrate``, ``/gamma_sweep``, ``/init_study``,
 ``/classify``, ``/classify_drawing`` and ``/explore_temperature``, and the agents' tools
-(``nctv.ui.mcp_tools``, also served over MCP); everything else is private. Heavy endpoints share one
-concurrency slot (:data:`nctv.ui.common.HEAVY`).
+(``nctv.ui.mcp_tools``, also served over MCP); everything else is private.
+The queue has two lanes (:class:`nctv.ui.guard.Lanes`): the runs share one heavy slot
+(:data:`nctv.ui.common.HEAVY`), and every other call that needs the server takes the light lane
+(:data:`LIGHT_LANE`), never behind a run.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 import gradio as gr
 from starlette.middleware import Middleware
 
-from nctv.checks import GAMMA_MAX, MAX_TEXT_CHARS, WEIGHT_DECAY_MAX
+from nctv.checks import GAMMA_MAX, MAX_TEXT_CHARS, WEIGHT_DECAY_MAX, env_limit
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
 from nctv.ui import hub_push
@@ -32,12 +34,13 @@ from nctv.ui import try_image as try_tab
 from nctv.plots import MIN_PLOT_WIDTH
 from nctv.hub import max_model_bytes
 from nctv.settings import APP_BINS, APP_INIT_RUNS, APP_METHODS, DEFAULT_CALIBRATION_SIZE
-from nctv.ui.common import HEAVY, stopped_status
+from nctv.ui.common import HEAVY, LIGHT, stopped_status
 from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider, CheckedTextbox, CheckedTypedDropdown)
-from nctv.ui.guard import UPLOAD_KEEP_S, RequestGuard, bounded_server
-from nctv.ui.wire import AppBlocks, CancelEndsStreams, NoServerPaths, QuietDisconnects, stoppable
+from nctv.ui.guard import UPLOAD_KEEP_S, PageSessions, RequestGuard, bounded_server
+from nctv.ui.wire import (AppBlocks, CancelEndsStreams, GoneResults, NoServerPaths, QuietDisconnects, SharedPage,
+                          stoppable)
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
 from nctv.ui.caches import get_logits
@@ -135,9 +138,11 @@ def app_theme() -> gr.themes.Base:
     )
 
 
-#: Light handlers (a single image, a redraw) may run side by side; heavy ones take turns.
-LIGHT_CONCURRENCY = 4
-QUEUE_SIZE = 32
+#: Light calls (a picture, a bin's pictures, a tab's first data) running at once; runs take turns on
+#: the heavy slot. ``$NCTV_LIGHT_WORKERS``.
+LIGHT_CONCURRENCY = env_limit("NCTV_LIGHT_WORKERS", 4)
+#: The light lane: every queued event that is not a run.
+LIGHT_LANE = dict(concurrency_id=LIGHT, concurrency_limit=LIGHT_CONCURRENCY)
 
 
 @dataclass
@@ -375,7 +380,7 @@ def _study_run(bar: tuple, plot_label: str, plot_id: str, handler, inputs: list,
         shared, view = menu
         shared.model.change(_plots_fit(functools.partial(menu_study_view, view, outputs=4)),
                             [shared.model, shared.hub_id], [status, fig, table, files], show_progress="hidden",
-                            api_visibility="private")
+                            api_visibility="private", **LIGHT_LANE)
 
 
 def _calibrate_tab(shared: Shared, state: gr.State):
@@ -434,11 +439,11 @@ def _calibrate_tab(shared: Shared, state: gr.State):
     # once, labelled as the default's is, and Learn and Try use it; no model pass, no GPU.
     shared.model.change(cal_tab.menu_model_view, [shared.model, shared.hub_id],
                         [status, table, diagrams, params, delta, files, state, shown], show_progress="hidden",
-                        api_visibility="private")
+                        api_visibility="private", **LIGHT_LANE)
     # A clicked bar: the pictures of that group go to the view's "bin" property. Every click counts;
     # the page keeps the answer to its latest request only.
     diagrams.open_bin(cal_tab.open_group, [shown], [diagrams], show_progress="hidden", trigger_mode="multiple",
-                      concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+                      api_visibility="private", **LIGHT_LANE)
     return event
 
 
@@ -516,9 +521,9 @@ def _try_tab(state: gr.State):
             delta = delta_widget(elem_id="try-delta")
             note = gr.Markdown(elem_id="try-note")
             slides_tab.figure_control("try", slides_tab.TRY_READ, slides_tab.try_download, [],
-                                      concurrency_limit=LIGHT_CONCURRENCY)
+                                      **LIGHT_LANE)
     outputs = [verdict, chart, delta, note]
-    light = dict(concurrency_limit=LIGHT_CONCURRENCY, show_progress="minimal")
+    light = dict(LIGHT_LANE, show_progress="minimal")
     shift = [corruption, severity]
     # Which of the picture and the drawing a new corruption applies to: the one classified last.
     last = gr.State(try_tab.PICTURE, time_to_live=CALIBRATION_TTL_S)
@@ -538,7 +543,7 @@ def _try_tab(state: gr.State):
     gr.on([corruption.input, severity.input], try_tab.reclassify, [last, image, sketch, state] + shift, outputs,
           trigger_mode="always_last", api_visibility="private", **light)
     loaded = upload.upload(load_calibrators, [upload, state], [state, loaded_note], api_visibility="private",
-                           concurrency_limit=LIGHT_CONCURRENCY)
+                           **LIGHT_LANE)
     loaded.success(try_tab.classify, [image, state] + shift, outputs, api_visibility="private", **light)
     return image, outputs, loaded
 
@@ -556,19 +561,20 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
     # never with a move.
     view = learn_tab.page_view()
     slides_tab.figure_control("learn", slides_tab.LEARN_READ, slides_tab.learn_download, [state],
-                              concurrency_limit=LIGHT_CONCURRENCY)
+                              **LIGHT_LANE)
     with gr.Accordion("The paper's headline results (ECE %, for reference)", open=False):
         gr.Markdown(learn_tab.PAPER_TABLE)
-    view.first_view(links.learn_data, [state], [view], show_progress="hidden",
-                    concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+    view.first_view(links.learn_data, [state], [view], show_progress="hidden", api_visibility="private",
+                    **LIGHT_LANE)
     # A clicked bar: the pictures of the rows the page asks for go to the view's "bin" property. Every
     # click counts (with "once" a second bar clicked while the first loads would be dropped); the page
     # keeps the answer to its latest request only.
     view.open_bin(learn_tab.open_bin, [state], [view], show_progress="hidden", trigger_mode="multiple",
-                  concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+                  api_visibility="private", **LIGHT_LANE)
     # A finished run, or loaded calibrators, become the Learn tab's model: its logits go to the page once.
     for event in new_calibrations:
-        event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private")
+        event.success(learn_tab.page_data, [state], [view], show_progress="hidden", api_visibility="private",
+                      **LIGHT_LANE)
     # The API's own inputs and outputs (hidden): /explore_temperature answers clients with a diagram, the
     # table and the explanations, as the page computes them.
     api_t = CheckedNumber(1.0, label="Temperature T", visible=False)
@@ -576,7 +582,7 @@ def _learn_tab(state: gr.State, *new_calibrations) -> None:
     api_fig = gr.Plot(visible=False)
     api_table, api_text = gr.Markdown(visible=False), gr.Markdown(visible=False)
     gr.on([], _plots_fit(learn_tab.explore_temperature), [api_t, api_bins, state], [api_fig, api_table, api_text],
-          api_name="explore_temperature", concurrency_limit=LIGHT_CONCURRENCY)
+          api_name="explore_temperature", **LIGHT_LANE)
 
 
 def _shift_tab(shared: Shared) -> None:
@@ -590,7 +596,7 @@ def _shift_tab(shared: Shared) -> None:
     # study of its own is picked, never with a move.
     view = shift_tab.page_view()
     slides_tab.figure_control("shift", slides_tab.SHIFT_READ, slides_tab.shift_download, [shared.model, shared.hub_id],
-                              concurrency_limit=LIGHT_CONCURRENCY)
+                              **LIGHT_LANE)
     status = gr.Markdown(status0, elem_id="shift-status")
     table = gr.Markdown(table0, elem_id="shift-table", elem_classes="result-table")
     with gr.Accordion("Neural Clamping against temperature scaling, every condition", open=False):
@@ -599,11 +605,11 @@ def _shift_tab(shared: Shared) -> None:
                     "slides.tex)", file_count="multiple",
                     interactive=False, elem_id="shift-files", elem_classes="download-list")
     view.first_view(shift_tab.first_view, [shared.model, shared.hub_id], [view], show_progress="hidden",
-                    concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+                    api_visibility="private", **LIGHT_LANE)
     # A picked menu model's own shift study, shown at once like the other tabs' (no model pass).
     shared.model.change(functools.partial(menu_study_view, shift_tab.menu_view, outputs=5),
                         [shared.model, shared.hub_id], [status, table, versus, files, view], show_progress="hidden",
-                        concurrency_limit=LIGHT_CONCURRENCY, api_visibility="private")
+                        api_visibility="private", **LIGHT_LANE)
 
 
 def build_app() -> gr.Blocks:
@@ -634,11 +640,11 @@ def build_app() -> gr.Blocks:
                   show_progress="hidden", api_visibility="private")
         # The Try tab opens with its first example already classified.
         demo.load(_plots_fit(try_tab.classify), [try_image, state], try_outputs, api_visibility="private",
-                  show_progress="hidden", concurrency_limit=LIGHT_CONCURRENCY)
+                  show_progress="hidden", **LIGHT_LANE)
         # The agents' tools (MCP), each in the lane of the page's work of its kind.
-        mcp_tools.register(heavy=dict(concurrency_limit=1, concurrency_id=HEAVY),
-                           light=dict(concurrency_limit=LIGHT_CONCURRENCY))
-    demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
+        mcp_tools.register(heavy=dict(concurrency_limit=1, concurrency_id=HEAVY), light=dict(LIGHT_LANE))
+    # No bound on the whole queue: the lanes bound what each page, address and the runs may keep waiting.
+    demo.queue(default_concurrency_limit=1, max_size=None)
     return demo
 
 
@@ -685,7 +691,8 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         show_error=True,
         max_file_size=MAX_UPLOAD_BYTES,
         app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(mcp_tools.CallerAddress),
-                                   Middleware(RequestGuard), Middleware(CancelEndsStreams), Middleware(NoServerPaths)],
+                                   Middleware(RequestGuard), Middleware(PageSessions), Middleware(CancelEndsStreams),
+                                   Middleware(GoneResults), Middleware(SharedPage), Middleware(NoServerPaths)],
                     "lifespan": mcp_tools.tools_only(bounded_server)},
         mcp_server=True,
         allowed_paths=[str(examples_dir())],

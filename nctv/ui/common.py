@@ -37,6 +37,9 @@ log = logging.getLogger("nctv.ui")
 #: Concurrency group of every long-running event: on a small server one heavy job runs at a time
 #: and the others wait in Gradio's queue (with their place shown).
 HEAVY = "nctv-heavy"
+#: Concurrency group of the light events (a picture, a clicked bin's pictures, a tab's first data, the
+#: shared panel's views): their own lane, never behind a run; a few run at once, a page's one at a time.
+LIGHT = "nctv-light"
 #: Seconds between two looks at a running worker (and the longest a Stop waits to be noticed).
 POLL_SECONDS = 0.25
 #: Seconds that closing a handler (Stop, or the page going away) waits for its worker to end. The

@@ -1,10 +1,15 @@
 """The Learn tab: move a temperature and watch the reliability diagram, its smoothed twin, ECE, smooth
 ECE, accuracy and mean confidence follow. The page computes those itself (``static/learn.js``) from the test logits that
 :func:`page_data` sends once per calibration; the server writes the table and the explanations, with
-the numbers of the model in use, once T settles; the paper's headline results for reference."""
+the numbers of the model in use, once T settles; the paper's headline results for reference.
+
+A lecture hall asks the same questions of the same calibration (the shipped one, or a menu model's
+pre-computed one): the server's answers for those are kept per (calibration, T, bins), and the rows at
+T = 1 and at temperature scaling's T per (calibration, bins)."""
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import math
@@ -34,6 +39,8 @@ PAGE_SAMPLE_SEED = 0
 BIN_MAX_ROWS = 200
 #: Thumbnails are at most this many pixels on their longer side (small images are sent as they are).
 THUMB_PX = 96
+#: Answers kept for the calibrations every visitor may hold (see :func:`_shared`): about 30 KB each.
+ANSWERS_KEPT = 2048
 
 #: the paper's ECE (%) on the test split, 15 bins, mean over 5 runs.
 PAPER_TABLE = """| setup | uncalibrated | TS | TS grid | Dir-ODIR | NC (FL) |
@@ -180,34 +187,94 @@ def _checked(temperature: Any, n_bins: Any) -> tuple[float, int]:
     return t, parse_whole(n_bins, "Number of bins", 2, 100)
 
 
-def _explain(t: float, n_bins: int, state: Calibration | None) -> tuple[str, str, torch.Tensor, torch.Tensor, str]:
-    """(metrics table, explanations, test logits in float64, labels, where they come from) at T."""
+def _shared(state: Calibration | None) -> tuple[bool, str | None]:
+    """(whether ``state`` is a calibration every visitor may hold, under which name): the shipped
+    default's (no state: None) or a menu model's pre-computed one (its model), whose logits and numbers
+    :func:`~nctv.ui.shipped.test_logits_of` and :func:`_calibration` read from the pre-computed study."""
+    if state is None:
+        return True, None
+    return state.source == PRECOMPUTED_LABEL, state.model
+
+
+def _shared_state(name: str | None) -> Calibration | None:
+    return None if name is None else load_precomputed(name).calibration
+
+
+def _kept(compute):
+    """``compute(t, n_bins, state)``, its answers kept per (calibration, T, bins) for the shared
+    calibrations (:func:`_shared`), computed each time for a visitor's own."""
+    @functools.lru_cache(maxsize=ANSWERS_KEPT)
+    def shared(t: float, n_bins: int, name: str | None):
+        return compute(t, n_bins, _shared_state(name))
+
+    @functools.wraps(compute)
+    def kept(t: float, n_bins: int, state: Calibration | None):
+        common, name = _shared(state)
+        return shared(t, n_bins, name) if common else compute(t, n_bins, state)
+
+    return kept
+
+
+def _references(z: torch.Tensor, y: torch.Tensor, n_bins: int, cal: Calibration) -> dict:
+    """The rows at T = 1 and at temperature scaling's T, and the diagram's data at T = 1."""
+    from nctv import plots
+
+    return {"one": _scores(z, y, n_bins), "fit": _scores(z / cal.ts_temperature, y, n_bins),
+            "diagram": plots.reliability_data(z, y, n_bins, "T = 1 (uncalibrated)")}
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_references(n_bins: int, name: str | None) -> dict:
+    state = _shared_state(name)
+    z, y, _ = _logits(state)
+    return _references(z, y, n_bins, _calibration(state))
+
+
+def _logits(state: Calibration | None) -> tuple[torch.Tensor, torch.Tensor, str]:
     z, y, where = test_logits_of(state)
     # float64 before dividing: the page divides in float64 too, so its figures match these.
-    z = z.double()
+    return z.double(), y, where
+
+
+def _explain(t: float, n_bins: int, state: Calibration | None) -> tuple[str, str, torch.Tensor, torch.Tensor, str, dict]:
+    """(metrics table, explanations, test logits in float64, labels, where they come from, the
+    references of :func:`_references`) at T."""
+    z, y, where = _logits(state)
     cal = _calibration(state)
+    common, name = _shared(state)
+    refs = _shared_references(n_bins, name) if common else _references(z, y, n_bins, cal)
     n, k = (int(s) for s in z.shape)
-    scores = {"one": _scores(z, y, n_bins), "now": _scores(z / t, y, n_bins),
-              "fit": _scores(z / cal.ts_temperature, y, n_bins)}
+    scores = {"one": refs["one"], "now": _scores(z / t, y, n_bins), "fit": refs["fit"]}
     names = {"t": f"{t:.2f}", "fit": f"{cal.ts_temperature:.3f}"}
     rows = [(fill(label, names), scores[key]) for key, label in TABLE_ROWS]
     note = fill(TABLE_NOTE, {"bins": str(n_bins), "split": "test split"})
     table = report.to_markdown(report.metrics_table(rows, k, TABLE_METRICS, notes=[note]))
-    return table, explanations(t, n, k, n_bins, scores, cal), z, y, where
+    return table, explanations(t, n, k, n_bins, scores, cal), z, y, where, refs
+
+
+@_kept
+def _explained(t: float, n_bins: int, state: Calibration | None) -> tuple[str, str]:
+    return _explain(t, n_bins, state)[:2]
+
+
+@_kept
+def _explored(t: float, n_bins: int, state: Calibration | None) -> tuple:
+    from nctv import plots
+
+    table, text, z, y, where, refs = _explain(t, n_bins, state)
+    fig = plots.reliability_figure([refs["diagram"], plots.reliability_data(z / t, y, n_bins, f"T = {t:.2f}")],
+                                   backend="plotly")
+    # Sized by its box on the page already: a kept figure is shared, and nothing changes it afterwards.
+    fig.update_layout(title=f"Reliability diagrams — {where}", height=440, margin=dict(t=90, b=50), width=None,
+                      autosize=True)
+    return fig, table, text
 
 
 def explore(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple:
     """(reliability diagrams at T = 1 and at ``temperature``, metrics table, explanations): the
-    ``/explore_temperature`` endpoint's answer."""
-    from nctv import plots
-
-    t, n_bins = _checked(temperature, n_bins)
-    table, text, z, y, where = _explain(t, n_bins, state)
-    data = [plots.reliability_data(z, y, n_bins, "T = 1 (uncalibrated)"),
-            plots.reliability_data(z / t, y, n_bins, f"T = {t:.2f}")]
-    fig = plots.reliability_figure(data, backend="plotly")
-    fig.update_layout(title=f"Reliability diagrams — {where}", height=440, margin=dict(t=90, b=50))
-    return fig, table, text
+    ``/explore_temperature`` endpoint's answer. The figure may be shared with other callers: read it,
+    do not change it."""
+    return _explored(*_checked(temperature, n_bins), state)
 
 
 @user_errors
@@ -217,8 +284,7 @@ def explore_temperature(temperature: float, n_bins: int, state: Calibration | No
 
 def explain(temperature: Any, n_bins: Any, state: Calibration | None) -> tuple[str, str]:
     """(metrics table, explanations) at ``temperature``."""
-    t, n_bins = _checked(temperature, n_bins)
-    return _explain(t, n_bins, state)[:2]
+    return _explained(*_checked(temperature, n_bins), state)
 
 
 def _b64(a: np.ndarray) -> str:

@@ -10,16 +10,23 @@ is in its words and every run a page waits for ends:
   run now gets a last message, and a Run button's status says "Stopped".
 - :class:`QuietDisconnects`: a client that goes away while it sends a body (an aborted upload) is
   one line in the log, not a traceback.
-- :class:`NoServerPaths`: the page, ``/config`` and ``/gradio_api/info`` name the files Gradio
-  serves from its cache (the shipped examples and downloads) by :data:`CACHE_ALIAS` instead of the
-  cache's folder on the server (``/tmp/gradio/<hash>/…``); a file address or a value sent back
-  with the alias is read with the folder again.
+- :class:`NoServerPaths`: the page, ``/config``, ``/gradio_api/info`` and every call's answer (the
+  page's event stream, ``/gradio_api/call/<fn>/<event id>``) name the files Gradio serves from its
+  cache (the shipped examples, a run's downloads) by :data:`CACHE_ALIAS` instead of the cache's
+  folder on the server (``/tmp/gradio/<hash>/…``); a file address or a value sent back with the
+  alias is read with the folder again.
+- :class:`SharedPage`: the page (``GET /``) is made once per root URL and sent from memory.
+- :class:`GoneResults`: asking for the result of a call that is no longer kept (see
+  :data:`nctv.ui.session.RESULT_KEEP_S`) is answered in words, not with Gradio's "404: Not Found"
+  inside an event stream.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
+from collections import OrderedDict
 from typing import Any
 
 import gradio as gr
@@ -27,7 +34,8 @@ from starlette.requests import ClientDisconnect
 
 from nctv.checks import shown
 from nctv.ui.common import STOPPED
-from nctv.ui.guard import replaying
+from nctv.ui.guard import refuse, replaying
+from nctv.ui.session import RESULT_KEEP_S, RESULTS_KEPT
 
 log = logging.getLogger("nctv.ui")
 
@@ -202,6 +210,8 @@ class QuietDisconnects:
 CACHE_ALIAS = "gradio-cache"
 #: Routes whose answers describe the app (its components' values among them).
 _DESCRIPTIONS = ("/config", "/info")
+#: The route of an API call's answer, ``/call/<fn>/<event id>``.
+_CALL_RESULT = re.compile(r"/call/(v2/)?[^/]+/[^/]+$")
 
 
 def _cache_folder() -> bytes:
@@ -237,21 +247,29 @@ class NoServerPaths:
                     scope = dict(scope, headers=[(k, str(len(back)).encode() if k == b"content-length" else v)
                                                  for k, v in scope["headers"]])
                 return await self.app(scope, replaying(back, receive), send)
-        if scope["method"] in ("GET", "HEAD") and (path.rstrip("/") == "" or path.endswith(_DESCRIPTIONS)):
+        if scope["method"] in ("GET", "HEAD") and (path.rstrip("/") == "" or path.endswith(_DESCRIPTIONS)
+                                                   or path.endswith("/queue/data")
+                                                   or _CALL_RESULT.search(path.rstrip("/"))):
             return await self.app(scope, receive, self._aliasing(send))
         return await self.app(scope, receive, send)
 
     def _aliasing(self, send):
-        """A ``send`` that holds the answer back until it is whole, then sends it with the alias."""
+        """A ``send`` that holds the answer back until it is whole, then sends it with the alias; a
+        stream (no declared length: one message of an event stream per part) goes part by part."""
         start, chunks = None, []
 
         async def aliased(message):
             nonlocal start
             if message["type"] == "http.response.start":
                 start = message
+                if not any(k.lower() == b"content-length" for k, _ in start["headers"]):
+                    await send(start)
                 return
             if message["type"] != "http.response.body":
                 return await send(message)
+            if not any(k.lower() == b"content-length" for k, _ in start["headers"]):
+                return await send(dict(message, body=message.get("body", b"").replace(self.folder + b"/",
+                                                                                     self.alias + b"/")))
             chunks.append(message.get("body", b""))
             if message.get("more_body", False):
                 return
@@ -262,3 +280,77 @@ class NoServerPaths:
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
         return aliased
+
+
+# --------------------------------------------------------------------------- results no longer kept
+
+
+class GoneResults:
+    """ASGI middleware: ``GET /gradio_api/call/<fn>/<event id>`` for an event the server holds nothing
+    of (never made, or its result no longer kept) gets HTTP 404 and a sentence saying how long results
+    are kept, instead of an event stream whose only message is Gradio's "404: Not Found". ``HEAD`` on
+    that address says whether the call's result is still held (200) or not (404), collecting nothing."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "").rstrip("/")
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD") or not _CALL_RESULT.search(path):
+            return await self.app(scope, receive, send)
+        event_id = path.rsplit("/", 1)[1]
+        queue = scope["app"].get_blocks()._queue
+        if (event_id in queue.event_ids_to_events or event_id in queue.pending_messages_per_session
+                or any(event_id in ids for ids in queue.pending_event_ids_session.values())):
+            if scope["method"] == "HEAD":  # held: a GET collects it
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                return await send({"type": "http.response.body", "body": b""})
+            return await self.app(scope, receive, send)
+        await refuse(send, 404, f"This server holds no result of the call {shown(event_id)}: a result is kept "
+                                f"{RESULT_KEEP_S:g} s after its call ends (the latest {RESULTS_KEPT:,} at most), "
+                                "then dropped. Call again, and collect the result sooner.")
+
+
+# --------------------------------------------------------------------------- the page
+
+
+class SharedPage:
+    """ASGI middleware: the page (``GET /`` without a query) is the same for every visitor who reaches
+    the server by the same root URL (Gradio writes that root into it), so it is made once per root and
+    then sent from memory. Gradio makes it anew for each request (its configuration copied and walked
+    for the root, its API description built, megabytes serialised), which a room of students loading
+    the page at once waited for in turn."""
+
+    #: Root URLs (host and proxy headers) whose page is kept.
+    KEPT = 8
+
+    def __init__(self, app):
+        self.app = app
+        self.pages: OrderedDict[tuple, tuple[dict, bytes]] = OrderedDict()
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope["method"] != "GET" or scope["path"] != "/"
+                or scope.get("query_string")):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        key = (scope.get("scheme"), scope.get("root_path", ""), scope.get("server"),
+               *(headers.get(h) for h in (b"host", b"x-forwarded-host", b"x-forwarded-proto", b"x-forwarded-port")))
+        if key in self.pages:
+            self.pages.move_to_end(key)
+            start, body = self.pages[key]
+            await send(start)
+            return await send({"type": "http.response.body", "body": body, "more_body": False})
+        start, chunks = {}, []
+
+        async def kept(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False) and start.get("status") == 200:
+                    self.pages[key] = (start, b"".join(chunks))
+                    while len(self.pages) > self.KEPT:
+                        self.pages.popitem(last=False)
+            await send(message)
+
+        await self.app(scope, receive, kept)

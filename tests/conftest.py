@@ -20,6 +20,12 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: How long a browser test waits for something the page or the server does (a status line, a figure, a
+#: download), in ms. The wait ends as soon as that happens; this deadline only ends a test whose event
+#: never comes. A busy machine (another job on both cores) needs minutes where an idle one needs
+#: seconds, so it is long; ``NCTV_TEST_WAIT_S`` sets another.
+PAGE_WAIT_MS = int(float(os.environ.get("NCTV_TEST_WAIT_S", "900")) * 1000)
+
 # The suite runs on small CPUs; two threads are plenty and keep runs repeatable.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from nctv.ui.try_image import example_images
+from conftest import PAGE_WAIT_MS
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [
@@ -39,7 +40,7 @@ def open_app(browser, url: str, width: int, height: int, phone: bool = False):
     """A fresh page of the app at this viewport, once the first screen's diagrams are drawn."""
     context = browser.new_context(viewport={"width": width, "height": height}, is_mobile=phone, has_touch=phone)
     pg = context.new_page()
-    pg.set_default_timeout(60_000)
+    pg.set_default_timeout(PAGE_WAIT_MS)
     pg.goto(url)
     pg.locator("#calibrate-diagrams svg").first.wait_for()
     return pg
@@ -119,7 +120,7 @@ def test_stop_ends_a_run(page):
     page.get_by_role("button", name="Run calibration").click()
     page.wait_for_function("document.querySelector('#calibrate-status').innerText.includes('Running')")
     page.get_by_role("button", name="Stop").first.click()
-    wait_for_status(page, "Stopped", 120_000)  # a timeout says what the line showed instead
+    wait_for_status(page, "Stopped", PAGE_WAIT_MS)  # a timeout says what the line showed instead
     assert "pre-computed, shipped with the app" in page.locator("#results-table").inner_text()
     page.get_by_label("fast (default)", exact=True).check()
 
@@ -152,13 +153,13 @@ def test_a_cancel_sent_with_this_pages_session_id_ends_its_run_on_the_page(page,
     r = httpx.post(server.rstrip("/") + "/gradio_api/cancel",
                    json={"session_hash": run["session_hash"], "fn_index": run["fn_index"], "event_id": "another"})
     assert r.status_code == 200
-    wait_for_status(page, "Stopped", 60_000)
+    wait_for_status(page, "Stopped", PAGE_WAIT_MS)
     page.get_by_label("fast (default)", exact=True).check()
 
 
 def test_a_live_calibration_run(page):
     page.get_by_role("button", name="Run calibration").click()
-    wait_for_status(page, "Done", 240_000)
+    wait_for_status(page, "Done", PAGE_WAIT_MS)
     table = page.locator("#results-table").inner_text()
     assert "your run of" in table and "Uncalibrated" in table and "Neural Clamping (FL)" in table
     assert page.locator("#live-plot .js-plotly-plot").count() == 1
@@ -185,7 +186,7 @@ def test_many_methods_titles_apart_and_live_colours_match_the_legend(page):
                  "NC (Eff.)", "NC input only", "NC output only", "NC δ frozen at 0"):
         page.get_by_label(name, exact=True).check()
     page.get_by_role("button", name="Run calibration").click()
-    wait_for_status(page, "Done", 400_000)
+    wait_for_status(page, "Done", PAGE_WAIT_MS)
     shot(page, "2c-many-methods")
     for width in (1400, 1280, 390):
         page.set_viewport_size({"width": width, "height": 1000})
@@ -226,7 +227,7 @@ def test_try_your_own_image(page):
     page.locator("#try-image input[type=file]").set_input_files(example_images()[2])
     page.wait_for_function(
         "document.querySelector('#try-note') && document.querySelector('#try-note').innerText.includes('your run')",
-        timeout=60_000)
+        timeout=PAGE_WAIT_MS)
     rows = page.locator("#try-chart .nctv-class")
     assert rows.count() >= 5
     for method in ("raw", "ts", "nc"):
@@ -260,10 +261,10 @@ def test_the_try_tab_loads_the_downloaded_calibrators(page, tmp_path):
     archive.write_bytes(page.request.get(urljoin(page.url, link.get_attribute("href"))).body())
     page.get_by_role("tab", name="Try your own image").click()
     page.locator("input[type=file][accept*='.zip']").set_input_files(str(archive))
-    page.wait_for_function("document.querySelector('#try-loaded').innerText.includes('Loaded')", timeout=60_000)
+    page.wait_for_function("document.querySelector('#try-loaded').innerText.includes('Loaded')", timeout=PAGE_WAIT_MS)
     assert "Neural Clamping (FL)" in page.locator("#try-loaded").inner_text()
     page.wait_for_function("document.querySelector('#try-note').innerText.includes('loaded from calibrators.zip')",
-                           timeout=60_000)
+                           timeout=PAGE_WAIT_MS)
     shot(page, "3c-try-loaded-calibrators")
 
 
@@ -275,7 +276,7 @@ def test_a_picture_unlike_the_training_data_is_flagged(page, tmp_path):
     path = tmp_path / "sunset.png"
     Image.fromarray((255 * picture).astype("uint8")).save(path)
     page.locator("#try-image input[type=file]").set_input_files(str(path))
-    page.wait_for_function("document.querySelector('#try-note').innerText.includes('320 × 240')", timeout=60_000)
+    page.wait_for_function("document.querySelector('#try-note').innerText.includes('320 × 240')", timeout=PAGE_WAIT_MS)
     assert "does not look like the data the model knows" in page.locator("#try-verdict").inner_text()
     shot(page, "3b-try-foreign")
 
@@ -293,7 +294,7 @@ def test_draw_and_classify(page):
     page.get_by_role("button", name="Classify the drawing").click()
     page.wait_for_function(
         "document.querySelector('#try-note') && document.querySelector('#try-note').innerText.includes('280 × 280')",
-        timeout=60_000)
+        timeout=PAGE_WAIT_MS)
     assert "%" in page.locator("#try-chart .nctv-bar[data-method=nc]").first.inner_text()
     shot(page, "4-drawing")
 
@@ -304,7 +305,7 @@ def test_learn_slider_redraws(page):
     box.fill("2")
     box.press("Enter")
     assert "T = 2.00" in page.locator("#learn-plot svg").get_attribute("aria-label")  # drawn in the page
-    page.wait_for_function("document.body.innerText.includes('T = 2.00 (slider)')", timeout=30_000)
+    page.wait_for_function("document.body.innerText.includes('T = 2.00 (slider)')", timeout=PAGE_WAIT_MS)
     shot(page, "5-learn")
 
 

@@ -30,6 +30,7 @@ from nctv.intervals import wilson_interval
 from nctv.ui.calibrate import FITTER_CHOICES
 from nctv.ui.shipped import precomputed_dir
 from nctv.ui.try_image import percent
+from conftest import PAGE_WAIT_MS
 
 pytestmark = pytest.mark.browser
 SIZES = [(1400, 1000, False), (1280, 720, False), (390, 844, True)]
@@ -63,7 +64,7 @@ NUMBER_BREAKS = r"""root => {
 def open_at(browser, url: str, width: int, height: int, phone: bool, theme: str = ""):
     context = browser.new_context(viewport={"width": width, "height": height}, is_mobile=phone, has_touch=phone)
     pg = context.new_page()
-    pg.set_default_timeout(60_000)
+    pg.set_default_timeout(PAGE_WAIT_MS)
     pg.goto(url + (f"?__theme={theme}" if theme else ""))
     pg.locator("#calibrate-diagrams .nc-smooth svg").first.wait_for()
     return pg
@@ -458,7 +459,7 @@ def test_one_error_beside_run_then_cleared_and_the_live_plot_counts_passes(page)
         # after scrolling through the settings): the click brings the status line into view.
         page.get_by_role("button", name="Run calibration").evaluate("b => b.scrollIntoView({block: 'end'})")
         page.get_by_role("button", name="Run calibration").click()
-        wait_for_status(page, words, 60_000)
+        wait_for_status(page, words, PAGE_WAIT_MS)
         page.wait_for_timeout(1000)  # time for a toast or an error mark to appear, were there one
         assert errors_shown(page, words) == 1
         assert page.locator(".toast-body:visible").count() == 0  # no toast, so no "Error (2)" pile
@@ -472,9 +473,9 @@ def test_one_error_beside_run_then_cleared_and_the_live_plot_counts_passes(page)
     page.locator("#calibration-size input").fill("300")
     page.locator("#test-size input").fill("1000")
     page.get_by_role("button", name="Run calibration").click()
-    wait_for_status(page, " left", 120_000)  # "… left" from the first step on
+    wait_for_status(page, " left", PAGE_WAIT_MS)  # "… left" from the first step on
     page.screenshot(path=str(ARTIFACTS / f"calibrate-running-{width}.png"))
-    wait_for_status(page, "Done", 240_000)
+    wait_for_status(page, "Done", PAGE_WAIT_MS)
     assert errors_shown(page, words) == 0 and "Error" not in page.locator("#calibrate-status").inner_text()
     # The live plot's x values are passes: its last point is the fit's pass count, as the parameters say.
     xs = page.evaluate("document.querySelector('#live-plot .js-plotly-plot').data[0].x")
@@ -544,7 +545,7 @@ def test_aps_at_95_chosen_in_the_page_makes_the_table_say_aps_with_the_librarys_
         # The file's name in the upload box (its text: the box may draw the name over two lines).
         page.wait_for_function("document.querySelector('#logits-file').textContent.includes('mine.npz')", polling=250)
         page.locator("#logits-run").click()
-        wait_for_status(page, "Done", 120_000)
+        wait_for_status(page, "Done", PAGE_WAIT_MS)
         shown = page.evaluate(CONFORMAL_TABLE)
         page.screenshot(path=str(ARTIFACTS / "calibrate-conformal-aps.png"), full_page=True)
     finally:

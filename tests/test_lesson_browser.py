@@ -23,6 +23,7 @@ from nctv import metrics
 from nctv.conformal import aps_mean_set_size
 from nctv.ui import learn, lesson
 from nctv.ui.shipped import load_precomputed
+from conftest import PAGE_WAIT_MS
 
 pytestmark = [
     pytest.mark.browser,
@@ -38,7 +39,7 @@ def open_link(browser, server, query: str, width: int, height: int, theme: str =
     ctx = browser.new_context(viewport={"width": width, "height": height}, is_mobile=width < 500,
                               has_touch=width < 500, **context)
     pg = ctx.new_page()
-    pg.set_default_timeout(90_000)
+    pg.set_default_timeout(PAGE_WAIT_MS)
     sep = "&" if "?" in query else "?"
     pg.goto(server.rstrip("/") + "/" + query + (f"{sep}__theme=dark" if theme == "dark" else ""))
     pg.wait_for_selector("#learn-plot svg")

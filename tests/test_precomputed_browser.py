@@ -3,7 +3,7 @@ repository (NCTV_PRECOMPUTED_REPO, here in the Hub's cache layout, the server of
 app shows that study at once, labelled as the default's, in Calibrate, γ sweep, Initialisation and Shift."""
 import pytest
 
-from conftest import start_app, stop_app
+from conftest import PAGE_WAIT_MS, start_app, stop_app
 from test_browser import ARGS, CHROMIUM, open_app, open_panel, pytestmark, wait_for_status  # noqa: F401
 from test_precomputed_studies import write_study
 
@@ -51,12 +51,12 @@ def test_picking_a_menu_model_shows_its_precomputed_study(browser, served):
     for tab, status in (("γ sweep", "#gamma-status"), ("Initialisation", "#init-status")):
         pg.get_by_role("tab", name=tab).click()
         pg.wait_for_function(f"document.querySelector({status!r}).innerText.includes('model {MODEL}')",
-                             timeout=30_000)
+                             timeout=PAGE_WAIT_MS)
         assert "pre-computed, shipped with the app" in pg.locator(status).inner_text()
     # The Shift tab, never opened before the pick: its status and the page's own numbers are that model's.
     pg.get_by_role("tab", name="Shift").click()
     pg.wait_for_function("document.querySelector('#shift-status').innerText.includes('model fmnist-vit')",
-                         timeout=30_000)
+                         timeout=PAGE_WAIT_MS)
     pg.wait_for_selector("#shift-diagrams .ns-card svg")
     assert pg.locator("#shift-note").inner_text().startswith(f"Model {MODEL};")
     pg.context.close()

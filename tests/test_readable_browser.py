@@ -12,6 +12,7 @@ import pytest
 from test_browser import ARTIFACTS, CHROMIUM, browser, open_app  # noqa: F401 - browser: a fixture
 from test_try_browser import by_size, page_per_size
 from nctv.ui.shipped import load_precomputed
+from conftest import PAGE_WAIT_MS
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
@@ -169,7 +170,7 @@ def test_a_flagged_answer_is_marked_in_words_in_view_under_the_picture(page, tmp
     show_tab(pg, "Try your own image")
     pg.locator("#try-chart .nctv-chart").evaluate("e => { e.dataset.old = 'yes'; }")
     pg.locator("#try-image input[type=file]").set_input_files(str(_checkered(tmp_path / "tiles.png")))
-    pg.wait_for_function("document.querySelector('#try-chart .nctv-chart:not([data-old])') !== null", timeout=60_000)
+    pg.wait_for_function("document.querySelector('#try-chart .nctv-chart:not([data-old])') !== null", timeout=PAGE_WAIT_MS)
     assert pg.locator("#try-verdict .nctv-verdict").get_attribute("data-flagged") == "true"
     assert try_image.MEANS_LITTLE in pg.locator("#try-verdict").inner_text()
     answer = pg.locator("#try-chart .nctv-answer")
@@ -254,7 +255,7 @@ def test_a_typed_dataset_is_kept_and_refused_before_run(page):
     box.click()
     box.fill("mnist")
     box.press("Enter")
-    pg.wait_for_function("document.querySelector('#dataset-note').innerText.includes('mnist')", timeout=30_000)
+    pg.wait_for_function("document.querySelector('#dataset-note').innerText.includes('mnist')", timeout=PAGE_WAIT_MS)
     assert box.input_value() == "mnist"
     note = pg.locator("#dataset-note").inner_text()
     assert note == f"Not accepted — {unaccepted('mnist')}"
@@ -264,7 +265,7 @@ def test_a_typed_dataset_is_kept_and_refused_before_run(page):
     box.click()
     box.fill("fashion-mnist")
     box.press("Enter")
-    pg.wait_for_function("document.querySelector('#dataset-note').innerText.trim() === ''", timeout=30_000)
+    pg.wait_for_function("document.querySelector('#dataset-note').innerText.trim() === ''", timeout=PAGE_WAIT_MS)
     assert box.input_value() == "fashion-mnist"
     box.click()
     box.fill("model's own dataset")

@@ -16,6 +16,7 @@ from test_learn_browser import set_range
 
 from nctv import metrics
 from nctv.ui.shipped import precomputed_dir
+from conftest import PAGE_WAIT_MS
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
@@ -32,7 +33,7 @@ def download(pg, name: str) -> dict[str, bytes]:
     """Press the ``name`` tab's control; the files it lists, by name, fetched as a visitor would."""
     files = pg.locator(f"#{name}-slides-files")
     pg.locator(f"#{name}-slides-button").click()
-    files.locator("a").first.wait_for(timeout=120_000)
+    files.locator("a").first.wait_for(timeout=PAGE_WAIT_MS)
     out = {}
     for link in files.locator("a").all():
         href = link.get_attribute("href")

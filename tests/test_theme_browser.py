@@ -7,6 +7,7 @@ import pytest
 
 from test_browser import ARTIFACTS, CHROMIUM, browser  # noqa: F401 - browser: a fixture
 from test_learn_browser import _luminance, _rgb, contrast
+from conftest import PAGE_WAIT_MS
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
@@ -30,7 +31,7 @@ def test_plotly_figures_take_the_theme(browser, server, theme):  # noqa: F811
     try:
         pg.goto(f"{server}?__theme={theme}")
         pg.get_by_role("tab", name="γ sweep").click()  # the shipped sweep's figure
-        pg.locator("#gamma-plot .js-plotly-plot .main-svg").first.wait_for(timeout=120_000)
+        pg.locator("#gamma-plot .js-plotly-plot .main-svg").first.wait_for(timeout=PAGE_WAIT_MS)
         assert pg.evaluate("document.body.classList.contains('dark')") == (theme == "dark")
         c = pg.evaluate(COLOURS, "#gamma-plot .js-plotly-plot")
         behind = c["behind"]

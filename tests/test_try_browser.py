@@ -17,6 +17,7 @@ from PIL import Image
 from test_browser import ARTIFACTS, CHROMIUM, boxes_overlap, browser, open_app  # noqa: F401 - browser: a fixture
 from nctv.ui import caches, try_image
 from nctv.ui.shipped import load_precomputed
+from conftest import PAGE_WAIT_MS
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")]
@@ -56,7 +57,7 @@ def shot(pg, name):
 
 def upload(pg, path, wait_for: str):
     pg.locator("#try-image input[type=file]").set_input_files(str(path))
-    pg.wait_for_function(wait_for, timeout=60_000)
+    pg.wait_for_function(wait_for, timeout=PAGE_WAIT_MS)
 
 
 def shown_chart(pg) -> dict[str, dict[str, str]]:
@@ -256,7 +257,7 @@ def test_a_file_that_is_no_picture_clears_the_result_with_one_message(try_page, 
     fake.write_text("this is a text file with a picture's name")
     pg.locator("#try-image input[type=file]").set_input_files(str(fake))
     pg.wait_for_selector(".toast-body")
-    pg.wait_for_function("document.querySelector('#try-chart .nctv-class') === null", timeout=30_000)
+    pg.wait_for_function("document.querySelector('#try-chart .nctv-class') === null", timeout=PAGE_WAIT_MS)
     pg.wait_for_timeout(1500)  # a second message, if one came, would be here by now
     toasts = pg.locator(".toast-body")
     assert toasts.count() == 1
@@ -296,15 +297,15 @@ def test_loaded_calibrators_reach_the_learn_tab(browser, server, tmp_path):
     pg = open_try(browser, server, 1280, 720)
     try:
         pg.get_by_role("tab", name="Learn").click()  # the page has the shipped calibration first
-        pg.wait_for_function("document.querySelector('#learn-ece').textContent.includes('%')", timeout=60_000)
+        pg.wait_for_function("document.querySelector('#learn-ece').textContent.includes('%')", timeout=PAGE_WAIT_MS)
         pg.get_by_role("tab", name="Try your own image").click()
         pg.locator("#try-load-calibrator input[type=file], input[type=file][accept*='.zip']").first.set_input_files(
             str(archive))
-        pg.wait_for_function("document.querySelector('#try-loaded').innerText.includes('T = 2.500')", timeout=60_000)
+        pg.wait_for_function("document.querySelector('#try-loaded').innerText.includes('T = 2.500')", timeout=PAGE_WAIT_MS)
         pg.get_by_role("tab", name="Learn").click()
         pg.wait_for_timeout(500)
         pg.click("#learn-fit")
-        pg.wait_for_function("document.querySelector('#learn-message').textContent.includes('2.50')", timeout=30_000)
+        pg.wait_for_function("document.querySelector('#learn-message').textContent.includes('2.50')", timeout=PAGE_WAIT_MS)
         assert float(pg.locator("#learn-t-box").input_value()) == pytest.approx(2.5, abs=0.005)
     finally:
         pg.context.close()

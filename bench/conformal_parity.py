@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from bench.parity_problems import parity_problems
 from nctv.conformal import ConformalPredictor, ConformalSettings, probabilities
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +52,18 @@ def inputs(seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.T
     lab = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
     p = probabilities(z)
     out.append(("ties, K = 5 (whole-number logits)", p[:2000], lab[:2000], p[2000:], lab[2000:]))
+    # The problems every parity bench shares (bench.parity_problems), those not above.
+    for name, (z, lab) in parity_problems().items():
+        if name in ("7 classes", "20 classes", "7 classes, rounded", "20 classes, rounded", "7 classes, tied"):
+            p, lab, half = probabilities(torch.from_numpy(z)), torch.from_numpy(lab), len(lab) // 2
+            out.append((f"drawn: {name}", p[:half], lab[:half], p[half:], lab[half:]))
     return out
+
+
+def tied_rows(p: torch.Tensor) -> torch.Tensor:
+    """Whether two probabilities of a row are equal, per row."""
+    s = torch.sort(p, dim=1).values
+    return (s[:, 1:] == s[:, :-1]).any(1)
 
 
 @functools.cache
@@ -100,10 +112,8 @@ def torchcp_sets(score: str, randomized: bool, class_conditional: bool, coverage
     return sets, u_cal, torch.empty_like(u_rank).scatter_(1, order, u_rank)
 
 
-def mapie_lac_sets(coverage: float, cal, ycal, test):
-    """MAPIE's LAC sets through its documented split API, the probabilities passed through a prefitted
-    classifier whose predict_proba returns its input."""
-    from mapie.classification import SplitConformalClassifier
+def _given_probabilities(k: int):
+    """A prefitted classifier whose predict_proba returns its input: how MAPIE is given probabilities."""
     from sklearn.base import BaseEstimator, ClassifierMixin
 
     class Given(ClassifierMixin, BaseEstimator):
@@ -117,17 +127,44 @@ def mapie_lac_sets(coverage: float, cal, ycal, test):
         def predict(self, x):
             return np.argmax(x, axis=1)
 
-    k = cal.shape[1]
-    est = Given().fit(np.eye(k), np.arange(k))
+    return Given().fit(np.eye(k), np.arange(k))
+
+
+def mapie_lac_sets(coverage: float, cal, ycal, test):
+    """MAPIE's LAC sets through its documented split API, the probabilities passed through a prefitted
+    classifier whose predict_proba returns its input."""
+    from mapie.classification import SplitConformalClassifier
+
+    est = _given_probabilities(cal.shape[1])
     cp = SplitConformalClassifier(estimator=est, confidence_level=coverage, conformity_score="lac", prefit=True)
     cp.conformalize(cal.numpy(), ycal.numpy())
     _, sets = cp.predict_set(test.numpy())
     return torch.from_numpy(sets[:, :, 0])
 
 
+def mapie_aps_sets(coverage: float, cal, ycal, test):
+    """MAPIE's APS sets, plain: its calibration draw held at 0 (a random state whose uniforms are 0, so
+    the score is the running sum through the label, NCTV's plain score) and ``include_last_label=False``
+    (no class past q̂: NCTV's {y : s ≤ q̂}, but where that is empty MAPIE keeps the top class; the
+    comparison gives NCTV's empty sets their top class)."""
+    from mapie.classification import SplitConformalClassifier
+
+    class NoDraw(np.random.RandomState):
+        def uniform(self, low=0.0, high=1.0, size=None):
+            return np.zeros(size)
+
+    est = _given_probabilities(cal.shape[1])
+    cp = SplitConformalClassifier(estimator=est, confidence_level=coverage, conformity_score="aps", prefit=True,
+                                  random_state=NoDraw(0))
+    cp.conformalize(cal.numpy(), ycal.numpy())
+    _, sets = cp.predict_set(test.numpy(), conformity_score_params={"include_last_label": False})
+    return torch.from_numpy(sets[:, :, 0])
+
+
 def run(seed: int = 0) -> list[dict]:
     rows = []
     for name, cal, ycal, test, ytest in inputs(seed):
+        tied_input = bool(tied_rows(cal).any() or tied_rows(test).any())
         for coverage in COVERAGES:
             for score in ("lac", "aps", "raps"):
                 for randomized in ((False,) if score == "lac" else (False, True)):
@@ -140,17 +177,23 @@ def run(seed: int = 0) -> list[dict]:
                         ours = cp.predict_sets(test, True, draws=u_test)
                         row = {"input": name, "coverage": coverage, "score": score, "randomized": randomized,
                                "class_conditional": cc, "reference": f"TorchCP {version('torchcp')}",
-                               "points": int(test.shape[0]), "differ": int((ref != ours).any(1).sum())}
+                               "points": int(test.shape[0]), "differ": int((ref != ours).any(1).sum()),
+                               "tied_input": tied_input}
                         if cc:
                             # TorchCP keeps the class thresholds in a float32 tensor (torch.zeros(K)): replay that rounding.
                             cp.thresholds_ = cp.thresholds_.float().double()
                             row["differ_q_float32"] = int((ref != cp.predict_sets(test, True, draws=u_test)).any(1).sum())
                         rows.append(row)
-            ours = ConformalPredictor(ConformalSettings("lac", coverage)).fit(cal, ycal, True).predict_sets(test, True)
-            ref = mapie_lac_sets(coverage, cal, ycal, test)
-            rows.append({"input": name, "coverage": coverage, "score": "lac", "randomized": False, "class_conditional": False,
-                         "reference": f"MAPIE {version('mapie')}", "points": int(test.shape[0]),
-                         "differ": int((ref != ours).any(1).sum())})
+            # MAPIE takes only LAC for a binary target.
+            for score, reference in (("lac", mapie_lac_sets), ("aps", mapie_aps_sets))[:1 if cal.shape[1] == 2 else 2]:
+                ours = ConformalPredictor(ConformalSettings(score, coverage, False)).fit(cal, ycal, True).predict_sets(test, True)
+                if score == "aps":  # MAPIE's APS never gives an empty set: it keeps the top class
+                    empty = ~ours.any(1)
+                    ours[empty, test[empty].argmax(1)] = True
+                differ = (reference(coverage, cal, ycal, test) != ours).any(1)
+                rows.append({"input": name, "coverage": coverage, "score": score, "randomized": False,
+                             "class_conditional": False, "reference": f"MAPIE {version('mapie')}",
+                             "points": int(test.shape[0]), "differ": int(differ.sum()), "tied_input": tied_input})
     return rows
 
 
@@ -160,11 +203,12 @@ def summary(rows: list[dict]) -> str:
     for r in rows:
         groups.setdefault((r["reference"], r["score"], r["randomized"], r["class_conditional"]), []).append(r)
     lines = ["| reference | score | randomised | class-conditional | comparisons | test points | sets that differ "
-             "| differ with q̂ rounded to float32 as TorchCP stores it |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+             "| of them on inputs with no tied probabilities | differ with q̂ rounded to float32 as TorchCP stores it |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for (ref, score, rnd, cc), g in groups.items():
         lines.append(f"| {ref} | {score.upper()} | {'yes' if rnd else 'no'} | {'yes' if cc else 'no'} | {len(g)} | "
                      f"{sum(r['points'] for r in g):,} | {sum(r['differ'] for r in g):,} | "
+                     f"{sum(r['differ'] for r in g if not r['tied_input']):,} | "
                      f"{sum(r['differ_q_float32'] for r in g) if cc else '—'} |")
     return "\n".join(lines)
 

@@ -135,7 +135,7 @@ class ConformalSettings:
 def probabilities(logits: Any, from_probabilities: bool = False) -> torch.Tensor:
     """(N, K) CPU float64 probabilities from logits (or, with ``from_probabilities=True``, checked
     probabilities), as every NCTV metric reads them."""
-    return _prepare(logits, None, from_probabilities)[1]
+    return _prepare(logits, None, from_probabilities, canonical=False)[1]
 
 
 def _stream(seed: int, stream: int) -> np.random.Generator:

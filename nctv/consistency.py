@@ -14,6 +14,10 @@ the data cannot tell the model from a calibrated one; it does not say the model 
 Several seeds (a stochastic method's row): the statistic is the mean over seeds, and each resample
 draws one uniform number per sample, shared by the seeds (inverse CDF of each seed's probabilities),
 as the seeds share one real label. That is exact for identical seeds and an approximation otherwise.
+
+The rows are first put in the canonical order (:mod:`nctv.canonical`, keyed by every seed's logits and
+the label), and the resamples' uniforms are drawn in that order: a sample gets the same draws wherever
+it stands in the input, so the same rows shuffled give the same statistics and p-values to the last bit.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from nctv.canonical import canonical_order
 from nctv.checks import check_bins, check_labels, check_logits
 from nctv.settings import DEFAULT_RESAMPLES
 
@@ -95,13 +100,13 @@ def consistency_test(per_seed_logits: Any | Sequence[Any], labels: Any, n_bins: 
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"resamples must be a whole number of at least 1; got {resamples!r}.")
     many = isinstance(per_seed_logits, (list, tuple))
-    seeds = []
-    for z in (per_seed_logits if many else [per_seed_logits]):
-        z = check_logits(z)
-        seeds.append(_Seed(z, n_bins))
-    y = check_labels(labels, seeds[0].n, seeds[0].k).cpu()
-    if any(s.n != seeds[0].n or s.k != seeds[0].k for s in seeds):
+    logits = [check_logits(z) for z in (per_seed_logits if many else [per_seed_logits])]
+    if any(z.shape != logits[0].shape for z in logits):
         raise ValueError("Every seed's logits must have the same shape.")
+    y = check_labels(labels, *logits[0].shape).cpu()
+    rows = torch.from_numpy(canonical_order(*logits, y))
+    seeds = [_Seed(z.cpu()[rows], n_bins) for z in logits]
+    y = y[rows]
     observed = [torch.stack(s.statistics(y[:, None])).mean(1) for s in seeds]
     ece, classwise = (float(v) for v in torch.stack(observed).mean(0))
     g = torch.Generator().manual_seed(int(seed))

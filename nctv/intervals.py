@@ -36,6 +36,12 @@ measures both sides: docs/method.md, "Paired differences at the boundary").
 
 Stochastic methods (several seeds): each resample also redraws the seeds with replacement and takes
 the mean over the drawn seeds, so the interval covers the test sample's randomness and the method's own.
+
+A resample is a multiset of test rows, and each draw is a function of it alone: the rows are put in the
+canonical order (:mod:`nctv.canonical`) with their counts, identical rows' counts sorted among them,
+before anything is summed; AECE and the debiased ℓ2 error bin each resample's confidences as
+``nctv.metrics.equal_mass_bins`` does, and the KS error steps once per distinct confidence. The same
+rows with the same counts, in any order, give the same draws to the last bit.
 """
 from __future__ import annotations
 
@@ -46,8 +52,9 @@ import numpy as np
 import torch
 from scipy.stats import norm
 
+from nctv.canonical import canonical_order, same_as_previous, sorted_within_duplicates
 from nctv.checks import check_bins, check_labels, check_logits
-from nctv.metrics import SmoothReliability, smooth_ece_batch, smooth_reliability_curves
+from nctv.metrics import SmoothReliability, equal_mass_bins, run_starts, smooth_ece_batch, smooth_reliability_curves
 from nctv.settings import DEFAULT_LEVEL, DEFAULT_RESAMPLES
 
 #: The interval construction, recorded with every result.
@@ -110,10 +117,14 @@ class _Sample:
     """
 
     def __init__(self, logits: torch.Tensor, labels: torch.Tensor, n_bins: int):
-        z = logits.detach().double()
+        # The rows in the canonical order; resample counts follow them (canonical_counts).
+        rows = canonical_order(logits, labels)
+        self.rows = torch.from_numpy(rows)
+        z = logits.detach().double()[self.rows.to(logits.device)]
+        y = labels.to(z.device)[self.rows.to(z.device)]
+        self.same = same_as_previous(z, y)
         logp = torch.log_softmax(z, dim=1)
         p = logp.exp()
-        y = labels.to(z.device)
         self.n, self.k = p.shape
         self.n_bins = n_bins
         self.p, self.y = p, y
@@ -126,17 +137,22 @@ class _Sample:
                                   ((p - onehot) ** 2).sum(1)], dim=1)
         self.bin = _bin_index(self.conf, n_bins)
         self.order = torch.sort(self.conf, stable=True).indices
-        base, extra = divmod(self.n, n_bins)
-        # AECE's equal-count groups (numpy.array_split sizes: the first N mod M one larger).
-        self.group_sizes = torch.full((n_bins,), base, dtype=torch.long)
-        self.group_sizes[:extra] += 1
-        group = torch.repeat_interleave(torch.arange(n_bins), self.group_sizes).to(p.device)
+        self.sorted_conf = self.conf[self.order]
+        # The last of each run of equal confidences (sorted): where the KS error's steps end.
+        self.step_end = torch.ones_like(self.sorted_conf, dtype=torch.bool)
+        self.step_end[:-1] = self.sorted_conf[1:] != self.sorted_conf[:-1]
+        group = torch.from_numpy(equal_mass_bins(self.conf.cpu().numpy(), n_bins)).to(p.device)
         # Within-group spreads come from the full sample and serve every resample (see _debiased_abs).
         self.ece_spread = _spread(self.bin, self.gap, n_bins)
-        self.aece_spread = _spread(group, self.gap[self.order], n_bins)
+        self.aece_spread = _spread(group, self.gap, n_bins)
         self._cache: dict[int, dict[str, torch.Tensor]] = {}
         self._sce: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._smooth_bandwidth: float | None = None
+
+    def canonical_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Resample ``counts`` given in the caller's row order, in this sample's canonical order (the
+        counts of identical rows sorted among them: nctv.canonical.sorted_within_duplicates)."""
+        return sorted_within_duplicates(torch.index_select(counts, 1, self.rows.to(counts.device)), self.same)
 
     def smooth_inputs(self) -> tuple[np.ndarray, np.ndarray, float]:
         """Confidence and correctness (CPU float64) and smooth ECE's automatic bandwidth on the full sample."""
@@ -243,18 +259,16 @@ def _mce(sample: _Sample, counts: torch.Tensor) -> Draws:
 
 
 def _aece(sample: _Sample, counts: torch.Tensor) -> Draws:
-    """Equal-count groups of each resample's confidence-sorted samples (a sample drawn twice fills two
-    places; a group boundary may split a sample's copies), exactly AECE on the full sample."""
-    s = _group_sums(sample, counts, sample.gap)
+    """The equal-mass bins of each resample's confidences (a sample drawn twice is two equal
+    confidences), exactly AECE on the full sample."""
+    (s,) = _group_sums(sample, counts, sample.gap)
     return s.abs().sum(1) / sample.n, _debiased_abs(s, sample.aece_spread.to(s.device)).sum(1) / sample.n
 
 
 def _l2_ce(sample: _Sample, counts: torch.Tensor) -> Draws:
     """The debiased ℓ2 calibration error (``nctv.metrics.l2_calibration_error``) of every resample, on
-    AECE's equal-count groups of the resample; already debiased, so both values are the same."""
-    s_gap = _group_sums(sample, counts, sample.gap)
-    s_acc = _group_sums(sample, counts, sample.correct)
-    n_b = sample.group_sizes.to(s_gap.device, torch.float64)
+    AECE's equal-mass bins of the resample; already debiased, so both values are the same."""
+    s_gap, s_acc, n_b = _group_sums(sample, counts, sample.gap, sample.correct, torch.ones_like(sample.gap))
     acc = s_acc / n_b.clamp(min=1)
     square = (s_gap / n_b.clamp(min=1)) ** 2 - acc * (1 - acc) / (n_b - 1).clamp(min=1)
     square = torch.where(n_b > 1, square, torch.zeros_like(square))
@@ -264,35 +278,44 @@ def _l2_ce(sample: _Sample, counts: torch.Tensor) -> Draws:
 
 def _ks(sample: _Sample, counts: torch.Tensor) -> Draws:
     """The KS calibration error of every resample: the largest |partial sum| of the confidence-sorted
-    residuals c − [correct], each sample counted as often as it is drawn (blocks of rows in float64)."""
+    residuals c − [correct], each sample counted as often as it is drawn, read after each run of equal
+    confidences (the resample's runs end where the full sample's do; blocks of rows in float64)."""
     residual = (-sample.gap[sample.order]).to(counts.device)
     order = sample.order.to(counts.device)
+    ends = sample.step_end.to(counts.device)
     out = torch.empty(len(counts), dtype=torch.float64, device=counts.device)
     for start in range(0, len(counts), 64):
         w = torch.index_select(counts[start:start + 64], 1, order).double()
-        out[start:start + 64] = torch.cumsum(w * residual, 1).abs().amax(1) / sample.n
+        out[start:start + 64] = torch.cumsum(w * residual, 1)[:, ends].abs().amax(1) / sample.n
     return out, out
 
 
-def _group_sums(sample: _Sample, counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Σ ``values`` over each of AECE's equal-count groups of every resample (resamples × groups)."""
+def _group_sums(sample: _Sample, counts: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
+    """Σ of each of ``values`` over the equal-mass bins of every resample (resamples × bins each): the
+    bins ``nctv.metrics.equal_mass_bins`` gives the resample's confidences, each sample drawn c times
+    being c equal confidences."""
     n, m = sample.n, sample.n_bins
-    order = sample.order
-    ordered = values[order]
-    ends = torch.cumsum(sample.group_sizes, 0).to(counts.device, counts.dtype)
-    # Float32 cumulative sums: place counts are exact below 2**24, gap sums err by about 1e-7 of N.
-    w = torch.index_select(counts, 1, order.to(counts.device))
-    g = ordered.to(counts.device, counts.dtype)
+    device = counts.device
+    order = sample.order.to(device)
+    conf = sample.sorted_conf.to(device)
+    w = torch.index_select(counts, 1, order)
+    # Float32 cumulative sums: place counts are exact below 2**24, value sums err by about 1e-7 of N.
     cum_w = torch.cumsum(w, 1)
-    cum_g = torch.cumsum(w * g, 1)
-    # F(E) = Σ gap over the first E places: whole samples before the one holding place E, part of it.
-    at = torch.searchsorted(cum_w, ends.expand(len(w), m).contiguous(), right=False).clamp_(max=n - 1)
-    prev = (at - 1).clamp(min=0)
-    first = at == 0
-    before_w = cum_w.gather(1, prev).masked_fill(first, 0.0)
-    before_g = cum_g.gather(1, prev).masked_fill(first, 0.0)
-    upto = (before_g + g[at] * (ends - before_w)).double()
-    return torch.diff(upto, dim=1, prepend=torch.zeros(len(w), 1, dtype=torch.float64, device=counts.device))
+    starts = torch.from_numpy(run_starts(n, m)).to(device, counts.dtype)  # places opening runs 1 … R − 1
+    # The samples holding the last place of each run and the first of the next; the edge halfway.
+    last = torch.searchsorted(cum_w, (starts - 1).expand(len(w), -1).contiguous(), right=True).clamp_(max=n - 1)
+    first = torch.searchsorted(cum_w, starts.expand(len(w), -1).contiguous(), right=True).clamp_(max=n - 1)
+    edge = (conf[last] + conf[first]) / 2.0
+    # A confidence on an edge joins the bin below: the bin ends after the last sample <= edge.
+    below = torch.searchsorted(conf, edge.contiguous(), right=True)
+    out = []
+    for v in values:
+        cum_v = torch.cumsum(w * v[sample.order].to(device, counts.dtype), 1)
+        upto = torch.cat([torch.zeros(len(w), 1, dtype=cum_v.dtype, device=device),
+                          cum_v.gather(1, (below - 1).clamp_(min=0)), cum_v[:, -1:]], dim=1).double()
+        sums = torch.diff(upto, dim=1)
+        out.append(torch.nn.functional.pad(sums, (0, m - sums.shape[1])))
+    return out
 
 
 def _sce(sample: _Sample, counts: torch.Tensor) -> Draws:
@@ -453,11 +476,12 @@ def method_draws(per_seed_logits: Sequence[Any], labels: Any, counts: torch.Tens
     device = samples[0].p.device
     counts = counts.to(device)
     ones = torch.ones(1, n, dtype=torch.float64, device=device)
+    per_sample = [s.canonical_counts(counts) for s in samples]  # each seed's rows in its canonical order
     out = {}
     for name in metrics:
         spec = RESAMPLED[name]
         point = torch.stack([torch.cat(spec.value(s, ones)) for s in samples])  # seeds × (plug, debiased)
-        draws = torch.stack([spec.value(s, counts)[1].double() for s in samples])  # seeds × resamples
+        draws = torch.stack([spec.value(s, c)[1].double() for s, c in zip(samples, per_sample)])  # seeds × resamples
         if len(samples) > 1:
             draws = (seed_draws.to(device, torch.float64) * draws.T).sum(1) / len(samples)
         else:

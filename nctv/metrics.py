@@ -9,9 +9,13 @@ Conventions, shared by every caller (tables, figures, γ selection, tests):
 * Results are fractions (0.0–1.0) returned as Python floats; tables convert to %.
 * ECE uses ``n_bins`` equal-width bins, bin m = ((m−1)/M, m/M]; the first bin also takes c = 0 and
   c = 1.0 falls in the last bin. Empty bins add 0, so more bins than samples is allowed.
-* AECE sorts by confidence (stable sort) and splits into M contiguous groups whose sizes differ by at
-  most one (as ``numpy.array_split``); every sample is counted exactly once, and with fewer samples
-  than groups the last groups are empty and add 0.
+* AECE bins the confidences into M equal-mass bins (:func:`equal_mass_bins`): the sorted confidences
+  split into M runs whose sizes differ by at most one (as ``numpy.array_split``), each inner edge
+  halfway between the last confidence of one run and the first of the next, a confidence on an edge in
+  the bin below (Kumar, Liang & Ma's ``get_equal_bins``). Where equal confidences straddle a run
+  boundary the edge is their value and all of them join the lower bin: equal confidences share a bin,
+  whatever order the rows come in. Every sample is counted exactly once; with fewer samples than bins
+  one bin a sample, the rest empty (they add 0).
 * SCE bins p_ik of every class k with the ECE bins; K comes from the logits, never from the labels.
 * Smooth ECE (``smooth_ece``) smooths the residuals c_i − [ŷ_i = y_i] of the top-label confidence with
   a Gaussian kernel reflected at 0 and 1, its bandwidth chosen automatically as in
@@ -19,11 +23,14 @@ Conventions, shared by every caller (tables, figures, γ selection, tests):
   The ``*_batch`` / ``*_curves`` forms take (resamples, samples) rows of confidence and 0/1
   correctness, for bootstrap intervals and bands.
 * Beside them (``further``, FURTHER_NAMES, in a run's tables but not in ``evaluate``, whose keys the
-  studies save): the KS calibration error (no bins), the debiased ℓ2 calibration error (equal-mass
-  bins, AECE's groups), and NLL split into calibration + refinement, refinement being the NLL after
+  studies save): the KS calibration error (no bins; it steps once per distinct confidence), the
+  debiased ℓ2 calibration error (AECE's equal-mass bins), and NLL split into calibration + refinement, refinement being the NLL after
   temperature scaling fitted on the same logits. ``classwise_ece`` is ``sce`` (one formula, two names).
 * Everything is computed on the CPU in float64, so a tensor on a GPU and the same values on the CPU
   give bit-identical results.
+* Every metric is a function of the rows, not of their order: the rows are first put in the canonical
+  order (:mod:`nctv.canonical`) and every sum runs in it, so the same rows shuffled give the same
+  figure to the last bit, ties included.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import numpy as np
 import torch
 from scipy import sparse
 
+from nctv.canonical import canonical_order, same_as_previous, sorted_within_duplicates
 from nctv.checks import check_bins, check_labels, check_logits
 
 METRIC_NAMES = ("accuracy", "entropy", "ece", "aece", "sce", "mce", "nll", "brier", "smooth_ece")
@@ -56,10 +64,15 @@ def better(metric: str, a: float, b: float) -> bool | None:
     return (a > b) if HIGHER_IS_BETTER[metric] else (a < b)
 
 
-def _prepare(logits: Any, labels: Any | None, from_probabilities: bool):
-    """(log-probabilities, probabilities, labels) as CPU float64 / int64 tensors, validated."""
+def _prepare(logits: Any, labels: Any | None, from_probabilities: bool, canonical: bool = True):
+    """(log-probabilities, probabilities, labels) as CPU float64 / int64 tensors, validated; the rows in
+    the canonical order (:mod:`nctv.canonical`) unless ``canonical`` is False (per-row outputs)."""
     z = check_logits(logits, "probabilities" if from_probabilities else "logits")
     z = z.detach().to("cpu", torch.float64)
+    y = None if labels is None else check_labels(labels, z.shape[0], z.shape[1]).cpu()
+    if canonical:
+        order = torch.from_numpy(canonical_order(z) if y is None else canonical_order(z, y))
+        z, y = z[order], (None if y is None else y[order])
     if from_probabilities:
         if bool((z < 0).any()) or bool((z > 1).any()):
             raise ValueError("probabilities must lie in [0, 1]; pass logits without from_probabilities=True.")
@@ -70,13 +83,12 @@ def _prepare(logits: Any, labels: Any | None, from_probabilities: bool):
     else:
         logp = torch.log_softmax(z, dim=1)
         p = torch.softmax(z, dim=1)
-    y = None if labels is None else check_labels(labels, z.shape[0], z.shape[1]).cpu()
     return logp, p, y
 
 
 def confidences_and_predictions(logits: Any, from_probabilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Top-1 confidence (float64) and prediction (ties: lowest index) per sample, as numpy arrays."""
-    _, p, _ = _prepare(logits, None, from_probabilities)
+    _, p, _ = _prepare(logits, None, from_probabilities, canonical=False)
     conf, pred = _top1(p)
     return conf.numpy(), pred.numpy()
 
@@ -173,15 +185,18 @@ def _mce(p, y, n_bins):
     return float(((sa[filled] - sc[filled]) / counts[filled]).abs().max())
 
 
-def _aece(p, y, n_bins):
-    n = p.shape[0]
+def _equal_mass_sums(p, y, n_bins):
+    """Per equal-mass bin (:func:`equal_mass_bins`) of the top-label confidence: counts, Σ confidence,
+    Σ correctness (float64 tensors), summed in the rows' (canonical) order."""
     conf, pred = _top1(p)
-    order = torch.sort(conf, stable=True).indices
-    conf, correct = conf[order], (pred == y)[order].double()
-    group = _equal_mass_groups(n, n_bins)
-    sc = torch.bincount(group, weights=conf, minlength=n_bins)
-    sa = torch.bincount(group, weights=correct, minlength=n_bins)
-    return _weighted_gap(torch.bincount(group, minlength=n_bins).double(), sc, sa, n)
+    idx = torch.from_numpy(equal_mass_bins(conf.numpy(), n_bins))
+    counts = torch.bincount(idx, minlength=n_bins).double()
+    return counts, torch.bincount(idx, weights=conf, minlength=n_bins), \
+        torch.bincount(idx, weights=(pred == y).double(), minlength=n_bins)
+
+
+def _aece(p, y, n_bins):
+    return _weighted_gap(*_equal_mass_sums(p, y, n_bins), p.shape[0])
 
 
 def _sce(p, y, n_bins):
@@ -221,7 +236,8 @@ def ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = F
 
 
 def aece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
-    """Adaptive ECE: M equal-count groups of the confidence-sorted samples (sizes differ by at most 1)."""
+    """Adaptive ECE: the ECE formula over M equal-mass bins of the confidences (:func:`equal_mass_bins`:
+    sizes differ by at most 1 but where equal confidences straddle a boundary, then all in the lower bin)."""
     _, p, y = _prepare(logits, labels, from_probabilities)
     return _aece(p, y, check_bins(n_bins))
 
@@ -258,30 +274,56 @@ def classwise_ece(logits: Any, labels: Any, n_bins: int = 15, from_probabilities
     return sce(logits, labels, n_bins, from_probabilities)
 
 
-def _equal_mass_groups(n: int, n_bins: int) -> torch.Tensor:
-    """The group of each place of the confidence-sorted samples: ``numpy.array_split`` sizes, the first
-    N mod M groups one larger (AECE's groups)."""
-    base, extra = divmod(n, n_bins)
-    sizes = torch.full((n_bins,), base, dtype=torch.long)
-    sizes[:extra] += 1
-    return torch.repeat_interleave(torch.arange(n_bins), sizes)
+def run_starts(n: int, n_bins: int) -> np.ndarray:
+    """Where runs 1 … R − 1 of ``n`` sorted values start, R = min(``n_bins``, n) runs whose lengths differ
+    by at most one, the longer ones first (``numpy.array_split``)."""
+    runs = min(n_bins, n)
+    size, longer = divmod(n, runs)
+    i = np.arange(1, runs)
+    return i * size + np.minimum(i, longer)
+
+
+def equal_mass_edges(scores: np.ndarray, n_bins: int) -> np.ndarray:
+    """``n_bins`` + 1 non-decreasing edges of equal-mass bins of ``scores``, the outer ones 0 and 1: the
+    sorted scores split into runs (:func:`run_starts`), each inner edge halfway between the last score
+    of one run and the first of the next; with fewer scores than bins, the edges left over at 1. A
+    function of the scores as a set with repeats: their order does not enter."""
+    x = np.sort(np.asarray(scores, dtype=np.float64))
+    starts = run_starts(len(x), n_bins)
+    edges = np.concatenate([[0.0], (x[starts - 1] + x[starts]) / 2.0, np.ones(n_bins - len(starts))])
+    edges[0], edges[-1] = 0.0, 1.0
+    return np.maximum.accumulate(edges)
+
+
+def bin_index(edges: np.ndarray, scores: np.ndarray, on_edge: str = "below") -> np.ndarray:
+    """The bin of each score (0 … len(edges) − 2), a score on an edge in the bin below or above it."""
+    side = "right" if on_edge == "above" else "left"
+    return np.clip(np.searchsorted(edges, scores, side=side) - 1, 0, len(edges) - 2)
+
+
+def equal_mass_bins(conf: np.ndarray, n_bins: int) -> np.ndarray:
+    """AECE's (and the debiased ℓ2 error's) bin of each confidence: :func:`equal_mass_edges`, a
+    confidence on an edge in the bin below. Equal confidences straddling a run boundary make the edge
+    their value, so all of them join the lower bin (that bin then holds more than N/M, the next fewer)."""
+    return bin_index(equal_mass_edges(conf, n_bins), conf, "below")
 
 
 def _ks(p, y):
+    """Partial sums of the confidence-sorted residuals, read once per distinct confidence (after the
+    last of a run of equal ones): equal confidences are one step, in whatever order they come."""
     conf, pred = _top1(p)
     order = torch.sort(conf, stable=True).indices
-    residual = conf[order] - (pred == y)[order].double()
-    return float(torch.cumsum(residual, 0).abs().max() / p.shape[0])
+    c = conf[order]
+    partial = torch.cumsum(c - (pred == y)[order].double(), 0)
+    last = torch.ones_like(c, dtype=torch.bool)
+    last[:-1] = c[1:] != c[:-1]
+    return float(partial[last].abs().max() / p.shape[0])
 
 
 def _l2_ce(p, y, n_bins):
-    conf, pred = _top1(p)
-    order = torch.sort(conf, stable=True).indices
-    conf, correct = conf[order], (pred == y)[order].double()
-    group = _equal_mass_groups(p.shape[0], n_bins)
-    n_b = torch.bincount(group, minlength=n_bins).double()
-    mean_conf = torch.bincount(group, weights=conf, minlength=n_bins) / n_b.clamp(min=1)
-    mean_acc = torch.bincount(group, weights=correct, minlength=n_bins) / n_b.clamp(min=1)
+    n_b, sum_conf, sum_acc = _equal_mass_sums(p, y, n_bins)
+    mean_conf = sum_conf / n_b.clamp(min=1)
+    mean_acc = sum_acc / n_b.clamp(min=1)
     # Per bin (c̄ − ȳ)² − ȳ(1 − ȳ)/(n_b − 1): the plug-in square minus its noise; bins of one add 0.
     square = (mean_conf - mean_acc) ** 2 - mean_acc * (1 - mean_acc) / (n_b - 1).clamp(min=1)
     square = torch.where(n_b > 1, square, torch.zeros_like(square))
@@ -290,8 +332,10 @@ def _l2_ce(p, y, n_bins):
 
 def ks_error(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
     """KS calibration error of the top-label confidence (Gupta, Rahimi, Ajanthan, Mensink, Sminchisescu &
-    Hartley, ICLR 2021): with the samples sorted by confidence c (stable sort),
-    max_i |Σ_{j ≤ i} (c_j − [ŷ_j = y_j])| / N. Nothing is binned; ``n_bins`` is ignored."""
+    Hartley, ICLR 2021): max over the distinct confidences t of |Σ_{c_j ≤ t} (c_j − [ŷ_j = y_j])| / N,
+    the samples sorted by confidence c, a run of equal confidences one step of the cumulative sum (the
+    empirical cumulative is a function of the confidences, not of how ties are ordered). Nothing is
+    binned; ``n_bins`` is ignored."""
     _, p, y = _prepare(logits, labels, from_probabilities)
     return _ks(p, y)
 
@@ -299,7 +343,8 @@ def ks_error(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: boo
 def l2_calibration_error(logits: Any, labels: Any, n_bins: int = 15, from_probabilities: bool = False) -> float:
     """Debiased ℓ2 calibration error of the top-label confidence (Kumar, Liang & Ma, NeurIPS 2019):
     √max(0, Σ_b n_b/N · [(c̄_b − ȳ_b)² − ȳ_b(1 − ȳ_b)/(n_b − 1)]) over ``n_bins`` equal-mass bins of
-    the confidence-sorted samples (AECE's groups), ȳ_b the bin's accuracy; a bin of one sample adds 0.
+    the confidences (AECE's, :func:`equal_mass_bins`: their own ``get_equal_bins``), ȳ_b the bin's
+    accuracy; a bin of one sample adds 0.
     The subtracted term is the plug-in square's noise, so the square is unbiased bin by bin."""
     _, p, y = _prepare(logits, labels, from_probabilities)
     return _l2_ce(p, y, check_bins(n_bins))
@@ -556,9 +601,17 @@ def _check_counts(counts: Any, n: int) -> np.ndarray:
     return a
 
 
+def _by_confidence(c: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each row's samples sorted by (confidence, correctness): the smoothing's sums then run in an order
+    of the values alone (rows of a batch, or the one sample that ``counts`` resamples)."""
+    return np.lexsort((y, c), axis=-1)
+
+
 def _smooth_blocks(confidence: Any, correct: Any, counts: Any | None):
     """(rows, smoother) per block of at most _ROWS_PER_CHUNK rows (resamples when ``counts`` is given)."""
     c, y = _check_batch(confidence, correct)
+    order = _by_confidence(c, y)
+    c, y = np.take_along_axis(c, order, -1), np.take_along_axis(y, order, -1)
     if counts is None:
         for start in range(0, c.shape[0], _ROWS_PER_CHUNK):
             block = slice(start, start + _ROWS_PER_CHUNK)
@@ -566,7 +619,9 @@ def _smooth_blocks(confidence: Any, correct: Any, counts: Any | None):
         return
     if c.shape[0] != 1:
         raise ValueError("With counts, confidence and correct are one sample (1-D); counts gives the resamples.")
-    w = _check_counts(counts, c.shape[1])
+    w = _check_counts(counts, c.shape[1])[:, order[0]]
+    # Copies of one (confidence, correctness) pair: their counts in ascending order (nctv.canonical).
+    w = sorted_within_duplicates(torch.from_numpy(w), same_as_previous(c[0], y[0])).numpy()
     for start in range(0, w.shape[0], _ROWS_PER_CHUNK):
         block = slice(start, start + _ROWS_PER_CHUNK)
         yield block, _RowsSmoother(c[0], y[0], w[block]), w[block].sum(1, keepdims=True)

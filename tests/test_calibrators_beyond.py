@@ -51,18 +51,33 @@ def test_isotonic_equals_scikit_learn_one_vs_rest(k):
     assert np.abs(ours - ref).max() < 1e-7  # transform returns float32 log-probabilities
 
 
-def test_isotonic_differs_from_scikit_learn_only_by_its_pooling_of_near_scores():
-    # The shipped model's 10-class probabilities hold many below 1e-15, which scikit-learn pools as one
-    # score (its _make_unique); NCTV pools only equal ones. Given the scores as scikit-learn pools them,
-    # NCTV's own fit equals scikit-learn's, so that pooling is the whole difference.
+@pytest.mark.parametrize("name", ["10 classes", "7 classes, tied"])
+def test_isotonic_equals_scikit_learn_with_near_scores_pooled(name):
+    # The shipped model's 10-class probabilities hold many below 1e-15; the tied problem's rows repeat
+    # with their values reordered, so softmax round-off leaves scores 1e-16 apart. scikit-learn pools
+    # scores closer than 1e-15 (its _make_unique) and so does NCTV: the fits agree to round-off.
     from bench import calibrator_parity as bench
 
-    zc, yc, zt, _ = bench.problems()["10 classes"]
+    zc, yc, zt, _ = bench.problems()[name if name == "10 classes" else f"drawn: {name}"]
     theirs = bench.sklearn_isotonic(zc, yc, zt)
-    assert np.abs(bench.ours("Isotonic Regression", zc, yc, zt)[0] - theirs).max() > 1e-6
-    assert np.abs(bench.nctv_isotonic_on_sklearn_pooling(zc, yc, zt) - theirs).max() < 1e-12
-    x = np.array([0.3, 1e-20, 5e-16, 2e-15, 0.3 + 1e-16, 9e-16])
-    assert bench.sklearn_pooled(x).tolist() == [0.3, 1e-20, 1e-20, 2e-15, 0.3, 1e-20]
+    assert np.abs(bench.nctv_isotonic(zc, yc, zt) - theirs).max() < 1e-12
+
+
+def test_isotonic_pools_scores_closer_than_float64_resolution():
+    from nctv.calibration.nonparametric import isotonic_fit
+
+    # Groups open at a score 1e-15 or more above the group's first: {1e-20, 5e-16, 9e-16}, {1.2e-15,
+    # 2e-15, 2.1e-15} (2.1e-15 is within 1e-15 of 1.2e-15), {2.9e-15, 3.05e-15}, {0.3, 0.3 + 1e-16}.
+    x = np.array([0.3, 1e-20, 5e-16, 2e-15, 0.3 + 1e-16, 9e-16, 1.2e-15, 2.1e-15, 2.9e-15, 3.05e-15])
+    t = np.array([1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    xs, fitted = isotonic_fit(x, t)
+    assert xs.tolist() == [1e-20, 1.2e-15, 2.9e-15, 0.3]
+    # Group means 1/3 (3 scores), 2/3 (3), 1/2 (2), 1/2 (2). Pool-adjacent-violators: 2/3 > 1/2 pools
+    # to 3/5 (weight 5), then 3/5 > 1/2 pools to 4/7 (weight 7).
+    assert fitted == pytest.approx([1 / 3, 4 / 7, 4 / 7, 4 / 7], abs=1e-15)
+    from sklearn.isotonic import IsotonicRegression
+
+    assert IsotonicRegression().fit(x, t).predict(xs) == pytest.approx(fitted, abs=1e-15)
 
 
 def test_isotonic_pools_violators_and_ties():

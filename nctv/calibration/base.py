@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nctv.canonical import canonical_order
 from nctv.checks import NotFittedError, check_logits, check_logits_labels
 
 
@@ -39,6 +40,15 @@ def focal_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float = 0.0, r
     if reduction == "none":
         return loss
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}.")
+
+
+def calibration_rows(logits: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fit's logits and labels, checked, in the canonical order (:mod:`nctv.canonical`): every fit
+    sums its loss, draws its folds and sorts its scores in that order, so the same calibration rows in
+    any order give the same fit to the last bit."""
+    z, y = check_logits_labels(logits, labels)
+    rows = torch.from_numpy(canonical_order(z, y)).to(z.device)
+    return z[rows], y[rows]
 
 
 class BaseCalibrator:

@@ -75,9 +75,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nctv.calibration.base import Calibrator
+from nctv.calibration.base import Calibrator, calibration_rows
 from nctv.calibration.lbfgs import two_loop
-from nctv.checks import as_tensor, check_logits, check_logits_labels, check_nonnegative, check_whole
+from nctv.checks import as_tensor, check_logits, check_nonnegative, check_whole
 from nctv.calibration.deploy import AffineHead
 from nctv.memory import check_cancelled
 
@@ -615,7 +615,7 @@ class _UnregularisedAffine(_AffineCalibrator):
 
     def fit(self, logits: Any, labels: Any) -> "_UnregularisedAffine":
         max_iter = check_whole(self.max_iter, "max_iter", 1)
-        z, y = check_logits_labels(logits, labels)
+        z, y = calibration_rows(logits, labels)
         problem = _AffineProblem(self._features(z), y, self._diagonal)
         progress = _Progress(self.callback, type(self).__name__, False)
         fit = _minimise(problem, problem.identity(), max_iter=max_iter,
@@ -678,7 +678,7 @@ class _ODIR(_AffineCalibrator):
         cv_max_iter = check_whole(self.cv_max_iter, "cv_max_iter", 1)
         if not (self.screen is True or self.screen is False or self.screen == "auto"):
             raise ValueError(f"screen must be True, False or 'auto'; got {self.screen!r}.")
-        z, y = check_logits_labels(logits, labels)
+        z, y = calibration_rows(logits, labels)
         k = z.shape[1]
         folds = torch.as_tensor(stratified_folds(y, self.n_folds, self.seed), device=z.device)
         x = self._features(z)

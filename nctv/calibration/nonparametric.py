@@ -22,8 +22,13 @@ other class the complement, as the reference implementations do.
     scipy's ``binned_statistic_dd``) bins [e_{m−1}, e_m), a score of 1 in the last. Quantile edges
     at whole positions, (N − 1)·m / B, are calibration scores themselves, so the two differ there.
 * :class:`IsotonicRegression` (Zadrozny & Elkan 2002): the least-squares non-decreasing fit
-  (pool-adjacent-violators, equal scores pooled first), interpolated linearly between the fitted
-  scores and held constant beyond them, as scikit-learn's ``IsotonicRegression(out_of_bounds="clip")``.
+  (pool-adjacent-violators), interpolated linearly between the fitted scores and held constant beyond
+  them, as scikit-learn's ``IsotonicRegression(out_of_bounds="clip")``. Scores closer than float64's
+  resolution (10⁻¹⁵) are pooled first into one, at the group's first score, as scikit-learn pools
+  them: a group opens at a score 10⁻¹⁵ or more above the first score of the group before. Such scores
+  are the same probability computed with round-off (a row of logits and the same values in another
+  order give probabilities one unit in the last place apart), not two probabilities; fitted apart,
+  two knots 10⁻¹⁶ apart can hold different values and the map jumps between them.
 
 As logit calibrators, ``transform`` returns the log of the calibrated probabilities (log-softmax of
 them is themselves). A class may be given probability 0 (a bin or a stretch of scores with no
@@ -39,8 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nctv.calibration.base import HeadCalibrator, saved_class_count
-from nctv.checks import check_logits_labels, check_whole_range, shown
+from nctv.calibration.base import HeadCalibrator, calibration_rows, saved_class_count
+from nctv.checks import check_whole_range, shown
+from nctv.metrics import bin_index, equal_mass_edges
 
 #: The least calibrated probability a class is given before renormalising (see the module notes).
 PROBABILITY_FLOOR = 1e-12
@@ -105,27 +111,15 @@ class BinningHead(torch.nn.Module):
         return _calibrated_log_probabilities(self.values.gather(1, idx).T, self.classes).to(torch.float32)
 
 
-def equal_mass_edges(scores: np.ndarray, n_bins: int, rule: str = "quantile") -> np.ndarray:
+def histogram_edges(scores: np.ndarray, n_bins: int, rule: str = "quantile") -> np.ndarray:
     """``n_bins`` + 1 non-decreasing edges of equal-mass bins of ``scores``, the outer ones 0 and 1:
     at the linearly interpolated quantiles (``rule="quantile"``) or halfway between runs of sorted
-    scores (``"midpoint"``; module notes)."""
-    if rule == "quantile":
-        edges = np.quantile(scores, np.linspace(0.0, 1.0, n_bins + 1))
-    else:
-        x = np.sort(scores)
-        runs = min(n_bins, len(x))
-        size, longer = divmod(len(x), runs)
-        i = np.arange(1, runs)
-        starts = i * size + np.minimum(i, longer)  # the first score of runs 1 … runs − 1
-        edges = np.concatenate([[0.0], (x[starts - 1] + x[starts]) / 2.0, np.ones(n_bins + 1 - runs)])
+    scores (``"midpoint"``, AECE's bins: :func:`nctv.metrics.equal_mass_edges`; module notes)."""
+    if rule == "midpoint":
+        return equal_mass_edges(scores, n_bins)
+    edges = np.quantile(scores, np.linspace(0.0, 1.0, n_bins + 1))
     edges[0], edges[-1] = 0.0, 1.0
     return np.maximum.accumulate(edges)
-
-
-def bin_index(edges: np.ndarray, scores: np.ndarray, on_edge: str) -> np.ndarray:
-    """The bin of each score (0 … len(edges) − 2), a score on an edge in the bin below or above it."""
-    side = "right" if on_edge == "above" else "left"
-    return np.clip(np.searchsorted(edges, scores, side=side) - 1, 0, len(edges) - 2)
 
 
 def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
@@ -155,13 +149,13 @@ class HistogramBinning(HeadCalibrator):
         n_bins = check_whole_range(self.n_bins, "n_bins", 1, MAX_BINS)
         rule = _check_choice(self.edges, "edges", EDGE_RULES)
         on_edge = _check_choice(self.on_edge, "on_edge", ON_EDGE)
-        z, y = check_logits_labels(logits, labels)
+        z, y = calibration_rows(logits, labels)
         k = z.shape[1]
         scores = _scores(z).cpu().numpy()
         targets = _targets(y.cpu().numpy(), k)
         edges, values = np.empty((scores.shape[1], n_bins + 1)), np.empty((scores.shape[1], n_bins))
         for r in range(scores.shape[1]):
-            e = equal_mass_edges(scores[:, r], n_bins, rule)
+            e = histogram_edges(scores[:, r], n_bins, rule)
             idx = bin_index(e, scores[:, r], on_edge)
             count = np.bincount(idx, minlength=n_bins)
             hits = np.bincount(idx, weights=targets[:, r], minlength=n_bins)
@@ -204,13 +198,37 @@ def _targets(y: np.ndarray, k: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def isotonic_fit(x: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The least-squares non-decreasing fit of targets ``t`` on scores ``x``: (unique scores, fitted values).
+#: Scores less than this above the first score of their group are one score: float64's resolution
+#: (10⁻¹⁵), the rule of scikit-learn's ``IsotonicRegression`` (module notes).
+RESOLUTION = float(np.finfo(np.float64).resolution)
 
-    Equal scores are pooled first (their targets averaged, weighted by count); then
+
+def resolution_groups(xs: np.ndarray) -> np.ndarray:
+    """Whether each of the sorted distinct scores ``xs`` opens a group: the first does, and so does each
+    score ``RESOLUTION`` or more above the first score of the group before it (the rest join that group).
+
+    Only a score within ``RESOLUTION`` of its neighbour can join a group, so the walk visits those alone."""
+    opens = np.ones(len(xs), dtype=bool)
+    first = 0
+    for j in np.flatnonzero(np.diff(xs) < RESOLUTION) + 1:
+        if opens[j - 1]:
+            first = j - 1
+        opens[j] = xs[j] - xs[first] >= RESOLUTION
+    return opens
+
+
+def isotonic_fit(x: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The least-squares non-decreasing fit of targets ``t`` on scores ``x``: (pooled scores, fitted values).
+
+    Scores closer than float64's resolution are pooled first (:func:`resolution_groups`; the group is
+    at its first score), equal ones among them, their targets averaged, weighted by count; then
     pool-adjacent-violators merges neighbouring blocks while a block's mean exceeds the next one's.
     """
     xs, inverse, count = np.unique(x, return_inverse=True, return_counts=True)
+    opens = resolution_groups(xs)
+    group = np.cumsum(opens) - 1
+    xs, inverse = xs[opens], group[inverse]
+    count = np.bincount(inverse, minlength=len(xs))
     sums = np.bincount(inverse, weights=t, minlength=len(xs))
     # Blocks on a stack: (sum of targets, weight, index of the block's first unique score).
     b_sum, b_weight, b_start = [], [], []
@@ -267,7 +285,7 @@ class IsotonicRegression(HeadCalibrator):
     """
 
     def fit(self, logits: Any, labels: Any) -> "IsotonicRegression":
-        z, y = check_logits_labels(logits, labels)
+        z, y = calibration_rows(logits, labels)
         k = z.shape[1]
         scores = _scores(z).cpu().numpy()
         targets = _targets(y.cpu().numpy(), k)

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nctv.calibration.base import HeadCalibrator, saved_class_count
+from nctv.calibration.base import HeadCalibrator, calibration_rows, saved_class_count
 from nctv.calibration.temperature import fit_nll_temperature
-from nctv.checks import check_finite, check_logits_labels, check_nonnegative, check_whole
+from nctv.checks import check_finite, check_nonnegative, check_whole
 
 #: The gradient (largest entry) at which the SVS and SMS fits count as converged.
 GTOL = 1e-10
@@ -113,7 +113,7 @@ class _Structured(HeadCalibrator):
 
         lambdas = self._lambdas()
         max_iter = check_whole(self.max_iter, "max_iter")
-        z, y = check_logits_labels(logits, labels)
+        z, y = calibration_rows(logits, labels)
         z = z.to(torch.float64)
         n, k = z.shape
         temperature = fit_nll_temperature(z, y)
@@ -274,7 +274,7 @@ class EnsembleTemperatureScaling(HeadCalibrator):
     """
 
     def fit(self, logits: Any, labels: Any) -> "EnsembleTemperatureScaling":
-        z, y = check_logits_labels(logits, labels)
+        z, y = calibration_rows(logits, labels)
         z = z.to(torch.float64)
         onehot = torch.nn.functional.one_hot(y, z.shape[1]).to(torch.float64)
         t = _brier_temperature(z, onehot)

@@ -31,9 +31,9 @@ import torch
 from tqdm.auto import tqdm
 
 import nctv.metrics as metrics
-from nctv.calibration.base import Calibrator
+from nctv.calibration.base import Calibrator, calibration_rows
 from nctv.calibration.deploy import TemperatureHead
-from nctv.checks import T_MAX, T_MIN, check_bins, check_logits, check_gamma, check_logits_labels, check_positive
+from nctv.checks import T_MAX, T_MIN, check_bins, check_logits, check_gamma, check_positive
 from nctv.memory import check_cancelled
 # The temperature solve (TS, TS (FL), Neural Clamping's T step), shared with the metrics' NLL split.
 from nctv.temperature_solve import LOG_T_BOUNDS, _focal_in_log_t, solve_log_temperature  # noqa: F401
@@ -63,7 +63,7 @@ def _warn_bound(name: str, temperature: float) -> None:
 
 
 def _fit_temperature(logits: Any, labels: Any, gamma: float, name: str) -> float:
-    z, y = check_logits_labels(logits, labels)
+    z, y = calibration_rows(logits, labels)
     s, at_bound = solve_log_temperature(z.to(torch.float64), y, gamma)
     if at_bound:
         t = T_MIN if s < 0 else T_MAX
@@ -307,7 +307,7 @@ def grid_search_temperature(
     change the winner: the answer is that of a loop calling :func:`nctv.metrics.ece` on ``z / T``
     for every T.
     """
-    z, y = check_logits_labels(logits, labels)
+    z, y = calibration_rows(logits, labels)
     bin_counts = _bin_counts(n_bins)
     temps = temperature_grid() if grid is None else _check_grid(grid)
     problem = _GridProblem(z, y, bin_counts, chunk_size)

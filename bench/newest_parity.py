@@ -20,7 +20,7 @@ imported from the folders given:
   (``"HB_tva_eqmass"``, ``"Iso_tva"``) with its ``transform`` of the confidences (netcal 1.4.0, on
   ``PYTHONPATH``). Its ``.cuda()`` calls are made no-ops (this bench runs on a CPU).
 
-Every reference gets the rows in the order NCTV's fits take them (:func:`nctv.calibration.toplabel.content_order`:
+Every reference gets the rows in the order NCTV's fits take them (:func:`nctv.canonical.canonical_order`:
 their batches and sums then run over the same rows in the same order) and, where it takes probabilities,
 torch's float64 softmax, the confidences NCTV calibrates.
 
@@ -48,7 +48,8 @@ import torch
 from safetensors.numpy import load_file
 
 from nctv.calibration import make_method
-from nctv.calibration.toplabel import binary_cross_entropy_of_temperature, content_order
+from nctv.calibration.toplabel import binary_cross_entropy_of_temperature
+from nctv.canonical import canonical_order
 
 from bench.panel import _cuda_calls_as_no_ops
 from bench.parity import LOGITS
@@ -89,7 +90,7 @@ def problems() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 
 def ordered(zc: np.ndarray, yc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The calibration rows in the order NCTV's fits take them."""
-    order = content_order(torch.from_numpy(zc), torch.from_numpy(yc))
+    order = canonical_order(torch.from_numpy(zc), torch.from_numpy(yc))
     return zc[order], yc[order]
 
 

@@ -24,13 +24,14 @@ _MULTIPLIERS = np.random.default_rng(20240141).integers(1, 2**63, size=4096, dty
 
 
 def _words(a: Any) -> np.ndarray:
-    """A 2-D array's or tensor's (or a 1-D one's, as one column) values as 64-bit words, float64 bits for floats."""
+    """A 2-D array's or tensor's (or a 1-D one's, as one column) values as 64-bit words, float64 bits for
+    floats (−0 as 0: equal values, the same row)."""
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu()
         a = a.double() if a.is_floating_point() else a.long()
         a = a.numpy()
     a = np.asarray(a)
-    a = a.astype(np.float64 if a.dtype.kind == "f" else np.int64, copy=False)
+    a = a.astype(np.float64) + 0.0 if a.dtype.kind == "f" else a.astype(np.int64, copy=False)  # −0 reads as 0
     a = np.ascontiguousarray(a.reshape(len(a), -1))
     return a.view(np.uint64)
 

@@ -20,7 +20,7 @@ the state dict, whose tensors Adam updates in place, so it too returns the last 
 
 T(x) > 0 keeps every prediction. Reproducible: the fit computes in float64 from a seeded start with no
 other randomness, and it takes the calibration rows in an order set by their content
-(:func:`nctv.calibration.toplabel.content_order`), so the same rows in any order give the same
+(:func:`nctv.canonical.canonical_order`), so the same rows in any order give the same
 network, bit for bit (every sum runs over the same sequence).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nctv.calibration.base import HeadCalibrator
-from nctv.calibration.toplabel import content_order
+from nctv.canonical import canonical_order
 from nctv.checks import (EPOCHS_MAX, LR_MAX, SEED_MAX, check_at_most, check_logits_labels, check_nonnegative,
                          check_positive, check_whole_range, shown)
 
@@ -146,7 +146,7 @@ class SMART(HeadCalibrator):
         if len(y) < 2:
             raise ValueError(f"SMART standardises the logit gaps by their spread: it needs at least 2 calibration "
                              f"samples; got {shown(len(y))}.")
-        order = torch.from_numpy(content_order(z, y)).to(z.device)
+        order = torch.from_numpy(canonical_order(z, y)).to(z.device)
         z, y = z.to(torch.float64)[order], y[order]
         # T > 0 keeps every prediction, so correctness is fixed, and the confidence max softmax(z / T) is
         # 1 / Σ_j exp((z_j − max z) / T), softmax's own value at the top (the same float).

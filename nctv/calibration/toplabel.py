@@ -15,7 +15,7 @@ that prediction is right, a binary problem whatever the number of classes K:
     fitted by that binary cross-entropy + 0.1 · mean((v − 1)²), Adam (lr 1e-3), 200 epochs of batches
     of 512, as the authors' ``VS_reg_tva``. Scaling each class's logit can change a prediction, as in
     their code (and as vector scaling does). The batches take the rows in an order set by their content
-    (:func:`content_order`), so the fit is the same for the rows in any order.
+    (:func:`nctv.canonical.canonical_order`), so the fit is the same for the rows in any order.
   - ``TopVersusAllBinning`` (``hb-tva``) and ``TopVersusAllIsotonic`` (``iso-tva``): histogram binning
     (15 equal-mass bins; ``edges`` and ``on_edge`` as :class:`~nctv.calibration.nonparametric.HistogramBinning`)
     and isotonic regression fitted to (c, correct): the authors' netcal ``HistogramBinning(15,
@@ -44,33 +44,16 @@ import numpy as np
 import torch
 
 from nctv.calibration.base import HeadCalibrator, saved_class_count
+from nctv.canonical import canonical_order
 from nctv.calibration.nonparametric import (EDGE_RULES, MAX_BINS, ON_EDGE, PROBABILITY_FLOOR, _check_choice, _knots,
-                                            bin_index, equal_mass_edges, isotonic_fit)
+                                            histogram_edges, isotonic_fit)
 from nctv.calibration.temperature import _Temperature
+from nctv.metrics import bin_index
 from nctv.checks import (EPOCHS_MAX, LR_MAX, T_MAX, T_MIN, check_at_most, check_logits, check_logits_labels,
                          check_nonnegative, check_positive, check_whole_range)
 
 #: Most knots a spline takes: its least-squares fit has one unknown per knot.
 MAX_KNOTS = 1000
-
-
-def content_order(z: torch.Tensor, y: torch.Tensor) -> np.ndarray:
-    """An order of the rows that depends on their content only: by a 64-bit hash (splitmix64) of each
-    row's logits (as float64, −0 read as 0) and label. Equal rows are interchangeable, so the same rows
-    given in any order come out in the same order; unlike a sort by value, the order is mixed, as the
-    shuffled batches of the authors' code."""
-    bits = np.ascontiguousarray(z.detach().cpu().to(torch.float64).numpy() + 0.0).view(np.uint64)
-    h = np.full(len(bits), 0x9E3779B97F4A7C15, dtype=np.uint64)
-    for column in (*bits.T, y.detach().cpu().numpy().astype(np.uint64)):
-        h = _splitmix(h ^ column)
-    return np.argsort(h, kind="stable")
-
-
-def _splitmix(h: np.ndarray) -> np.ndarray:
-    h = h + np.uint64(0x9E3779B97F4A7C15)
-    h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return h ^ (h >> np.uint64(31))
 
 
 def top_label(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,7 +161,7 @@ def fit_tva_temperature(logits: Any, labels: Any) -> float:
     from scipy.optimize import minimize_scalar
 
     z, y = check_logits_labels(logits, labels)
-    order = torch.from_numpy(content_order(z, y)).to(z.device)  # the same sums for the rows in any order
+    order = torch.from_numpy(canonical_order(z, y)).to(z.device)  # the same sums for the rows in any order
     z, y = z.to(torch.float64)[order], y[order]
     correct = (torch.argmax(z, dim=1) == y).to(torch.float64)
 
@@ -234,7 +217,7 @@ class TopVersusAllVector(HeadCalibrator):
         batch = check_whole_range(self.batch_size, "batch_size", 1, 2**31 - 1)
         z, y = check_logits_labels(logits, labels)
         t0 = fit_tva_temperature(z, y)
-        order = torch.from_numpy(content_order(z, y)).to(z.device)
+        order = torch.from_numpy(canonical_order(z, y)).to(z.device)
         z, y = z.to(torch.float64)[order], y[order]
         scale = torch.full((z.shape[1],), 1.0 / t0, dtype=torch.float64, device=z.device, requires_grad=True)
         optimiser = torch.optim.Adam([scale], lr=lr)
@@ -296,7 +279,7 @@ class TopVersusAllBinning(_TopLabelMap):
 
     def _fit_map(self, c: np.ndarray, correct: np.ndarray) -> None:
         n_bins = check_whole_range(self.n_bins, "n_bins", 1, MAX_BINS)
-        e = equal_mass_edges(c, n_bins, _check_choice(self.edges, "edges", EDGE_RULES))
+        e = histogram_edges(c, n_bins, _check_choice(self.edges, "edges", EDGE_RULES))
         idx = bin_index(e, c, _check_choice(self.on_edge, "on_edge", ON_EDGE))
         count = np.bincount(idx, minlength=n_bins)
         hits = np.bincount(idx, weights=correct, minlength=n_bins)

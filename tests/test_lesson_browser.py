@@ -124,6 +124,7 @@ def test_the_lecture_link_opens_learn_in_presenter_mode(browser, server, shipped
         assert pg.locator("#learn-ece").inner_text() == f"{100 * metrics.ece(z / 1.5, y, 10):.2f}%"
         assert s["note"].strip() == ""  # nothing ignored
         for sel in ("#learn-ece", "#learn-accuracy", "#learn-aps", "#learn-plot svg", "#learn-smooth svg", "#learn-copy"):
+            pg.locator(sel).first.wait_for()  # drawn (a busy machine draws the last of them later)
             box = pg.locator(sel).bounding_box()  # all on the projector's screen
             assert box["y"] >= 0 and box["y"] + box["height"] <= 720 and box["x"] + box["width"] <= 1280, sel
         assert pg.evaluate(LOW_CONTRAST, ["#learn-lesson", 4.5]) == []

@@ -275,11 +275,44 @@ def test_one_address_holds_a_bounded_number_of_pages(hall):
 
 
 def test_the_page_from_memory_is_the_one_gradio_makes(hall):
-    """The page is made once per root URL and then sent from memory: the same bytes Gradio makes for a
-    request it answers itself (one with a query), with the cache folder's alias and no server path."""
+    """The page is made once per root URL and then sent from memory, for the bare address and for a
+    lecture's link alike: the same bytes Gradio makes for a request it answers itself (one with a query
+    that is no link's), with the cache folder's alias and no server path, compressed as the browser
+    asks (brotli, else gzip; as it is to a client that takes neither)."""
     url, _ = hall
     first, again = httpx.get(url, timeout=60), httpx.get(url, timeout=60)
+    link = httpx.get(url + "?tab=learn&t=1.5&bins=10&presenter=1", timeout=60)
     made = httpx.get(url + "?fresh=1", timeout=60)
-    assert first.status_code == again.status_code == made.status_code == 200
-    assert first.content == again.content == made.content
+    assert first.status_code == again.status_code == link.status_code == made.status_code == 200
+    assert first.content == again.content == link.content == made.content
     assert b"gradio-cache/" in first.content and b"/tmp/" not in first.content
+    for asked, encoding in (("br, gzip", "br"), ("gzip", "gzip"), ("identity", None)):
+        page = httpx.get(url + "?tab=learn", headers={"accept-encoding": asked}, timeout=60)
+        assert page.headers.get("content-encoding") == encoding and page.content == made.content
+
+
+def test_gradios_files_are_sent_from_memory_as_they_are_on_disk(hall):
+    """Gradio's front-end files (scripts, styles, the theme) are compressed once and then sent from
+    memory: each decodes to the bytes of the file in Gradio's build folder, in every encoding a browser
+    may take; a request for a part of a file still gets that part."""
+    import re
+    from pathlib import Path
+
+    import gradio
+
+    url, _ = hall
+    page = httpx.get(url, timeout=60).text
+    names = sorted(set(re.findall(r"assets/([\w\-]+\.(?:js|css))", page)))
+    assert names
+    build = Path(gradio.__file__).parent / "templates" / "frontend" / "assets"
+    for name in names:
+        on_disk = (build / name).read_bytes()
+        for asked, encoding in (("gzip, deflate, br", "br"), ("gzip", "gzip"), ("identity", None), ("br", "br")):
+            r = httpx.get(f"{url}assets/{name}", headers={"accept-encoding": asked}, timeout=60)
+            assert r.status_code == 200 and r.headers.get("content-encoding") == encoding
+            assert r.content == on_disk
+    part = httpx.get(f"{url}assets/{names[0]}", headers={"range": "bytes=0-9", "accept-encoding": "identity"},
+                     timeout=60)
+    assert part.status_code == 206 and part.content == (build / names[0]).read_bytes()[:10]
+    theme = [httpx.get(url + "theme.css", headers={"accept-encoding": "br"}, timeout=60) for _ in range(2)]
+    assert theme[0].content == theme[1].content and b"--" in theme[0].content

@@ -39,7 +39,7 @@ from nctv.ui.delta import delta_widget
 from nctv.ui.inputs import (CheckedCheckboxGroup, CheckedDropdown, CheckedNumber, CheckedRadio,
                              CheckedSlider, CheckedTextbox, CheckedTypedDropdown)
 from nctv.ui.guard import UPLOAD_KEEP_S, PageSessions, RequestGuard, bounded_server
-from nctv.ui.wire import (AppBlocks, CancelEndsStreams, GoneResults, NoServerPaths, QuietDisconnects, SharedPage,
+from nctv.ui.wire import (AppBlocks, CancelEndsStreams, GoneResults, KeptAnswers, NoServerPaths, QuietDisconnects,
                           stoppable)
 from nctv.ui.images import MAX_UPLOAD_BYTES, CheckedImage, CheckedSketchpad
 from nctv.ui.upload_calibrator import CALIBRATION_TTL_S, load_calibrators
@@ -692,7 +692,7 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
         max_file_size=MAX_UPLOAD_BYTES,
         app_kwargs={"middleware": [Middleware(QuietDisconnects), Middleware(mcp_tools.CallerAddress),
                                    Middleware(RequestGuard), Middleware(PageSessions), Middleware(CancelEndsStreams),
-                                   Middleware(GoneResults), Middleware(SharedPage), Middleware(NoServerPaths)],
+                                   Middleware(GoneResults), Middleware(KeptAnswers), Middleware(NoServerPaths)],
                     "lifespan": mcp_tools.tools_only(bounded_server)},
         mcp_server=True,
         allowed_paths=[str(examples_dir())],

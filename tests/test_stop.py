@@ -3,6 +3,7 @@ waits for it, and the next heavy run starts only after it; the cancellation chec
 and the slow logit-space fits report their folds and iterations. Last, through the launched app: a
 Stop during MS-ODIR leaves the server process idle within seconds."""
 import os
+import sys
 import threading
 import time
 import urllib.parse
@@ -324,3 +325,40 @@ def test_stop_in_the_launched_app_leaves_the_server_idle(server):
     time.sleep(3.0)
     assert cpu_seconds(pid) - idle < 0.3  # at most a tenth of a core: nothing computes any more
     assert not job.outputs() or "Done" not in str(job.outputs()[-1][0])  # stopped, not finished
+
+
+def _niceness(thread_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, thread_id)
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+def test_a_run_computes_below_the_servers_priority_with_the_threads_its_torch_work_starts():
+    """A run's worker thread runs RUN_NICENESS steps below the thread that serves the app, and so do
+    the threads its torch work starts (the intra-op pool of a matrix product on two threads): while a
+    run computes, the light calls take the cores first. The server's own thread keeps its priority,
+    and the run's numbers are those of the same work done at the server's priority."""
+    assert common.RUN_NICENESS == 10  # the default; the environment sets no other
+    server, before = _niceness(threading.get_native_id()), _threads()
+    a = torch.randn(600, 600, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    seen = {}
+
+    def work(report):
+        torch.set_num_threads(2)  # this thread's pool: the fixture gave the test's thread one
+        product = a @ a
+        me = threading.get_native_id()
+        seen["worker"] = _niceness(me)
+        seen["started"] = {t: _niceness(t) for t in _threads() - before - {me}}
+        return product
+
+    worker = Worker(work)
+    for _ in worker.stream():
+        pass
+    assert worker.error is None
+    assert seen["worker"] == min(19, server + common.RUN_NICENESS)
+    assert seen["started"] and set(seen["started"].values()) == {seen["worker"]}
+    assert _niceness(threading.get_native_id()) == server
+    assert torch.equal(worker.result, a @ a)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from nctv.calibration.base import NotFittedError
-from nctv.checks import check_text, read_number, shown
+from nctv.checks import check_text, env_number, read_number, shown
 from nctv.memory import DeviceOutOfMemoryError, cancellation
 
 log = logging.getLogger("nctv.ui")
@@ -57,6 +57,25 @@ WAIT_FOR_PREVIOUS_SECONDS = 300.0
 #: Held by a worker's thread while it computes: one worker of the heavy jobs at a time, even after a
 #: Stop has freed Gradio's slot (``HEAVY``) before the stopped worker ended.
 _ONE_WORKER = threading.Lock()
+#: Steps of Linux's niceness (0 to 19) by which a run's worker thread, and the threads its torch work
+#: starts, run below the server's: the light calls (a page's first data, a picture, the answers of
+#: ``/explore_temperature``) then take the cores first while a run computes, and the run takes what they
+#: leave. A run computes the same numbers at any priority. 0: runs at the server's priority;
+#: ``$NCTV_RUN_NICENESS``.
+RUN_NICENESS = int(env_number("NCTV_RUN_NICENESS", 10, 0, whole=True))
+
+
+def yield_to_light_work() -> None:
+    """Lower the calling thread's priority by :data:`RUN_NICENESS` (Linux, where a thread has a
+    niceness of its own, which the threads it starts inherit; elsewhere nothing changes). A thread
+    cannot raise its priority again: call it in a thread that ends with its run."""
+    if not RUN_NICENESS or not sys.platform.startswith("linux"):
+        return
+    me = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + RUN_NICENESS))
+    except OSError as e:  # a sandbox that forbids it: the run keeps the server's priority
+        log.warning("a run could not lower its priority (%s); light calls then share the cores with it evenly", e)
 
 
 SERVER_PATH = "[server folder]"
@@ -182,6 +201,7 @@ class Worker:
             raise Cancelled()
 
     def _run(self) -> None:
+        yield_to_light_work()
         try:
             # Warnings of the work (a split too small for δ, a capped ODIR fit, …) are kept for the
             # final status: a server log is not where a visitor looks.

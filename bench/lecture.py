@@ -431,10 +431,15 @@ def main(argv: list[str] | None = None) -> None:
                                                            "hwm_mb": after["hwm_mb"]}}
         print(f"{kind}: {json.dumps(s)}", flush=True)
     report["run"]["load_end"] = os.getloadavg()[0]
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write(a.out, report, markdown)
+
+
+def write(out: Path, report: dict, render) -> None:
+    """``report`` as ``out``.json and, as ``render`` writes it, ``out``.md (printed too)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(report))
+    print(render(report))
 
 
 if __name__ == "__main__":

@@ -356,8 +356,9 @@ def markdown(report: dict) -> str:
                      f"{_fmt(s['p95_s'])} | {_fmt(s['max_s'])} | {wait} ({s['newcomer_waited_for_runs']}) | "
                      f"{s['backlog']['runs_done']} ({_fmt(s['backlog']['run_p50_s'])}) | "
                      f"{s['backlog']['refused']} | {r['server']['cpu_s']:.0f} | {r['server']['hwm_mb']} |")
-    lines += ["", "Refused: an HTTP refusal, or (failed: …) a connection the client saw dropped without an answer.",
-              "", "Per kind of call (p50 / p95 / max in seconds, served of calls):", ""]
+    lines += ["", "Refused: an HTTP refusal, or (failed: …) a connection the client saw dropped without an answer."]
+    lines += _machine(report)
+    lines += ["", "Per kind of call (p50 / p95 / max in seconds, served of calls):", ""]
     for name, r in report["rooms"].items():
         parts = [f"{k} {_fmt(v['p50_s'])} / {_fmt(v['p95_s'])} / {_fmt(v['max_s'])} ({v['served']} of {v['calls']})"
                  for k, v in r["summary"]["by_kind"].items()]
@@ -372,6 +373,36 @@ def markdown(report: dict) -> str:
     if backlog:
         lines += ["", f"A backlog run past the cap was told: {backlog}"]
     return "\n".join(lines) + "\n"
+
+
+def _machine(report: dict) -> list[str]:
+    """The machine during each room: its load, the CPU seconds the server, the bench and every other
+    process took, and the room's p95 scaled by the share of the busy cores the room had (the server
+    and its clients): an estimate of the p95 on cores the room had to itself."""
+    rooms = {n: r for n, r in report["rooms"].items() if "machine" in r}
+    if not rooms:
+        return []
+    lines = ["", "The machine during each room (CPU seconds; the cores offered 2 × the room's seconds):", "",
+             "| room | load average start → end | room s | cores busy s | server s | bench s | other processes s | "
+             "room's share of the busy cores | p95 × share s (estimate, cores to itself) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rooms.items():
+        m, p95 = r["machine"], r["summary"]["p95_s"]
+        share = (r["server"]["cpu_s"] + m["bench_s"]) / m["busy_s"] if m["busy_s"] > 0 else None
+        scaled = "—" if share is None or p95 is None else f"{p95 * share:.2f}"
+        lines.append(f"| {name} | {m['load_start']:.1f} → {m['load_end']:.1f} | {m['wall_s']:.0f} | {m['busy_s']:.0f} | "
+                     f"{r['server']['cpu_s']:.0f} | {m['bench_s']:.0f} | {m['others_s']:.0f} | "
+                     f"{'—' if share is None else f'{100 * share:.0f} %'} | {scaled} |")
+    return lines
+
+
+def machine_cpu_s() -> dict[str, float]:
+    """CPU seconds so far: the whole machine's busy time (every core, /proc/stat) and this process's own."""
+    import resource
+
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return {"busy": busy / os.sysconf("SC_CLK_TCK"), "bench": me.ru_utime + me.ru_stime}
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -419,16 +450,19 @@ def main(argv: list[str] | None = None) -> None:
                 warm = httpx.post(server.url + "/gradio_api/call/explore_temperature", json={"data": [1.0, 15]},
                                   timeout=120)
                 httpx.get(server.url + f"/gradio_api/call/explore_temperature/{warm.json()['event_id']}", timeout=120)
-                before = server.reading()
+                before, machine, load = server.reading(), machine_cpu_s(), os.getloadavg()[0]
                 started = time.monotonic()
                 log = asyncio.run(room(kind, server.url, a))
                 wall = time.monotonic() - started
-                after = server.reading()
+                after, machine = server.reading(), {k: v2 - machine[k] for k, v2 in machine_cpu_s().items()}
             finally:
                 server.stop()
         s = summary(log, wall)
-        report["rooms"][kind] = {"summary": s, "server": {"cpu_s": after["cpu_s"] - before["cpu_s"],
-                                                           "hwm_mb": after["hwm_mb"]}}
+        cpu = after["cpu_s"] - before["cpu_s"]
+        report["rooms"][kind] = {"summary": s, "server": {"cpu_s": cpu, "hwm_mb": after["hwm_mb"]},
+                                 "machine": {"load_start": load, "load_end": os.getloadavg()[0], "wall_s": wall,
+                                             "busy_s": machine["busy"], "bench_s": machine["bench"],
+                                             "others_s": machine["busy"] - machine["bench"] - cpu}}
         print(f"{kind}: {json.dumps(s)}", flush=True)
     report["run"]["load_end"] = os.getloadavg()[0]
     write(a.out, report, markdown)

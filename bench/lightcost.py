@@ -60,8 +60,8 @@ def first_visit_files(url: str) -> list[str]:
         page = browser.new_page(viewport={"width": 1280, "height": 720})
         page.on("request", lambda r: seen.append(r.url[len(url):]) if r.url.startswith(url) else None)
         page.goto(url + LINK)
-        page.wait_for_selector("#learn-view", state="attached", timeout=600_000)
-        page.wait_for_load_state("networkidle", timeout=600_000)
+        # Learn's diagram drawn: its data came, after every component of the page was loaded.
+        page.wait_for_selector("#learn-plot svg", timeout=600_000)
         browser.close()
     return list(dict.fromkeys(p for p in seen if p.startswith(("/assets/", "/static/", "/theme.css"))))
 

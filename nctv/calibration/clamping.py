@@ -72,12 +72,15 @@ from nctv.calibration.clamping_fit import (
     best_log_temperature,
     check_label_range,
     entropy_gradient,
+    exact_twin,
     fit_fast,
     fit_sgd,
     frozen,
     mean_focal,
     theorem1_delta,
+    tie_breaking_start,
 )
+from nctv import precision
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
 from nctv.settings import (FITTERS, GAMMA_CANDIDATES, INIT_STDS, RECIPE_EPOCHS, RECIPE_LR, SWEEP_GAMMAS,
                            WEIGHT_DECAY_RULES, NCOptions)
@@ -527,6 +530,10 @@ class NeuralClamping(_InputCalibrator):
         recipe = self._recipe()
         # The shared first pass reads no loss setting: each fit gets its own γ and λ (_fit_gammas).
         loss = {} if recipe is None else {"penalty": recipe.penalty, "prob_floor": recipe.prob_floor}
+        # The fast fitter's passes run in float64, so that its path is the same on every machine
+        # (exact_twin says why); under a reduced precision the model runs as that precision says.
+        if recipe is None and precision.current().dtype is None:
+            loss["exact"] = exact_twin(self.model, dev)
         problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev), **loss)
         problem.check_labels()
         size = math.prod(split.input_shape)
@@ -555,7 +562,10 @@ class NeuralClamping(_InputCalibrator):
         if self.init == "data":
             delta = start.delta_tilde.clone()
         else:
-            delta = (float(self._setting("init_std")) * torch.randn(shape, generator=generator)).to(device)
+            std = float(self._setting("init_std"))
+            delta = (std * torch.randn(shape, generator=generator)).to(device)
+            if std == 0 and self._recipe() is None:
+                delta = tie_breaking_start(shape, device)
         # Drawn even when frozen, so that the frozen run sees the same batch order as the learned one.
         return delta if self.learn_delta else torch.zeros_like(delta)
 

@@ -34,7 +34,9 @@ Decisions where the paper leaves room (they hold for every class and function he
   "strong"). docs/method.md gives the measurements behind these choices.
 * **Repeatability**: random draws come from a local ``torch.Generator`` on the CPU (global RNG
   untouched), so a seeded fit repeats exactly on the CPU, and on a GPU as far as the model's own
-  kernels are deterministic.
+  kernels are deterministic. The fast fitter's passes run a float64 copy of the model from a start
+  that breaks max-pooling ties (``exact_twin``, ``tie_breaking_start``), so its δ and T are the same
+  on every machine, whatever its CPU kernels or thread count (docs/method.md, "Reproducibility").
 * **init="data"** is Theorem 1's δ̃ (``data_driven_delta``); it needs ``input_range`` = (α, β),
   the preprocessed images of pixel values 0 and 1 (``LoadedModel.input_range``). Without α, β the
   theorem has no room to move δ, so a missing range is an error rather than a silent δ̃ = 0.

@@ -20,8 +20,9 @@ Decisions where the paper leaves room (they hold for every class and function he
   ``torch.Generator().manual_seed(seed)``, then one ``randperm`` per epoch from the same generator.
 * **δ₀**: the fast fitter starts at δ₀ = 0 (``INIT_STDS``), so a default fit draws nothing random
   and is the same on every seed (on every panel model it is tied with a random start or better,
-  and cheaper: docs/method.md); ``init_std=σ`` starts it at δ₀ ~ N(0, σ²) instead. The recipes keep
-  their published random starts.
+  and cheaper: docs/method.md); ``init_std=σ`` starts it at δ₀ ~ N(0, σ²) instead, drawn in float64
+  (the same on every CPU kernel set, which float32 draws are not). The recipes keep their published
+  random starts, drawn as the authors' code draws them.
 * **fitter="fast"** (default) minimises the objective with full-batch L-BFGS, gradients
   accumulated over the pieces of each pass and a strong-Wolfe line search; it stops on a relative
   objective change below ``tol`` or at ``max_passes``. Its default temperature rule is "anchored":
@@ -565,9 +566,14 @@ class NeuralClamping(_InputCalibrator):
             delta = start.delta_tilde.clone()
         else:
             std = float(self._setting("init_std"))
-            delta = (std * torch.randn(shape, generator=generator)).to(device)
-            if std == 0 and self._recipe() is None:
+            if self._recipe() is not None:  # the recipes draw δ₀ as the authors' code does
+                delta = (std * torch.randn(shape, generator=generator)).to(device)
+            elif std == 0:
                 delta = tie_breaking_start(shape, device)
+            else:
+                # Drawn in float64: torch's scalar and vector CPU kernels draw float32 normals differently
+                # (another δ₀ under ATEN_CPU_CAPABILITY=default), float64 ones alike.
+                delta = (std * torch.randn(shape, generator=generator, dtype=torch.float64)).float().to(device)
         # Drawn even when frozen, so that the frozen run sees the same batch order as the learned one.
         return delta if self.learn_delta else torch.zeros_like(delta)
 

@@ -53,6 +53,17 @@ SMALL_SIDE = 64
 _CHUNK = 512
 
 
+#: Adjectives that keep their capital inside a sentence ("under Gaussian noise").
+PROPER_WORDS = ("Gaussian",)
+
+
+def in_words(title: str) -> str:
+    """A corruption's title inside a sentence: "contrast", "Gaussian noise", "JPEG compression"."""
+    first = title.split(" ", 1)[0]
+    keep = first in PROPER_WORDS or any(ch.isupper() for ch in first[1:])
+    return title if keep else title[:1].lower() + title[1:]
+
+
 @dataclass(frozen=True)
 class Corruption:
     """One corruption: ``apply(x, value, rngs)`` maps float64 images (N, H, W, C) in [0, 1] (or the

@@ -188,18 +188,3 @@ def test_a_tool_request_carries_its_callers_address_to_the_queue(path, forged, e
     asyncio.run(CallerAddress(app)(scope, None, None))
     assert [v for k, v in seen["headers"] if k.lower() == b"x-forwarded-for"] == [expected]
 
-
-@pytest.mark.parametrize("address", ["http://app/gradio_api/file=/etc/passwd",
-                                     "http://app/gradio_api/file={uploads}/../../etc/passwd",
-                                     "https://example.com/logits.npz"])
-def test_a_tool_reads_no_file_but_an_upload_of_this_app(address):
-    """Gradio serves more than uploads at /gradio_api/file= (and would download any other address): a
-    tool's file must lie in Gradio's upload folder."""
-    import gradio as gr
-    from gradio.utils import get_upload_folder
-
-    from nctv.ui.mcp_tools import ToolFile
-
-    with pytest.raises(gr.Error, match="Upload the file to this app first"):
-        asyncio.run(ToolFile(visible=False).async_move_resource_to_block_cache(
-            address.format(uploads=get_upload_folder())))

@@ -37,6 +37,16 @@ def make_data(model, n, seed=1):
     return x, y
 
 
+class _Log:
+    """What a pretend device saw; copies of the model (the fast fitter's float64 twin) share it."""
+
+    def __init__(self):
+        self.failures, self.sizes = 0, []
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class SmallDevice(nn.Module):
     """The model on a pretend device that holds at most ``limit`` images per call: a larger batch
     raises CUDA's out-of-memory error before any work, as a real GPU would mid-forward."""
@@ -44,14 +54,22 @@ class SmallDevice(nn.Module):
     def __init__(self, inner, limit):
         super().__init__()
         self.inner, self.limit = inner, limit
-        self.failures, self.sizes = 0, []
+        self.log = _Log()
+
+    @property
+    def failures(self):
+        return self.log.failures
+
+    @property
+    def sizes(self):
+        return self.log.sizes
 
     def forward(self, x):
         if x.shape[0] > self.limit:
-            self.failures += 1
+            self.log.failures += 1
             raise torch.cuda.OutOfMemoryError(
                 f"CUDA out of memory. Tried to allocate {x.shape[0]} images; {self.limit} fit.")
-        self.sizes.append(x.shape[0])
+        self.log.sizes.append(x.shape[0])
         return self.inner(x)
 
 

@@ -125,10 +125,12 @@ def test_neural_clamping_runs_its_model_passes_in_the_scope_precision():
         y = (net(x) * 3 + 0.8 * torch.randn(300, 5)).argmax(1)
     settings = {"seed": 0, "max_passes": 6}
     ref32 = NeuralClamping(net, **settings).fit(x, y)
-    by_hand = NeuralClamping(_Autocast(net), **settings).fit(x, y)
     with P.use(P.Precision("bf16")):
         scoped = NeuralClamping(net, **settings).fit(x, y)
         z = scoped.predict_logits(x[:50])
+        # The hand-wrapped model under the same scope (its autocast nests into the scope's, a no-op). Under
+        # fp32 the fast fitter would run a float64 copy of it, which autocast leaves in float64.
+        by_hand = NeuralClamping(_Autocast(net), **settings).fit(x, y)
     assert torch.equal(scoped.delta_, by_hand.delta_) and scoped.temperature_ == by_hand.temperature_
     assert not torch.equal(scoped.delta_, ref32.delta_)  # bfloat16 really ran
     assert torch.equal(z, by_hand.predict_logits(x[:50]))

@@ -76,7 +76,9 @@ LOW_CONTRAST = """([sel, least]) => {
 def set_theme(pg, theme: str) -> None:
     """Switch the page to ``theme`` as Gradio's own ``?__theme=`` does: the class ``dark`` on the body."""
     pg.evaluate("dark => document.body.classList.toggle('dark', dark)", theme == "dark")
-    pg.wait_for_timeout(100)
+    # The colours change through CSS transitions: measure once every one has ended.
+    pg.wait_for_function("document.getAnimations().every(a => a.playState !== 'running' || a.effect?.getTiming().iterations === Infinity)",
+                         timeout=PAGE_WAIT_MS)
 
 #: The pieces of the text under ``root`` that pair a number with its unit (or "T =" with its value),
 #: each with the number of lines it is drawn on.

@@ -224,14 +224,15 @@ def test_the_estimate_and_the_refusal_in_words(monkeypatch):
     nc = parse_nc_options("fast", "default", 100, "default", gamma="1", init="random")
     # ResNet-101 (15.7 GFLOPs a picture as count_flops counts) at 25,000/25,000 with the app's methods:
     # 100,000 forward (both splits' logits, NC's test pass, NC's calibration pass for its conformal sets)
-    # and 250,000 training pictures (× 3) at 30 TFLOP/s, plus 10 s.
+    # and 10 float64 passes of 25,000 training pictures, each counted as 3 fp32 ones (× 3 for the backward),
+    # at 30 TFLOP/s, plus 10 s.
     work = gpu.calibration_work(["Uncalibrated", "Temperature Scaling", "TS by Grid Search", "Vector Scaling",
                                  "Neural Clamping (FL)"], nc, 25_000, 25_000, 1000)
-    assert (work.forward, work.trained, work.extra_seconds) == (100_000, 250_000, 0)
+    assert (work.forward, work.trained, work.extra_seconds) == (100_000, 750_000, 0)
     seconds = gpu.estimate_seconds(15.7e9, work)
-    assert seconds == pytest.approx(10 + 15.7e9 * (100_000 + 3 * 250_000) / 30e12)
-    with pytest.raises(ValueError, match=r"^50,000 pictures \(25,000 calibration, 25,000 test\): about 455 s on this "
-                                         r"Space's GPU; this Space allows 60 s a run — use 2,800 calibration and 2,800 "
+    assert seconds == pytest.approx(10 + 15.7e9 * (100_000 + 3 * 750_000) / 30e12)
+    with pytest.raises(ValueError, match=r"^50,000 pictures \(25,000 calibration, 25,000 test\): about 1240 s on this "
+                                         r"Space's GPU; this Space allows 60 s a run — use 1,000 calibration and 1,000 "
                                          r"test pictures or fewer\.$"):
         gpu.check_fits(seconds, 25_000, 25_000)
     assert gpu.check_fits(59.2, 300, 1000) == 60

@@ -20,8 +20,9 @@ Decisions where the paper leaves room (they hold for every class and function he
   ``torch.Generator().manual_seed(seed)``, then one ``randperm`` per epoch from the same generator.
 * **δ₀**: the fast fitter starts at δ₀ = 0 (``INIT_STDS``), so a default fit draws nothing random
   and is the same on every seed (on every panel model it is tied with a random start or better,
-  and cheaper: docs/method.md); ``init_std=σ`` starts it at δ₀ ~ N(0, σ²) instead. The recipes keep
-  their published random starts.
+  and cheaper: docs/method.md); ``init_std=σ`` starts it at δ₀ ~ N(0, σ²) instead, drawn in float64
+  (the same on every CPU kernel set, which float32 draws are not). The recipes keep their published
+  random starts, drawn as the authors' code draws them.
 * **fitter="fast"** (default) minimises the objective with full-batch L-BFGS, gradients
   accumulated over the pieces of each pass and a strong-Wolfe line search; it stops on a relative
   objective change below ``tol`` or at ``max_passes``. Its default temperature rule is "anchored":
@@ -34,7 +35,9 @@ Decisions where the paper leaves room (they hold for every class and function he
   "strong"). docs/method.md gives the measurements behind these choices.
 * **Repeatability**: random draws come from a local ``torch.Generator`` on the CPU (global RNG
   untouched), so a seeded fit repeats exactly on the CPU, and on a GPU as far as the model's own
-  kernels are deterministic.
+  kernels are deterministic. The fast fitter's passes run a float64 copy of the model from a start
+  that breaks max-pooling ties (``exact_twin``, ``tie_breaking_start``), so its δ and T are the same
+  on every machine, whatever its CPU kernels or thread count (docs/method.md, "Reproducibility").
 * **init="data"** is Theorem 1's δ̃ (``data_driven_delta``); it needs ``input_range`` = (α, β),
   the preprocessed images of pixel values 0 and 1 (``LoadedModel.input_range``). Without α, β the
   theorem has no room to move δ, so a missing range is an error rather than a silent δ̃ = 0.
@@ -72,12 +75,15 @@ from nctv.calibration.clamping_fit import (
     best_log_temperature,
     check_label_range,
     entropy_gradient,
+    exact_twin,
     fit_fast,
     fit_sgd,
     frozen,
     mean_focal,
     theorem1_delta,
+    tie_breaking_start,
 )
+from nctv import precision
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, resolve_device
 from nctv.settings import (FITTERS, GAMMA_CANDIDATES, INIT_STDS, RECIPE_EPOCHS, RECIPE_LR, SWEEP_GAMMAS,
                            WEIGHT_DECAY_RULES, NCOptions)
@@ -527,6 +533,10 @@ class NeuralClamping(_InputCalibrator):
         recipe = self._recipe()
         # The shared first pass reads no loss setting: each fit gets its own γ and λ (_fit_gammas).
         loss = {} if recipe is None else {"penalty": recipe.penalty, "prob_floor": recipe.prob_floor}
+        # The fast fitter's passes run in float64, so that its path is the same on every machine
+        # (exact_twin says why); under a reduced precision the model runs as that precision says.
+        if recipe is None and precision.current().dtype is None:
+            loss["exact"] = exact_twin(self.model, dev)
         problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev), **loss)
         problem.check_labels()
         size = math.prod(split.input_shape)
@@ -555,7 +565,15 @@ class NeuralClamping(_InputCalibrator):
         if self.init == "data":
             delta = start.delta_tilde.clone()
         else:
-            delta = (float(self._setting("init_std")) * torch.randn(shape, generator=generator)).to(device)
+            std = float(self._setting("init_std"))
+            if self._recipe() is not None:  # the recipes draw δ₀ as the authors' code does
+                delta = (std * torch.randn(shape, generator=generator)).to(device)
+            elif std == 0:
+                delta = tie_breaking_start(shape, device)
+            else:
+                # Drawn in float64: torch's scalar and vector CPU kernels draw float32 normals differently
+                # (another δ₀ under ATEN_CPU_CAPABILITY=default), float64 ones alike.
+                delta = (std * torch.randn(shape, generator=generator, dtype=torch.float64)).float().to(device)
         # Drawn even when frozen, so that the frozen run sees the same batch order as the learned one.
         return delta if self.learn_delta else torch.zeros_like(delta)
 

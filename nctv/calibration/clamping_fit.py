@@ -15,6 +15,7 @@ no parameter ever receives a ``.grad`` and the weights are never written.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -272,13 +273,40 @@ def frozen(model: torch.nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def checked_logits(z: Any) -> torch.Tensor:
+def checked_logits(z: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if not isinstance(z, torch.Tensor) or z.ndim != 2 or z.shape[1] < 2:
         raise ValueError(
             "the model must return logits of shape (batch, classes) with at least 2 classes; "
             f"got {type(z).__name__} of shape {tuple(getattr(z, 'shape', ()))}."
         )
-    return z.float()
+    return z.to(dtype)
+
+
+#: The arithmetic of the fast fitter's passes (see ``exact_twin``).
+EXACT_DTYPE = torch.float64
+
+
+def exact_twin(model: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
+    """A float64 copy of ``model`` for the fast fitter's passes, or None where the device has no float64 (MPS).
+
+    Why float64: a ReLU network's loss is piecewise smooth in δ. In float32 the rounding of one CPU's
+    kernels differs from another's by about 1e-7, enough to put a few of the split's millions of
+    ReLU and max-pooling decisions on the other side, and each one moves the summed gradient by
+    about 1/N of one image's gradient (1e-5 to 1e-4 of it). L-BFGS scales such a change by the
+    inverse curvature of the flat directions λ holds weakly, and the next passes see δ's that differ
+    more, so more decisions change: on the embedded default ‖δ‖₂ moved by 1 % and δ by 7 % across
+    ATEN_CPU_CAPABILITY settings after 9 passes. In float64 the kernels' results differ by about
+    1e-16, no decision changes, and the path is the same to about 1e-15 on every kernel set (measured).
+    The copy is the caller's model untouched (its weights are read once; the model is never changed).
+    """
+    if device.type == "mps":
+        return None
+    twin = copy.deepcopy(model).to(EXACT_DTYPE)
+    if device.type == "cpu":  # float64 convolutions run about 1.5 times faster channels-last there (measured)
+        twin = twin.to(memory_format=torch.channels_last)
+    for p in twin.parameters():
+        p.requires_grad_(False)
+    return twin.eval()
 
 
 @dataclass(frozen=True)
@@ -297,12 +325,27 @@ class Problem:
     clamp_range: tuple[torch.Tensor, torch.Tensor] | None = None
     penalty: str = "squared"
     prob_floor: float = 0.0
+    exact: torch.nn.Module | None = None  # the float64 twin every pass uses when given (exact_twin)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The type of the inputs, δ and logits of this problem's passes."""
+        return torch.float32 if self.exact is None else EXACT_DTYPE
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        x = x.to(self.dtype)
         if delta is not None:
-            x = x + delta
+            x = x + delta.to(self.dtype)
             if self.clamp_range is not None:
-                x = torch.clamp(x, self.clamp_range[0], self.clamp_range[1])
+                x = torch.clamp(x, self.clamp_range[0].to(self.dtype), self.clamp_range[1].to(self.dtype))
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's logits of inputs ``x`` in this problem's arithmetic (``dtype``)."""
+        if self.exact is not None:
+            if x.dim() == 4 and x.device.type == "cpu":
+                x = x.contiguous(memory_format=torch.channels_last)
+            return checked_logits(self.exact(x), self.dtype)
         return checked_logits(run_model(self.model, x))
 
     def logits(self, delta: torch.Tensor | None) -> torch.Tensor:
@@ -328,12 +371,12 @@ class Problem:
         """F, ∂F/∂δ, ∂F/∂s and the logits f(x + δ), exactly over the split (1 pass).
 
         In a process group each process sums over its rows and the sums are added across processes."""
-        d = delta.detach().requires_grad_(True)
-        s = torch.tensor(float(log_t), device=d.device, requires_grad=True)
+        d = delta.detach().to(self.dtype).requires_grad_(True)
+        s = torch.tensor(float(log_t), dtype=self.dtype, device=d.device, requires_grad=True)
         n = self.split.n
         total = torch.zeros((), dtype=accumulation_dtype(d.device), device=d.device)
         g_d = torch.zeros_like(d)
-        g_s = torch.zeros((), device=d.device)
+        g_s = torch.zeros((), dtype=self.dtype, device=d.device)
         out = []
 
         def piece(x: torch.Tensor, y: torch.Tensor):
@@ -412,16 +455,18 @@ def entropy_gradient(problem: Problem):
     """Theorem 1's ingredients in one pass at δ = 0, T = 1.
 
     Returns g = Σ_i ∇_x H(softmax(f(x_i))) (shape of one input), the element-wise minimum ℓ and
-    maximum μ of the inputs, and the logits f(x) (N, K) on the device (1 pass).
+    maximum μ of the inputs, and the logits f(x) (N, K) on the device (1 pass), in the problem's
+    arithmetic. The gradient is taken at ``tie_breaking_start`` rather than at 0 itself, where a flat
+    picture's tied max-pooling values would leave its sign to the kernel's choice.
     """
     split = problem.split
     g = lo = hi = None
     out = []
 
     def piece(x: torch.Tensor, _):
-        d = torch.zeros(x.shape[1:], device=x.device, requires_grad=True)
-        # No clamp here: at δ = 0 the inputs are where the data put them.
-        z = checked_logits(run_model(problem.model, x + d))
+        d = tie_breaking_start(x.shape[1:], x.device).to(problem.dtype).requires_grad_(True)
+        # No clamp here: at δ ≈ 0 the inputs are where the data put them.
+        z = problem.run(x.to(problem.dtype) + d)
         logp = torch.log_softmax(z, dim=1)
         ent = -(logp.exp() * logp).sum()
         (gd,) = torch.autograd.grad(ent, d)
@@ -445,12 +490,31 @@ def theorem1_delta(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: t
     An element whose data already reach beyond [α, β] (bicubic resizing can overshoot) gets η = 0.
     """
     eta = torch.where(g < 0, lo - alpha, torch.where(g > 0, beta - hi, torch.zeros_like(g))).clamp_min(0.0)
-    return torch.sign(g) * eta
+    return (torch.sign(g) * eta).float()
 
 
 # --------------------------------------------------------------------------------------------
 # Fitting
 # --------------------------------------------------------------------------------------------
+
+#: Size of the fixed pattern a start at δ₀ = 0 is moved by (``tie_breaking_start``).
+TIE_BREAK = 1e-6
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def tie_breaking_start(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """δ₀ for a start "at 0": a fixed pattern of size ``TIE_BREAK``, the same on every machine.
+
+    At δ = 0 the loss is not differentiable wherever a picture is flat: its equal pixels give equal
+    values in a max-pooling window, and which of them receives the gradient is the kernel's choice
+    (on the embedded default the gradient at 0 differs by 1 % between torch's vector and scalar CPU
+    kernels, in float64 too). Any δ whose elements differ breaks those ties; this one is
+    (frac(j·φ) − 0.5)·1e−6 for element j (φ the golden ratio), made of exactly rounded operations,
+    so its bits do not depend on the machine, and far too small to change the fit otherwise.
+    """
+    j = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64)
+    pattern = torch.remainder(j * _GOLDEN, 1.0) - 0.5
+    return (TIE_BREAK * pattern).view(shape).to(device, torch.float32)
 
 
 @dataclass
@@ -692,6 +756,7 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
     split = problem.split
     start = split.passes
     shape = delta0.shape
+    state = accumulation_dtype(delta0.device)  # δ, log T and the curvature pairs
     best: dict[str, Any] = {}
     evals = 0
 
@@ -709,7 +774,7 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
         report.notify(info)
         return f, torch.cat([gd.reshape(-1), gd.new_tensor([gs])]), z
 
-    x = torch.cat([delta0.detach().reshape(-1).float(), delta0.new_tensor([log_t0], dtype=torch.float32)])
+    x = torch.cat([delta0.detach().reshape(-1).to(state), torch.tensor([log_t0], dtype=state, device=delta0.device)])
     stopped = False
     try:
         f, g, z = evaluate(x)
@@ -744,8 +809,9 @@ def fit_fast(problem: Problem, delta0: torch.Tensor, log_t0: float, max_passes: 
     except StopFitting:
         stopped = True
     xb = best["x"]
-    log_t = float(log_t0) if fixed_t else float(xb[-1])  # not the float32 copy of a fixed T
-    return FitResult(xb[:-1].view(shape).clone(), log_t, best["f"], best["z"], report.history,
+    log_t = float(log_t0) if fixed_t else float(xb[-1])
+    # δ as every prediction uses it: float32, as the model's inputs are.
+    return FitResult(xb[:-1].view(shape).float(), log_t, best["f"], best["z"], report.history,
                      split.passes - start, stopped)
 
 

@@ -154,6 +154,10 @@ BACKWARD_FACTOR = 3.0
 OVERHEAD_SECONDS = 10.0
 #: Passes over the calibration split of one fast Neural Clamping fit (measured: 7 to 12 on the panel models).
 FAST_PASSES = 10
+#: A fast fit's passes run the model in float64 (nctv.calibration.clamping_fit.exact_twin): counted as this
+#: many fp32 passes. Measured 2.2 on a CPU; a data-centre GPU runs float64 at about half its fp32 rate and
+#: without the tensor cores fp32 convolutions use, so 3 until a GPU measures it.
+FLOAT64_PASS_FACTOR = 3.0
 #: The longest one GPU call may run ($NCTV_GPU_MAX_SECONDS): ZeroGPU's default duration.
 DEFAULT_MAX_SECONDS = 60
 #: A visitor's daily ZeroGPU time with a free account ($NCTV_GPU_QUOTA_SECONDS): no run may need more.
@@ -213,7 +217,7 @@ class Work:
 
 def fit_work(nc: Any, n_cal: int, n_test: int) -> Work:
     """One Neural Clamping fit with options ``nc`` (every γ it tries) and its calibrated test pass."""
-    passes = FAST_PASSES if nc.fitter == "fast" else (nc.epochs or 100)
+    passes = FAST_PASSES * FLOAT64_PASS_FACTOR if nc.fitter == "fast" else (nc.epochs or 100)
     return Work(forward=n_test, trained=passes * n_cal * len(nc.gamma_values))
 
 

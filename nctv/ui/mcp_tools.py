@@ -9,7 +9,8 @@ served by Gradio's MCP server at ``/gradio_api/mcp`` (docs/agents.md).
 
 Each tool's description and parameters come from its docstring and signature (Gradio reads the
 ``Args:`` lines). The tools go through the page's bounds: files reach them through this app's own upload
-route (the request and upload caps, the address's disk budget), logits files are read by
+route (the request and upload caps, the address's disk budget; any other address or path is refused, as
+on every input of the app: :mod:`nctv.ui.uploads`), logits files are read by
 :mod:`nctv.logits_file` with its caps, pictures by the Try tab's checks, and each tool joins the lane of
 the page's work of its kind (:func:`register`). The page's own endpoints stay in the API for
 ``gradio_client`` but are not tools: Gradio lists every public endpoint as one, and
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,8 @@ import numpy as np
 
 from nctv.settings import APP_BINS
 from nctv.ui.common import parse_whole, user_errors
+from nctv.ui.uploads import UPLOAD_FIRST
 
-#: Where the app serves its files; the only http(s) addresses the tools read.
-_FILE_ROUTE = "/gradio_api/file="
-UPLOAD_FIRST = ("Upload the file to this app first (POST it to /gradio_api/upload, or use Gradio's "
-                "upload_file_to_gradio tool) and pass the address it gives, …/gradio_api/file=<path>: "
-                "this app reads no other web address.")
 
 
 # --------------------------------------------------------------------------- the tools
@@ -204,29 +200,6 @@ def _local(file: Any) -> str:
 # --------------------------------------------------------------------------- the endpoints
 
 
-class ToolFile(gr.File):
-    """A tool's file: uploaded to this app, named by its path or by the address the app serves it at.
-
-    Gradio downloads any other http(s) address it is given, of any size, before a handler can look at
-    it; an agent's file comes through the upload route instead, under the page's caps and budget."""
-
-    async def async_move_resource_to_block_cache(self, url_or_file_path: Any) -> str | None:
-        from gradio.utils import get_upload_folder
-        from gradio_client.utils import is_http_url_like
-
-        if isinstance(url_or_file_path, str) and is_http_url_like(url_or_file_path):
-            path = urllib.parse.urlsplit(url_or_file_path).path
-            if _FILE_ROUTE not in path:
-                raise gr.Error(UPLOAD_FIRST, print_exception=False)
-            local = Path(urllib.parse.unquote(path.split(_FILE_ROUTE, 1)[1])).resolve()
-            # Gradio serves more than uploads at this route (its allowed paths); a tool reads uploads only.
-            if not local.is_relative_to(Path(get_upload_folder()).resolve()) or not local.is_file():
-                raise gr.Error("That address is not a file uploaded to this app. " + UPLOAD_FIRST,
-                               print_exception=False)
-            url_or_file_path = str(local)
-        return await super().async_move_resource_to_block_cache(url_or_file_path)
-
-
 def _endpoint(tool) -> str:
     return "mcp_" + tool.__name__
 
@@ -241,11 +214,11 @@ def register(heavy: dict, light: dict) -> None:
 
     lanes = {calibrate_logits: heavy, calibration_test: heavy, classify: light, explain_temperature: light}
     inputs = {
-        calibrate_logits: lambda: [ToolFile(label="logits_file", visible=False), number("bins", APP_BINS),
+        calibrate_logits: lambda: [gr.File(label="logits_file", visible=False), number("bins", APP_BINS),
                                    number("seed", 0)],
-        calibration_test: lambda: [ToolFile(label="logits_file", visible=False), number("bins", APP_BINS),
+        calibration_test: lambda: [gr.File(label="logits_file", visible=False), number("bins", APP_BINS),
                                    number("seed", 0)],
-        classify: lambda: [ToolFile(label="picture", file_types=["image"], visible=False)],
+        classify: lambda: [gr.File(label="picture", file_types=["image"], visible=False)],
         explain_temperature: lambda: [number("temperature", 1.0, whole=False), number("bins", APP_BINS)],
     }
     for tool in TOOLS:

@@ -19,38 +19,20 @@ from typing import Any
 
 import gradio as gr
 
-from nctv.corruptions import CORRUPTIONS
+from nctv.corruptions import CORRUPTIONS, in_words
 from nctv.plots import _shift_colour
 from nctv.report import to_markdown
 from nctv.results import COMPARED_METHOD
 from nctv.shift import (AVERAGE, SHIFT_FILE, SHIFT_REFERENCES, ShiftResult, comparison_table, condition_title,
                         shift_table, summary_sentences, to_csv)
 from nctv.ui.common import user_errors
-from nctv.ui.shipped import PRECOMPUTED_LABEL, precomputed_dir
+from nctv.ui.shipped import NO_STUDY, PRECOMPUTED_LABEL, precomputed_dir, shipped_shift  # noqa: F401 (re-exported)
 from nctv.ui.slides import figure_files, shipped_files, tables_file
 
 #: The metrics each method's card shows, with their interval.
 CARD_METRICS = ("ece", "accuracy")
 #: Digits kept of the diagrams' bin means (drawn only; the read-outs keep every digit).
 BIN_DIGITS = 6
-#: Adjectives that keep their capital inside a sentence ("under Gaussian noise").
-PROPER_WORDS = ("Gaussian",)
-NO_STUDY = ("No shift study is shipped with this copy of the app (assets/precomputed/shift.json); "
-            "`nctv shift` makes one.")
-
-
-@lru_cache(maxsize=1)
-def shipped_shift() -> ShiftResult | None:
-    """The shift study shipped beside the pre-computed result, read and checked once (None when absent)."""
-    path = precomputed_dir() / SHIFT_FILE
-    return ShiftResult.load(path) if path.is_file() else None
-
-
-def in_words(title: str) -> str:
-    """A corruption's title inside a sentence: "contrast", "Gaussian noise", "JPEG compression"."""
-    first = title.split(" ", 1)[0]
-    keep = first in PROPER_WORDS or any(ch.isupper() for ch in first[1:])
-    return title if keep else title[:1].lower() + title[1:]
 
 
 def _triple(f: dict[str, Any]) -> list[float | None]:

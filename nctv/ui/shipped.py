@@ -298,3 +298,16 @@ def ood_detector(spec: SplitSpec) -> Any:
     is one for that draw, so that a pre-computed calibration's Try tab needs neither its calibration
     images nor a model pass over them; else fitted on them (``nctv.ui.caches.get_ood_detector``)."""
     return get_ood_detector(spec, lambda: shipped_detector(spec))
+
+
+NO_STUDY = ("No shift study is shipped with this copy of the app (assets/precomputed/shift.json); "
+            "`nctv shift` makes one.")
+
+
+@lru_cache(maxsize=1)
+def shipped_shift() -> ShiftResult | None:
+    """The shift study shipped beside the pre-computed result, read and checked once (None when absent)."""
+    from nctv.shift import SHIFT_FILE, ShiftResult
+
+    path = precomputed_dir() / SHIFT_FILE
+    return ShiftResult.load(path) if path.is_file() else None

@@ -174,8 +174,7 @@ def _shown_study(model: Any, hub_id: Any) -> Any:
     """The shift study the page shows: the picked menu model's own, else the shipped one
     (as :func:`nctv.ui.shift.first_view` picks it)."""
     from nctv.shift import SHIFT_FILE, ShiftResult
-    from nctv.ui.shift import NO_STUDY, shipped_shift
-    from nctv.ui.shipped import study_of
+    from nctv.ui.shipped import NO_STUDY, shipped_shift, study_of
 
     if isinstance(model, str) and not (isinstance(hub_id, str) and hub_id.strip()):
         try:

@@ -175,7 +175,7 @@ def corrupted(img: Image.Image, name: str, severity: int) -> tuple[Image.Image, 
     what the details say of it. A picture of more than :data:`MAX_CORRUPTED_PIXELS` is shrunk first."""
     if severity == 0:
         return img, ""
-    from nctv.ui.shift import in_words
+    from nctv.corruptions import in_words
 
     spec, shrunk = CORRUPTIONS[name], ""
     if img.width * img.height > MAX_CORRUPTED_PIXELS:
@@ -201,7 +201,7 @@ class Shift:
 
     @property
     def words(self) -> str:
-        from nctv.ui.shift import in_words
+        from nctv.corruptions import in_words
 
         return f"{in_words(CORRUPTIONS[self.name].title)} at severity {self.severity}"
 

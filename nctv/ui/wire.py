@@ -3,7 +3,9 @@ is in its words and every run a page waits for ends:
 
 - :class:`AppBlocks`: a call with too few values, or a value no input can read (a list where a
   picture goes), is refused naming the input and what it takes. Gradio's own message listed its
-  components with their memory addresses, or quoted a validation error of its data classes.
+  components with their memory addresses, or quoted a validation error of its data classes. A file
+  not uploaded to this app (a web address, another path of the server) is refused before Gradio
+  fetches or reads it (:mod:`nctv.ui.uploads`).
 - :class:`CancelEndsStreams`: Gradio's cancel route stops every run of a page's event (the page's
   session and the event's number), but ends the event stream of the one event it names only. A
   cancel that named another, or none, left the stopped run's page waiting for ever; each stopped
@@ -38,6 +40,7 @@ from nctv.ui.common import STOPPED
 from nctv.ui.guard import refuse, replaying
 from nctv.ui.links import GRADIO_PARAMETERS, PARAMETERS
 from nctv.ui.session import RESULT_KEEP_S, RESULTS_KEPT
+from nctv.ui.uploads import uploads_only
 
 log = logging.getLogger("nctv.ui")
 
@@ -84,6 +87,7 @@ class AppBlocks(gr.Blocks):
 
     async def preprocess_data(self, block_fn: Any, inputs: list[Any], state: Any, explicit_call: bool = False):
         try:
+            inputs = uploads_only(block_fn.inputs, inputs, _label)  # before Gradio fetches or copies any file
             return await super().preprocess_data(block_fn, inputs, state, explicit_call)
         except gr.Error:
             raise

@@ -382,7 +382,7 @@ def case_intervals(p: dict, device: torch.device) -> dict:
         for s in sets:
             evaluate(s, y, n_bins=15)
     with timed(device, full):
-        counts = iv.resample_counts(p["n"], p["resamples"], p["seed"])
+        counts = iv.resample_counts_for((z, y), p["resamples"], p["seed"])  # as a run draws them
         draws = [iv.method_draws([s], y, counts, 15, list(iv.RESAMPLED)) for s in sets]
         for d in draws:
             for k in d:

@@ -27,6 +27,7 @@ from nctv.methods import METHODS as METHODS_REGISTRY
 from nctv.results import COMPARED_METHOD
 from nctv.conformal import RAPS_K_REG, RAPS_PENALTY, ConformalPredictor, ConformalSettings, split_calibration
 from nctv.inference import model_logits
+from nctv.intervals import resample_counts_for
 
 METHODS = ("Uncalibrated", "Temperature Scaling", COMPARED_METHOD)
 OUT = Path(__file__).resolve().parent / "results"
@@ -41,13 +42,14 @@ ROWS = (("LAC", {"score": "lac"}), ("APS", {"score": "aps"}),
 
 
 def calibrated_logits(coverage: float = 0.9, seed: int = 0):
-    """{method: (conformal-half logits, labels, test logits, labels)}, each method fitted on the other half."""
+    """{method: (conformal-half logits, labels, test logits, labels)}, each method fitted on the other half,
+    and the test split's resamples, keyed by its unperturbed logits and labels (every method's, as a run's)."""
     m = z.load_model(z.DEFAULT_MODEL)
     cal, test = d.get_splits(m, calibration_size=5000)
     zc = split_logits(m.model, cal).logits
     zt = split_logits(m.model, test).logits
     (xc, yc), (xt, yt) = cal.tensors(), test.tensors()
-    fit, conf = split_calibration(len(yc), 0.5, seed)
+    fit, conf = split_calibration(zc, yc, 0.5, seed)
     out = {}
     for name in METHODS:
         if METHODS_REGISTRY[name].needs_model:
@@ -56,16 +58,17 @@ def calibrated_logits(coverage: float = 0.9, seed: int = 0):
         else:
             method = make_method(name).fit(zc[fit], yc[fit])
             out[name] = (method.transform(zc[conf]), yc[conf], method.transform(zt), yt)
-    return out
+    return out, resample_counts_for((zt, yt), 1000, 0)
 
 
-def measure(logits: dict, coverage: float = 0.9) -> list[dict]:
-    """One record per (calibrator, row of ``ROWS``): the figures with their intervals and the values used."""
+def measure(logits: dict, counts, coverage: float = 0.9) -> list[dict]:
+    """One record per (calibrator, row of ``ROWS``): the figures with their intervals (on the resamples
+    ``counts``) and the values used."""
     records = []
     for name, (zc, yc, zt, yt) in logits.items():
         for label, keywords in ROWS:
             cp = ConformalPredictor(ConformalSettings(coverage=coverage, **keywords)).fit(zc, yc)
-            ev = cp.evaluate(zt, yt)
+            ev = cp.evaluate(zt, yt, counts=counts)
             triple = lambda i: [i.estimate, i.low, i.high]  # noqa: E731
             records.append({"calibrator": name, "set": label, **cp.to_dict(), "threshold": cp.threshold_,
                             "tuning_sizes": {str(k): v for k, v in cp.tuning_sizes_.items()},
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", action="store_true", help="write bench/results/conformal_default.md and .json")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    records = measure(calibrated_logits(args.coverage), args.coverage)
+    records = measure(*calibrated_logits(args.coverage), args.coverage)
     text = table(records)
     seconds = time.perf_counter() - start
     print(text)

@@ -320,7 +320,7 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
     from safetensors.torch import load_file
 
     from nctv.consistency import consistency_test
-    from nctv.intervals import method_draws, resample_counts, seed_counts
+    from nctv.intervals import method_draws, resample_counts_for, seed_counts
 
     loaded: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
     for label, runs in runs_by_row.items():
@@ -330,7 +330,10 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
     if not loaded:
         return {}
     labels = next(iter(loaded.values()))[1]
-    counts = resample_counts(len(labels), settings.resamples, settings.seed)
+    # The resamples of a run (nctv.experiment): keyed by the unperturbed model's test logits and the labels,
+    # the same for the test rows in any order (the first row's logits where no uncalibrated row was kept).
+    key = loaded["Uncalibrated"][0][0] if "Uncalibrated" in loaded else next(iter(loaded.values()))[0][0]
+    counts = resample_counts_for((key, labels), settings.resamples, settings.seed)
     # One generator redraws the seeds of every row in turn, as the engine does over a run's methods: rows
     # whose seeds are independent fits get independent redraws.
     generator = torch.Generator().manual_seed(settings.seed + 1)

@@ -36,6 +36,11 @@ the RAPS paper does, on a held-out part of the calibration split (:func:`tune_ra
 ``v`` is drawn per sample from a seeded generator, one stream for the calibration scores and another for
 the test sets (a third stream of the same seed draws the tuning split), so a seed reproduces every set.
 All arithmetic is float64 on the CPU.
+
+Every seeded draw over rows (v, the tuning split, :func:`split_calibration`, the test split's resamples)
+is made over the rows in their canonical order (:func:`rows_order`: by the probabilities, then, among rows
+of equal probabilities, by the label), so a row gets the same draw wherever it stands: the same rows in
+any order give the same q̂, λ, k_reg, sets and figures, to the last bit.
 """
 from __future__ import annotations
 
@@ -47,8 +52,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from nctv.canonical import canonical_order, same_as_previous
 from nctv.checks import NotFittedError, check_labels, check_logits, shown
-from nctv.intervals import Interval, IntervalSettings, _bounds, resample_counts, wilson_interval
+from nctv.intervals import Interval, IntervalSettings, _bounds, resample_counts_for, wilson_interval
 from nctv.metrics import _prepare
 
 SCORES = ("lac", "aps", "raps")
@@ -150,6 +156,28 @@ def noise(n: int, seed: int, stream: int) -> torch.Tensor:
     return torch.from_numpy(_stream(seed, stream).random(n))
 
 
+def rows_order(p: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The permutation that puts rows of probabilities ``p`` in the canonical order (nctv.canonical), rows of
+    equal probabilities ordered by their ``labels`` (when given): the order the seeded draws over rows
+    follow. The labels only break ties, so a test row keeps its place whether its sets are made alone
+    (:meth:`ConformalPredictor.predict_sets`) or scored with its label (:meth:`ConformalPredictor.evaluate`)."""
+    order = canonical_order(p)
+    if labels is not None and len(order) > 1:
+        same = same_as_previous(p[torch.from_numpy(order)])
+        if same.any():
+            runs = np.cumsum(~same)
+            order = order[np.lexsort((labels.numpy()[order], runs))]
+    return torch.from_numpy(order)
+
+
+def _in_rows(drawn: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Values drawn for the places of the canonical order (``drawn[j]`` for place j), put back on the rows
+    given: row ``order[j]`` gets ``drawn[j]``."""
+    out = torch.empty_like(drawn)
+    out[order] = drawn
+    return out
+
+
 def class_scores(p: torch.Tensor, score: str, v: torch.Tensor | None = None, penalty: float = RAPS_PENALTY,
                  k_reg: int = RAPS_K_REG) -> torch.Tensor:
     """s(x, y) of every class: (N, K) from (N, K) probabilities ``p`` (float64).
@@ -197,10 +225,11 @@ def _thresholds(own: torch.Tensor, y: torch.Tensor, n_classes: int, coverage: fl
 
 
 def tuning_split(n: int, share: float = RAPS_TUNE_SHARE, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (tuning, conformal), each ascending, of a calibration split of ``n`` points: a permutation
+    """Places (tuning, conformal), each ascending, in a calibration split of ``n`` points: a permutation
     of 0..n−1 from stream 2 of ``seed`` (:func:`_stream`, numpy's ``Generator.permutation``); its first
     ⌈share · n⌉ entries (share read as the decimal it is written as; at least 1, at most n − 1) tune RAPS,
-    the rest make q̂. Disjoint, and together every point."""
+    the rest make q̂. Disjoint, and together every point. :meth:`ConformalPredictor.fit` reads them as
+    places in the rows' canonical order (:func:`rows_order`)."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
         raise ValueError("Tuning RAPS's λ and k_reg holds out part of the calibration split, so it needs at least "
                          f"2 calibration points; got {shown(n)}. Give penalty and k_reg as numbers instead.")
@@ -275,11 +304,17 @@ class ConformalPredictor:
     def __init__(self, settings: ConformalSettings | None = None):
         self.settings = settings if settings is not None else ConformalSettings()
 
-    def _draws(self, n: int, stream: int, draws: Any) -> torch.Tensor | None:
-        st = self.settings
-        if not st.randomized or st.score == "lac":
+    def _randomized(self) -> bool:
+        return self.settings.randomized and self.settings.score != "lac"
+
+    def _draws(self, order: torch.Tensor | None, stream: int, draws: Any) -> torch.Tensor | None:
+        """v per row: ``draws`` as given, else the seed's stream drawn over the rows' canonical places
+        (``order``: :func:`rows_order`); None when the sets are not randomised."""
+        if not self._randomized():
             return None
-        return noise(n, st.seed, stream) if draws is None else torch.as_tensor(draws).to(torch.float64)
+        if draws is not None:
+            return torch.as_tensor(draws).to(torch.float64)
+        return _in_rows(noise(len(order), self.settings.seed, stream), order)
 
     def fit(self, logits: Any, labels: Any, from_probabilities: bool = False, draws: Any = None) -> "ConformalPredictor":
         """Compute q̂ (``threshold_``; per class in ``thresholds_``) from the calibration split.
@@ -289,14 +324,20 @@ class ConformalPredictor:
         computes q̂ from the rest (``conformal_indices_``; ``n_calibration_`` counts them); otherwise every
         point makes q̂. ``penalty_`` and ``k_reg_`` are the values used (None for LAC and APS).
 
-        ``draws``: the randomisation v (N,) to use instead of the seeded one (to replay another library's)."""
+        ``draws``: the randomisation v (N,) to use instead of the seeded one (to replay another library's).
+        The seeded draws (v, the tuning part) follow the rows' canonical order (:func:`rows_order`), so the
+        same rows in any order give the same q̂, λ and k_reg."""
         st = self.settings
         p = probabilities(logits, from_probabilities)
         n, k = p.shape
-        y = check_labels(labels, n, k)
-        v = self._draws(n, 0, draws)
+        y = check_labels(labels, n, k).cpu()
+        order = rows_order(p, y) if st.tunes or (self._randomized() and draws is None) else None
+        v = self._draws(order, 0, draws)
         every = torch.arange(n)
-        tune, conf = tuning_split(n, st.tune_share, st.seed) if st.tunes else (every[:0], every)
+        if st.tunes:
+            tune, conf = (order[at].sort().values for at in tuning_split(n, st.tune_share, st.seed))
+        else:
+            tune, conf = every[:0], every
         self.penalty_, self.k_reg_, self.tuning_sizes_ = None, None, {}
         if st.score == "raps":
             self.penalty_, self.k_reg_, self.tuning_sizes_ = tune_raps(p[tune], y[tune], st, None if v is None else v[tune])
@@ -317,11 +358,16 @@ class ConformalPredictor:
     def predict_sets(self, logits: Any, from_probabilities: bool = False, draws: Any = None) -> torch.Tensor:
         """(N, K) bool: class y is in the set of row i when s(x_i, y) ≤ q̂ (q̂_y when class-conditional).
 
-        ``draws``: the randomisation v, (N,) or (N, K) per class, instead of the seeded one."""
+        ``draws``: the randomisation v, (N,) or (N, K) per class, instead of the seeded one, which follows
+        the rows' canonical order (:func:`rows_order`): a row's set does not depend on where it stands."""
+        return self._sets(probabilities(logits, from_probabilities), None, draws)
+
+    def _sets(self, p: torch.Tensor, labels: torch.Tensor | None, draws: Any) -> torch.Tensor:
+        """The sets of probabilities ``p``; ``labels`` (None: unknown) order rows of equal ``p`` for v."""
         if not hasattr(self, "thresholds_"):
             raise NotFittedError("Fit the conformal predictor on the calibration split first (ConformalPredictor.fit).")
-        p = probabilities(logits, from_probabilities)
-        s = self._class_scores(p, self._draws(p.shape[0], 1, draws))
+        order = rows_order(p, labels) if self._randomized() and draws is None else None
+        s = self._class_scores(p, self._draws(order, 1, draws))
         if s.shape[1] != self.n_classes_:
             raise ValueError(f"The predictor was fitted on {self.n_classes_} classes; these logits have {s.shape[1]}.")
         return s <= self.thresholds_[None, :]
@@ -338,9 +384,13 @@ class ConformalPredictor:
                 "n_tune": int(self.tuning_indices_.numel()), "n_conformal": int(self.conformal_indices_.numel())}
 
     def evaluate(self, logits: Any, labels: Any, from_probabilities: bool = False,
-                 intervals: IntervalSettings | None = None, min_class_points: int = MIN_CLASS_POINTS) -> "SetEvaluation":
-        """The sets of the test split scored with intervals (:func:`evaluate_sets`)."""
-        return evaluate_sets(self.predict_sets(logits, from_probabilities), labels, intervals, min_class_points)
+                 intervals: IntervalSettings | None = None, min_class_points: int = MIN_CLASS_POINTS,
+                 counts: torch.Tensor | None = None) -> "SetEvaluation":
+        """The sets of the test split scored with intervals (:func:`evaluate_sets`; ``counts`` as there).
+        Rows of equal probabilities take the seeded v in the order of their labels (:func:`rows_order`)."""
+        p = probabilities(logits, from_probabilities)
+        y = check_labels(labels, *p.shape).cpu()
+        return evaluate_sets(self._sets(p, y, None), y, intervals, min_class_points, counts)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -388,13 +438,16 @@ def _interval(point: float, draws: torch.Tensor, level: float, low: float, high:
 
 
 def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = None,
-                  min_class_points: int = MIN_CLASS_POINTS) -> SetEvaluation:
+                  min_class_points: int = MIN_CLASS_POINTS, counts: torch.Tensor | None = None) -> SetEvaluation:
     """Score (N, K) boolean ``sets`` against the true ``labels``.
 
-    Intervals: every figure is recomputed on each resample of the test split (one seeded count matrix,
-    :func:`nctv.intervals.resample_counts`, so two methods evaluated with the same settings are paired) and
-    the interval is the project's union of the basic and percentile bootstrap intervals. They cover the test
-    split's randomness with the calibration split (so q̂) and the randomisation held fixed.
+    Intervals: every figure is recomputed on each resample of the test split and the interval is the
+    project's union of the basic and percentile bootstrap intervals. They cover the test split's randomness
+    with the calibration split (so q̂) and the randomisation held fixed. The resamples: ``counts``
+    (resamples × N, in the rows' order) where given, e.g. a run's, drawn over its unperturbed test logits
+    and labels (:func:`nctv.intervals.resample_counts_for`) so that its methods' figures are paired; else
+    drawn with ``intervals``' seed over the rows (set, label) in their canonical order, the same for the
+    rows in any order.
 
     Worst class: the minimum over the classes that have at least ``min_class_points`` test points of their
     coverage (classes with fewer are listed per class but left out of the minimum, whose noise they would
@@ -409,8 +462,12 @@ def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = N
     covered = m.gather(1, y[:, None]).squeeze(1).double()
     size = m.sum(1).double()
     onehot = torch.nn.functional.one_hot(y, k).double()
-    # Float32 counts as nctv.intervals keeps them: sums of whole numbers, exact below 2**24.
-    counts = resample_counts(n, st.resamples, st.seed)
+    # Float32 counts as nctv.intervals keeps them: sums of whole numbers, exact below 2**24, in any order.
+    if counts is None:
+        counts = resample_counts_for((m, y), st.resamples, st.seed)
+    elif counts.shape != (st.resamples, n):
+        raise ValueError(f"The resample counts are {tuple(counts.shape)}; these sets need ({st.resamples}, {n}).")
+    counts = counts.to("cpu", torch.float32)
     eligible = onehot.sum(0) >= min_class_points
     if not bool(eligible.any()):
         raise ValueError(f"No class has {min_class_points} test points; the worst class's coverage needs more test data.")
@@ -440,19 +497,26 @@ def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = N
 # --------------------------------------------------------------------------- helpers for callers
 
 
-def split_calibration(n: int, conformal_share: float = 0.5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (fit, conformal) of a calibration split of ``n`` points cut in two at random (seeded).
+def split_calibration(logits: Any, labels: Any, conformal_share: float = 0.5,
+                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (fit, conformal), each ascending, of the calibration split whose (unperturbed) ``logits`` and
+    ``labels`` are given, cut in two at random (seeded).
 
     A calibrator fitted on the same points that q̂ is computed from makes their scores lower than a new
     point's, and the guarantee no longer holds; fit the calibrator on the first part and :meth:`ConformalPredictor.fit`
-    on the second. ``conformal_share`` of the points (rounded down, at least 1) go to the second part.
+    on the second. ``conformal_share`` of the points (rounded down, at least 1) go to the second part. The
+    seeded permutation is drawn over the rows' canonical places (:func:`nctv.canonical.canonical_order`), so
+    the same rows in any order are cut alike.
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-        raise ValueError(f"Splitting the calibration split needs at least 2 points; got {shown(n)}.")
+    z = check_logits(logits, "calibration logits")
+    n = int(z.shape[0])
+    y = check_labels(labels, n, int(z.shape[1])).cpu()
+    if n < 2:
+        raise ValueError(f"Splitting the calibration split needs at least 2 points; got {n}.")
     if isinstance(conformal_share, bool) or not isinstance(conformal_share, (int, float)) or not 0 < conformal_share < 1:
         raise ValueError(f"The conformal share must be a fraction between 0 and 1; got {shown(conformal_share)}.")
-    perm = torch.randperm(int(n), generator=torch.Generator().manual_seed(int(seed)))
-    m = min(max(1, int(n * conformal_share)), int(n) - 1)
+    perm = torch.from_numpy(canonical_order(z, y))[torch.randperm(n, generator=torch.Generator().manual_seed(int(seed)))]
+    m = min(max(1, int(n * conformal_share)), n - 1)
     return perm[m:].sort().values, perm[:m].sort().values
 
 

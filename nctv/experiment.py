@@ -46,8 +46,8 @@ from nctv.data import as_split
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.conformal import ConformalPredictor, ConformalSettings
 from nctv.consistency import consistency_test
-from nctv.intervals import (RESAMPLED, IntervalSettings, at_boundary, interval, method_draws, resample_counts,
-                            seed_counts, tested_p)
+from nctv.intervals import (RESAMPLED, IntervalSettings, at_boundary, interval, method_draws,
+                            resample_counts_for, seed_counts, tested_p)
 from nctv.metrics import FURTHER_NAMES, METRIC_NAMES, evaluate, further
 from nctv.results import (
     COMPARED_METHOD,
@@ -529,7 +529,9 @@ def _conformal(ctx: _Context, plan: MethodPlan, fitted: Any, test_logits: torch.
     predictor = ConformalPredictor(settings).fit(cal_logits, ctx.cal_y)
     # The worst class counts classes of at least 10 test pictures; a test split too small for any counts all.
     fewest = 10 if int(torch.bincount(ctx.test_y).max()) >= 10 else 1
-    ev = predictor.evaluate(test_logits, ctx.test_y, intervals=ctx.options.intervals, min_class_points=fewest)
+    how = ctx.options.intervals
+    ev = predictor.evaluate(test_logits, ctx.test_y, intervals=how, min_class_points=fewest,
+                            counts=None if how is None else _resamples(ctx))
     used = predictor.to_dict()
     triple = lambda i: [i.estimate, i.low, i.high]  # noqa: E731
     return {"score": settings.score, "coverage_target": float(settings.coverage), "randomized": settings.randomized,
@@ -540,18 +542,27 @@ def _conformal(ctx: _Context, plan: MethodPlan, fitted: Any, test_logits: torch.
             **{key: used[key] for key in ("penalty", "k_reg", "tuned", "n_tune", "n_conformal")}}
 
 
+def _resamples(ctx: _Context) -> torch.Tensor:
+    """The run's resamples of the test split (made on first use, with the generator that redraws seeds),
+    keyed by the unperturbed test logits and labels, which every method shares: the same resamples for the
+    test rows in any order (``nctv.intervals.resample_counts_for``), and every method's paired."""
+    if ctx.counts is None:
+        settings = ctx.options.intervals
+        ctx.counts = resample_counts_for((ctx.test_z, ctx.test_y), settings.resamples, settings.seed)
+        ctx.seed_generator = torch.Generator().manual_seed(settings.seed + 1)
+    return ctx.counts
+
+
 def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stats: dict) -> None:
     """Score one method's logits (every seed) on the run's resamples: its intervals go into ``stats``,
     its draws into ``ctx.draws`` for the comparisons. The logits of later seeds are then dropped."""
     settings = ctx.options.intervals
-    if ctx.counts is None:
-        ctx.counts = resample_counts(len(ctx.test_y), settings.resamples, settings.seed)
-        ctx.seed_generator = torch.Generator().manual_seed(settings.seed + 1)
+    counts = _resamples(ctx)
     seeds = seed_counts(len(per_seed), settings.resamples, ctx.seed_generator) if len(per_seed) > 1 else None
     metrics = [k for k in METRIC_NAMES + FURTHER_NAMES if k in RESAMPLED]
     ctx.draws[label] = {}
     for b, per in stats.items():
-        ctx.draws[label][b] = method_draws(per_seed, ctx.test_y, ctx.counts, b, metrics, seeds)
+        ctx.draws[label][b] = method_draws(per_seed, ctx.test_y, counts, b, metrics, seeds)
         # Is the row calibrated? Where the data cannot say no, its errors' intervals reach 0.
         test = consistency_test(per_seed, ctx.test_y, b, settings.resamples, settings.seed)
         per["calibration_p"] = MetricStats.from_runs([test.p_top_label])

@@ -106,6 +106,23 @@ def resample_counts(n: int, resamples: int, seed: int) -> torch.Tensor:
     return torch.zeros(resamples, n).scatter_add_(1, index, torch.ones(resamples, n))
 
 
+def resample_counts_for(rows: Sequence[Any], resamples: int, seed: int) -> torch.Tensor:
+    """(resamples, N) counts of :func:`resample_counts` for the N rows of ``rows`` (arrays or tensors read
+    together, one row per sample: a test split's logits and labels), drawn over the rows in the canonical
+    order (:func:`nctv.canonical.canonical_order`) and given back in the order the rows came: column i
+    holds the counts of row i's place in the canonical order.
+
+    A row's counts so follow its contents, not where it stands: the same rows in any order get the same
+    resamples, and every figure scored on them (each a function of the rows and their counts) is the
+    same to the last bit. A run keys them by the unperturbed model's test logits and labels, which every
+    method shares, so its comparisons stay paired."""
+    order = torch.from_numpy(canonical_order(*rows))
+    drawn = resample_counts(len(order), resamples, seed)
+    counts = torch.empty_like(drawn)
+    counts[:, order] = drawn
+    return counts
+
+
 # --------------------------------------------------------------------------- one set of logits
 
 
@@ -572,7 +589,8 @@ def smooth_band(confidence: Any, correct: Any, *, level: float = DEFAULT_LEVEL,
     at each mesh point the band is the union of the basic interval [2·curve − q_hi, 2·curve − q_lo] and
     the percentile interval [q_lo, q_hi] (q: quantiles of the resampled curves), the construction of
     every other interval of a run. All resamples are
-    smoothed at once from one count matrix (:func:`resample_counts` with ``seed``).
+    smoothed at once from one count matrix (:func:`resample_counts_for` the pairs (confidence, correctness)
+    with ``seed``), so the band is the same for the pairs in any order.
     """
     settings = IntervalSettings(level, resamples, seed)
     c = np.asarray(confidence.detach().cpu() if isinstance(confidence, torch.Tensor) else confidence, dtype=np.float64)
@@ -582,7 +600,7 @@ def smooth_band(confidence: Any, correct: Any, *, level: float = DEFAULT_LEVEL,
     value, sigma = smooth_ece_batch(c, y)
     bandwidth = float(sigma[0])
     mesh, curve, density = smooth_reliability_curves(c, y, bandwidth)
-    counts = resample_counts(len(c), settings.resamples, settings.seed)
+    counts = resample_counts_for((c, y), settings.resamples, settings.seed)
     _, draws, _ = smooth_reliability_curves(c, y, bandwidth, counts=counts)
     alpha = (1.0 - settings.level) / 2
     q_low, q_high = np.quantile(draws, [alpha, 1 - alpha], axis=0)

@@ -5,7 +5,8 @@ Layouts (docs/logits.md):
 
 * ``.npz`` (numpy, read with ``allow_pickle=False``) or ``.safetensors``: the arrays
   ``calibration_logits``, ``calibration_labels``, ``test_logits``, ``test_labels`` (already split), or
-  ``logits`` and ``labels`` (one set, split in halves at random by the seed). Class names, optional:
+  ``logits`` and ``labels`` (one set, split in halves at random by the seed, over the rows' canonical
+  order: the same halves for the rows in any order). Class names, optional:
   an array ``class_names`` of strings in a ``.npz``, the metadata key ``class_names`` (a JSON list) in a
   ``.safetensors``.
 * ``.csv``: a header row, then one row per example: a column ``label`` (class index), an optional
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from nctv.canonical import canonical_order
 from nctv.checks import env_limit
 
 #: Largest logits file read, in bytes; ``$NCTV_MAX_LOGITS_BYTES``.
@@ -267,7 +269,8 @@ def _checked(arrays: dict[str, np.ndarray], names: list[str] | None, shown: str,
         y = _labels(arrays["labels"], "labels", shown, z.shape[1])
         if len(z) != len(y):
             raise ValueError(f"{shown}: {len(z):,} rows of logits but {len(y):,} labels.")
-        order = np.random.default_rng(seed).permutation(len(z))
+        # The seeded permutation is of the rows' canonical places: the same halves for the rows in any order.
+        order = canonical_order(z, y)[np.random.default_rng(seed).permutation(len(z))]
         half = len(z) // 2
         cal, test = order[:half], order[half:]
         parts = (z[cal], y[cal], z[test], y[test])

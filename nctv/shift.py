@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from nctv.canonical import canonical_order
 from nctv.corruptions import CORRUPTIONS
 from nctv.metrics import HIGHER_IS_BETTER
 from nctv.results import (COMPARED_METHOD, GRID_SEARCH_METHOD, RESULTS_SCHEMA_VERSION, PairedDifference, _header, _JSON,
@@ -366,12 +367,13 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
     from nctv.cache import split_logits
     from nctv.corruptions import corrupt_split
     from nctv.consistency import consistency_test
-    from nctv.intervals import at_boundary, interval, method_draws, resample_counts, seed_counts, tested_p
+    from nctv.intervals import at_boundary, interval, method_draws, resample_counts_for, seed_counts, tested_p
     from nctv.metrics import evaluate, reliability_bins
 
     ctx = run.ctx
     opts = ctx.options
-    counts = resample_counts(len(ctx.test_y), intervals.resamples, intervals.seed)
+    # A run's resamples (nctv.experiment): keyed by the clean test rows, the same under every condition.
+    counts = resample_counts_for((ctx.test_z, ctx.test_y), intervals.resamples, intervals.seed)
     generator = torch.Generator().manual_seed(intervals.seed + 1)
     seed_draws = {p.label: seed_counts(len(fitted[p.label]), intervals.resamples, generator)
                   for p in plans if len(fitted[p.label]) > 1}
@@ -384,7 +386,10 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
     # corrupted split, and Neural Clamping's f(x + δ)), and the rest (logit-space maps, metrics, intervals).
     timing = dict.fromkeys(("corrupting", "unperturbed logits", "model-based methods", "scoring"), 0.0)
     model_based = {p.label for p in plans if ex._registry()[p.name].needs_model}
-    picked = np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int) if examples else None
+    # Example pictures spread over the test rows in their canonical order: the same pictures, shown in the
+    # same order, for the test split in any order.
+    picked = (canonical_order(ctx.test_z, ctx.test_y)[np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int)]
+              if examples else None)
     for corruption, severity in conditions:
         key = condition_key(corruption, severity)
         ctx.progress.message(f"scoring {key}")

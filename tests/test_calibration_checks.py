@@ -14,7 +14,7 @@ from bench.boundary import Case, coverage, draw, population_ece
 from nctv import experiment, report
 from nctv.consistency import consistency_test
 from nctv.inference import model_logits
-from nctv.intervals import Interval, at_boundary, interval, method_draws, resample_counts
+from nctv.intervals import Interval, at_boundary, interval, method_draws, resample_counts_for
 from tests.test_experiment import CountingMatchedFilter, toy_split
 
 
@@ -221,7 +221,7 @@ def test_a_run_reports_the_test_and_says_consistent_with_calibrated(tmp_path):
     for k, v in M.further(z, y, 15).items():
         assert unc[k].mean == pytest.approx(v, abs=1e-12)
     # TS's calibration errors reach 0; the uncalibrated row keeps its bootstrap interval.
-    counts = resample_counts(len(y), 1000, 0)
+    counts = resample_counts_for((z, y), 1000, 0)  # the run's: keyed by its unperturbed test rows
     d = method_draws([z], y, counts, 15, ["ece"])["ece"]
     bootstrap = interval(d, "ece")
     assert (unc["ece"].ci_low, unc["ece"].ci_high) == pytest.approx((bootstrap.low, bootstrap.high), abs=1e-12)

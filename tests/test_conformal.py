@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nctv.conformal as C
+from nctv.canonical import canonical_order
 from nctv.checks import NotFittedError
 from nctv.intervals import IntervalSettings
 
@@ -218,14 +219,20 @@ def test_coverage_interval_matches_the_binomial_spread():
 
 
 def test_split_calibration():
-    fit, conf = C.split_calibration(101, 0.5, seed=3)
+    z, y = _overconfident(101, 4, seed=5)
+    fit, conf = C.split_calibration(z, y, 0.5, seed=3)
     assert len(conf) == 50 and len(fit) == 51
     assert sorted(torch.cat([fit, conf]).tolist()) == list(range(101))
-    again = C.split_calibration(101, 0.5, seed=3)
-    assert torch.equal(fit, again[0]) and torch.equal(conf, again[1])
-    assert not torch.equal(conf, C.split_calibration(101, 0.5, seed=4)[1])
+    # The documented draw: torch's seeded permutation of the rows' places in the canonical order.
+    perm = canonical_order(z, y)[torch.randperm(101, generator=torch.Generator().manual_seed(3)).numpy()]
+    assert conf.tolist() == sorted(perm[:50].tolist()) and fit.tolist() == sorted(perm[50:].tolist())
+    assert not torch.equal(conf, C.split_calibration(z, y, 0.5, seed=4)[1])
+    # The same rows in another order are cut alike: each row lands in the same part.
+    shuffle = torch.from_numpy(np.random.default_rng(1).permutation(101))
+    fit2, conf2 = C.split_calibration(z[shuffle], y[shuffle], 0.5, seed=3)
+    assert sorted(shuffle[conf2].tolist()) == conf.tolist() and sorted(shuffle[fit2].tolist()) == fit.tolist()
     with pytest.raises(ValueError, match="at least 2 points"):
-        C.split_calibration(1)
+        C.split_calibration(z[:1], y[:1])
 
 
 def test_describe_set():
@@ -400,8 +407,9 @@ def test_tuning_and_conformal_parts_are_disjoint_and_make_the_whole_split():
     assert len(tune) == math.ceil(0.3 * 1001) == 301 and len(conf) == 700 and cp.n_calibration_ == 700
     assert sorted(torch.cat([tune, conf]).tolist()) == list(range(1001))
     assert not set(tune.tolist()) & set(conf.tolist())
-    # The documented draw: the first ⌈0.3 n⌉ of numpy's permutation from stream 2 of the seed.
-    perm = np.random.default_rng(np.random.SeedSequence(3).spawn(3)[2]).permutation(1001)
+    # The documented draw: the first ⌈0.3 n⌉ of numpy's permutation from stream 2 of the seed, of the rows'
+    # places in the canonical order of their probabilities (no two rows tie here, so the labels order none).
+    perm = canonical_order(C.probabilities(z))[np.random.default_rng(np.random.SeedSequence(3).spawn(3)[2]).permutation(1001)]
     assert tune.tolist() == sorted(perm[:301].tolist()) and conf.tolist() == sorted(perm[301:].tolist())
     # q̂ comes from the conformal part alone, with the tuned λ and k_reg.
     s = C.class_scores(C.probabilities(z[conf]), "raps", None, cp.penalty_, cp.k_reg_)

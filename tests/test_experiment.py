@@ -157,7 +157,7 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     from nctv import intervals as iv
 
     assert r.settings["intervals"] == iv.IntervalSettings().to_dict()
-    counts = iv.resample_counts(len(y_test), 1000, 0)
+    counts = iv.resample_counts_for((z, y_test), 1000, 0)  # keyed by the unperturbed test logits and labels
     d = iv.method_draws([ts.test_logits], y_test, counts, 15, ["ece", "accuracy"])
     from nctv.consistency import consistency_test
 

@@ -9,6 +9,7 @@ from scipy.special import betainc
 
 from nctv import intervals as iv
 from nctv import metrics
+from nctv.canonical import canonical_order
 
 # --------------------------------------------------------------------------- the population
 #
@@ -319,7 +320,12 @@ def test_gamma_sweep_and_init_study_carry_test_split_intervals():
     sw = gamma_sweep(model, x, y, xt, yt, gammas=[0.0, 1.0], intervals=settings, progress=False)
     first = NeuralClamping(model, gamma=0.0, progress=False).fit(x, y)  # the sweep's row at γ = 0 is this fit
     zt = first.predict_logits(xt).double()
-    counts = iv.resample_counts(len(yt), 400, 3)
+    # The studies' resamples: seed 3's draws over the test rows' places in the canonical order of the
+    # unperturbed model's logits and the labels.
+    with torch.no_grad():
+        order = torch.from_numpy(canonical_order(model(xt), yt))
+    counts = torch.empty(400, len(yt))
+    counts[:, order] = iv.resample_counts(len(yt), 400, 3)
     direct = iv.method_draws([zt], yt, counts, 15, ["ece", "entropy"])
     # As in a run's table: where the calibration test cannot reject "calibrated", ECE's interval reaches 0.
     tested = consistency_test([zt], yt, 15, 400, 3)

@@ -9,6 +9,7 @@ from safetensors.numpy import load_file
 from scipy.stats import norm
 
 import nctv.metrics as M
+from nctv.canonical import canonical_order
 
 SHIPPED_LOGITS = Path(__file__).resolve().parent.parent / "assets" / "precomputed" / "test_logits.safetensors"
 
@@ -196,7 +197,9 @@ def test_band_is_the_bootstrap_of_the_curve_on_the_seeded_resamples():
     assert band.bandwidth == reference.bandwidth and band.smooth_ece == pytest.approx(reference.smooth_ece, abs=1e-12)
     assert np.array_equal(band.confidence, reference.confidence)
     assert np.allclose(band.accuracy, reference.accuracy, atol=1e-12)
+    # The seeded draws are of places in the canonical order of the pairs (confidence, correctness).
     index = torch.randint(conf.size, (200, conf.size), generator=torch.Generator().manual_seed(4)).numpy()
+    index = canonical_order(conf, correct)[index]
     _, curves, _ = M.smooth_reliability_curves(conf[index], correct[index], band.bandwidth)
     q05, q95 = np.quantile(curves, [0.05, 0.95], axis=0)
     assert band.low == pytest.approx(np.clip(np.minimum(2 * band.accuracy - q95, q05), 0, 1), abs=1e-9)

@@ -18,8 +18,8 @@ from nctv.calibration.clamping import NeuralClamping
 from nctv.calibration.clamping_fit import mean_focal
 from nctv.checks import check_gamma, check_positive, check_whole
 from nctv.intervals import (RESAMPLED, Interval, IntervalSettings, at_boundary,
-                            difference, difference_at_boundary, interval, method_draws, resample_counts, seed_counts,
-                            tested_p)
+                            difference, difference_at_boundary, interval, method_draws, resample_counts_for,
+                            seed_counts, tested_p)
 from nctv.settings import STUDY_RANDOM_INIT_STD, SWEEP_GAMMAS, NCOptions
 
 __all__ = ["GammaSweep", "gamma_sweep", "gamma_sweep_passes", "InitStudy", "init_study",
@@ -39,12 +39,14 @@ def _curves(rows: list[dict[str, float]]) -> dict[str, np.ndarray]:
     return {k: np.array([r[k] for r in rows]) for k in _CURVES}
 
 
-def _test_draws(per_point: list[list[torch.Tensor]], labels: torch.Tensor, n_bins: int, metrics: Sequence[str],
-                settings: IntervalSettings) -> list[dict[str, Any]]:
+def _test_draws(per_point: list[list[torch.Tensor]], labels: torch.Tensor, unperturbed: torch.Tensor, n_bins: int,
+                metrics: Sequence[str], settings: IntervalSettings) -> list[dict[str, Any]]:
     """Per point (a γ, an initialisation: the test logits of each of its runs), ``metrics`` on every
     resample of the test split (``nctv.intervals``). One count matrix serves every point, so points
-    compare paired; a point with several runs redraws them in each resample (the mean's interval)."""
-    counts = resample_counts(len(labels), settings.resamples, settings.seed)
+    compare paired; a point with several runs redraws them in each resample (the mean's interval). The
+    resamples are keyed by the ``unperturbed`` model's test logits and the labels, as a run's are: the
+    same for the test pictures in any order."""
+    counts = resample_counts_for((unperturbed, labels), settings.resamples, settings.seed)
     runs = torch.Generator().manual_seed(settings.seed + 1)
     out = []
     for logits in per_point:
@@ -81,9 +83,10 @@ class GammaSweep:
     FL_γ of the calibrated logits, without the λ term; ECE with ``n_bins`` bins, as fractions).
     ``test`` is None without a test split. ``chosen_gamma``: the γ that ``gamma="auto"`` over these γ values
     keeps (the temperature rule's calibration criterion: by default the mean ECE over 10, 15 and 20 bins).
-    ``delta_l2``: ‖δ‖₂ of each γ's δ. ``n_passes``: passes over the calibration split for the whole sweep; ``test_passes``: forward
-    passes over the test split (0.5 each). ``test_low``/``test_high``: per γ, the interval of the test
-    split's "ece" and "entropy" from resampling it (``intervals``: how; None: not computed).
+    ``delta_l2``: ‖δ‖₂ of each γ's δ. ``n_passes``: passes over the calibration split for the whole sweep;
+    ``test_passes``: forward passes over the test split (0.5 each: one per γ, and the unperturbed model's,
+    the resamples' key, where intervals are computed). ``test_low``/``test_high``: per γ, the interval of
+    the test split's "ece" and "entropy" from resampling it (``intervals``: how; None: not computed).
     """
 
     gammas: np.ndarray
@@ -115,7 +118,8 @@ class GammaSweep:
                    weight_decay=_finite(data["weight_decay"], "weight_decay", n),
                    objective=_finite(data["objective"], "objective", n), passes=_finite(data["passes"], "passes", n),
                    cal=curves["calibration"], test=curves.get("test"), chosen_gamma=float(data["chosen_gamma"]),
-                   n_passes=float(data["n_passes"]), test_passes=0.5 * n if "test" in curves else 0.0,
+                   n_passes=float(data["n_passes"]),
+                   test_passes=0.5 * (n + (ends is not None)) if "test" in curves else 0.0,
                    fitter=str(data["fitter"]), n_bins=int(data["n_bins"]),
                    delta_l2=None if "delta_l2" not in data else _finite(data["delta_l2"], "delta_l2", n),
                    test_low=None if ends is None else {m: _finite(e["ci_low"], f"{m} low", n) for m, e in ends.items()},
@@ -165,11 +169,13 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
     cal_rows = [_split_metrics(f.result.logits / t, prepared.labels, f.gamma, n_bins) for f, t in zip(fits, temps)]
     test_rows, bands = None, None
     if test_inputs is not None:
-        test_z, test_y = nc.perturbed_logits(test_inputs, test_labels, [f.result.delta for f in fits], prepared)
+        # With intervals, f(x) too (the resamples' key): half a pass more over the test split.
+        test_z, test_y = nc.perturbed_logits(test_inputs, test_labels, [f.result.delta for f in fits]
+                                             + ([None] if intervals is not None else []), prepared)
         test_rows = [_split_metrics(z / t, test_y, f.gamma, n_bins) for z, f, t in zip(test_z, fits, temps)]
         if intervals is not None:
             points = [[z / t] for z, t in zip(test_z, temps)]
-            draws = _test_draws(points, test_y, n_bins, ("ece", "entropy"), intervals)
+            draws = _test_draws(points, test_y, test_z[-1], n_bins, ("ece", "entropy"), intervals)
             bands = _curves_of([_ends(d, intervals.level, _tested(pt, test_y, n_bins, intervals))
                                 for d, pt in zip(draws, points)])
     return GammaSweep(
@@ -182,7 +188,7 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         test=None if test_rows is None else _curves(test_rows),
         chosen_gamma=float(best.gamma),
         n_passes=n_passes,
-        test_passes=0.0 if test_rows is None else 0.5 * len(fits),
+        test_passes=0.0 if test_rows is None else 0.5 * len(test_z),
         fitter=nc.fitter,
         n_bins=n_bins,
         delta_l2=np.array([float(f.result.delta.norm()) for f in fits]),
@@ -365,7 +371,9 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
             chosen[init].append((best.result.delta, candidates[fits.index(best)]["temperature"]))
     n_passes = prepared.passes
     unique = {id(d): d for runs in chosen.values() for d, _ in runs}
-    test_z, test_y = nc.perturbed_logits(*_pair(test, "test"), list(unique.values()), prepared)
+    # With intervals, f(x) too (the resamples' key): half a pass more over the test split.
+    test_z, test_y = nc.perturbed_logits(*_pair(test, "test"), list(unique.values())
+                                         + ([None] if intervals is not None else []), prepared)
     zs = dict(zip(unique, test_z))
     runs = {init: [evaluate(zs[id(d)] / t, test_y, n_bins=n_bins) for d, t in chosen[init]] for init in chosen}
     ci = compared = None
@@ -373,7 +381,7 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         # A fit repeated for every run (the shared data-driven one) is one run of the mean.
         per_init = [[zs[id(d)] / t for d, t in dict((id(d), (d, t)) for d, t in chosen[init]).values()] for init in chosen]
         metrics = [m for m in METRIC_NAMES if m in RESAMPLED]
-        draws = dict(zip(chosen, _test_draws(per_init, test_y, n_bins, metrics, intervals)))
+        draws = dict(zip(chosen, _test_draws(per_init, test_y, test_z[-1], n_bins, metrics, intervals)))
         tests = {init: _tested(logits, test_y, n_bins, intervals) for init, logits in zip(chosen, per_init)}
         ci = {init: _ends(d, intervals.level, tests[init]) for init, d in draws.items()}
         compared = {}

@@ -146,7 +146,8 @@ def _keep_logits(p: dict, label: str, logits: torch.Tensor, labels: Any) -> str:
 
 def case_panel_baselines(p: dict, device: torch.device) -> dict:
     """Uncalibrated, TS, TS grid, Dir-ODIR and today's best (``NEWEST``) on one model (test ECE, 15 bins; fit
-    seconds); the calibrated test logits of TS grid and of today's best are kept for the paired comparisons."""
+    seconds); the calibrated test logits of TS grid and of today's best are kept for the paired comparisons,
+    and the uncalibrated ones, which key the resamples."""
     loaded, cal, test = _splits(p, device)
     result = _run(loaded, cal, test, ["Uncalibrated", *PANEL_BASELINES, *NEWEST], p, device)
     rows = {}
@@ -155,7 +156,8 @@ def case_panel_baselines(p: dict, device: torch.device) -> dict:
                "seconds": 0.0 if m.is_reference else m.fit_seconds[0]}
         if "temperature" in m.params:
             row["temperature"] = float(m.params["temperature"])
-        if (name in ALTERNATIVES or name in NEWEST) and p.get("logits_dir"):
+        # The uncalibrated logits too: the key of the run's resamples (row_draws).
+        if (name in ALTERNATIVES or name in NEWEST or name == "Uncalibrated") and p.get("logits_dir"):
             row["logits"] = _keep_logits(p, name, m.test_logits, result.test_labels)
         rows[name] = row
     return {"model": p["model"], "cal_size": result.calibration["size"], "test_size": result.test["size"],
@@ -578,7 +580,8 @@ def summarise(results: dict) -> dict:
         own = _pick(tk_all, model=model, settings="toolkit", order="own")
         if own:
             runs["NCToolkit"] = own
-        kept = {name: [r] for name, r in b["methods"].items() if name in ALTERNATIVES or name in NEWEST}
+        kept = {name: [r] for name, r in b["methods"].items()
+                if name in ALTERNATIVES or name in NEWEST or name == "Uncalibrated"}
         summary = panel_summary(model, b, runs, row_draws({**kept, **{k: v for k, v in runs.items() if v}}))
         summary["from_reports"] = sorted({r["from_report"] for rs in runs.values() for r in rs if r.get("from_report")})
         summary["referenced_rows"] = [label for label, rs in runs.items() if rs and all(r.get("from_report") for r in rs)]

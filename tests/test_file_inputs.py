@@ -21,9 +21,8 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from conftest import start_app, stop_app
 from test_browser import CHROMIUM, browser, open_app  # noqa: F401 - browser: a fixture
-from test_hostile_small import App, _apps_words
+from test_hostile_small import App, _apps_words, launched
 
 from nctv.ui.uploads import UPLOAD_FIRST, uploaded, uploads_only
 
@@ -147,13 +146,7 @@ def app(tmp_path_factory, recorder):
     tmp = tmp_path_factory.mktemp("file-inputs")
     proxy = {name: recorder for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
     # The server's calls to itself (the agents' tools run through its own queue) stay off the proxy.
-    proc, url = start_app(tmp, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", **proxy)
-    served = App(proc, url, tmp / "server.log")
-    try:
-        yield served
-    finally:
-        served.http.close()
-        stop_app(proc)
+    yield from launched(tmp, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", **proxy)
 
 
 @pytest.fixture

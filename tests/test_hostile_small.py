@@ -165,8 +165,12 @@ class App(Server):
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("small")
-    proc, url = start_app(tmp)
+    yield from launched(tmp_path_factory.mktemp("small"))
+
+
+def launched(tmp: Path, **env):
+    """The app launched in ``tmp`` with ``env`` added (an :class:`App`), stopped when the caller is done."""
+    proc, url = start_app(tmp, **env)
     served = App(proc, url, tmp / "server.log")
     try:
         yield served

@@ -26,7 +26,7 @@ from nctv.results import COMPARED_METHOD
 from nctv.shift import (AVERAGE, SHIFT_FILE, SHIFT_REFERENCES, ShiftResult, comparison_table, condition_title,
                         shift_table, summary_sentences, to_csv)
 from nctv.ui.common import user_errors
-from nctv.ui.shipped import NO_STUDY, PRECOMPUTED_LABEL, precomputed_dir, shipped_shift  # noqa: F401 (re-exported)
+from nctv.ui.shipped import NO_STUDY, PRECOMPUTED_LABEL, precomputed_dir, shipped_shift
 from nctv.ui.slides import figure_files, shipped_files, tables_file
 
 #: The metrics each method's card shows, with their interval.

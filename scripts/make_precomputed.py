@@ -146,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-size", type=int, default=DEFAULT_CALIBRATION_SIZE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bins", type=int, default=APP_BINS)
-    ap.add_argument("--only", choices=["all", "shift", "ood"], default="all",
+    ap.add_argument("--only", choices=["all", "shift", "ood", "init"], default="all",
                     help="shift: write shift.json alone, keeping every other file; ood: the same for "
-                         "ood.safetensors, the Try tab's out-of-distribution detector")
+                         "ood.safetensors, the Try tab's out-of-distribution detector; init: the same for "
+                         "the initialisation study")
     args = ap.parse_args(argv)
     if args.out is None and args.model not in ENTRIES:
         ap.error(f"--out is needed for {args.model!r}: the app opens the studies of its menu's models only")
@@ -165,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "ood":
         args.out.mkdir(parents=True, exist_ok=True)
         print(f"wrote {default_ood(loaded, cal, test, args.model, args.dataset, len(cal), args.seed, test_size, args.out)}")
+        return 0
+    if args.only == "init":
+        study = timed("initialisation study", default_init_study, loaded, cal, test, args.seed, args.bins,
+                      callback=report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / INIT_STUDY_FILE).write_text(study.to_json(), encoding="utf-8")
+        print(f"wrote {args.out / INIT_STUDY_FILE}")
         return 0
     shift = timed("shift study", default_shift, loaded, cal, test, args.seed, args.bins, callback=report)
     if args.only == "shift":

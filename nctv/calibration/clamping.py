@@ -35,9 +35,11 @@ Decisions where the paper leaves room (they hold for every class and function he
   "strong"). docs/method.md gives the measurements behind these choices.
 * **Repeatability**: random draws come from a local ``torch.Generator`` on the CPU (global RNG
   untouched), so a seeded fit repeats exactly on the CPU, and on a GPU as far as the model's own
-  kernels are deterministic. The fast fitter's passes run a float64 copy of the model from a start
-  that breaks max-pooling ties (``exact_twin``, ``tie_breaking_start``), so its δ and T are the same
-  on every machine, whatever its CPU kernels or thread count (docs/method.md, "Reproducibility").
+  kernels are deterministic. The fast fitter's passes run a float64 copy of the model (batch
+  normalisations folded into their convolutions, pieces of at most ``EXACT_CPU_PIECE`` images on the
+  CPU) from a start that breaks max-pooling ties (``exact_twin``, ``tie_breaking_start``; Theorem 1's
+  δ̃ is moved by the same pattern), so its δ and T are the same on every machine, whatever its CPU
+  kernels or thread count (docs/method.md, "Reproducibility").
 * **init="data"** is Theorem 1's δ̃ (``data_driven_delta``); it needs ``input_range`` = (α, β),
   the preprocessed images of pixel values 0 and 1 (``LoadedModel.input_range``). Without α, β the
   theorem has no room to move δ, so a missing range is an error rather than a silent δ̃ = 0.
@@ -75,6 +77,7 @@ from nctv.calibration.clamping_fit import (
     best_log_temperature,
     check_label_range,
     entropy_gradient,
+    EXACT_CPU_PIECE,
     exact_twin,
     fit_fast,
     fit_sgd,
@@ -536,7 +539,9 @@ class NeuralClamping(_InputCalibrator):
         # The fast fitter's passes run in float64, so that its path is the same on every machine
         # (exact_twin says why); under a reduced precision the model runs as that precision says.
         if recipe is None and precision.current().dtype is None:
-            loss["exact"] = exact_twin(self.model, dev)
+            loss["exact"] = exact_twin(self.model, dev, split.input_shape)
+            if loss["exact"] is not None and dev.type == "cpu":
+                split.limit_pieces(EXACT_CPU_PIECE)
         problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev), **loss)
         problem.check_labels()
         size = math.prod(split.input_shape)
@@ -564,6 +569,11 @@ class NeuralClamping(_InputCalibrator):
     def _initial_delta(self, start: _Start, shape: tuple[int, ...], generator: torch.Generator, device) -> torch.Tensor:
         if self.init == "data":
             delta = start.delta_tilde.clone()
+            if self._recipe() is None:
+                # δ̃ is flat wherever the data's range is, so x + δ̃ leaves a flat picture's max-pooling
+                # ties in place, and the gradient's routing at them to the kernel's rounding: the
+                # tie-breaking pattern breaks them, as it does for a start at 0.
+                delta = delta + tie_breaking_start(shape, device)
         else:
             std = float(self._setting("init_std"))
             if self._recipe() is not None:  # the recipes draw δ₀ as the authors' code does

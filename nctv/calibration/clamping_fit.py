@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -104,6 +105,11 @@ class InputStream:
     def passes(self) -> float:
         """Passes over the split so far (forward + backward = 1, forward only = 0.5); only ``count`` adds."""
         return self._passes
+
+    def limit_pieces(self, size: int) -> None:
+        """Call the model on pieces of at most ``size`` images (the pieces' sums are the same to rounding)."""
+        for sizer in self._sizers.values():
+            sizer.size = max(1, min(sizer.size, int(size)))
 
     def count(self, passes: float) -> None:
         """Add ``passes`` to the split's pass count, the one count every fit on the split reports."""
@@ -286,7 +292,13 @@ def checked_logits(z: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 EXACT_DTYPE = torch.float64
 
 
-def exact_twin(model: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
+#: Images per piece of a float64 pass on the CPU, at most: smaller pieces keep a small model's
+#: activations in the cache (11 % faster a pass on the embedded default than 512, measured).
+EXACT_CPU_PIECE = 256
+
+
+def exact_twin(model: torch.nn.Module, device: torch.device,
+               input_shape: tuple[int, ...] | None = None) -> torch.nn.Module | None:
     """A float64 copy of ``model`` for the fast fitter's passes, or None where the device has no float64 (MPS).
 
     Why float64: a ReLU network's loss is piecewise smooth in δ. In float32 the rounding of one CPU's
@@ -298,15 +310,61 @@ def exact_twin(model: torch.nn.Module, device: torch.device) -> torch.nn.Module 
     ATEN_CPU_CAPABILITY settings after 9 passes. In float64 the kernels' results differ by about
     1e-16, no decision changes, and the path is the same to about 1e-15 on every kernel set (measured).
     The copy is the caller's model untouched (its weights are read once; the model is never changed).
+
+    Given ``input_shape`` (one input's), every batch normalisation that directly follows a
+    convolution is folded into it (``fold_batch_norms``): the same function to about 1e-15, one
+    operation less, forward and backward (a pass of the embedded default 20 % cheaper).
     """
     if device.type == "mps":
         return None
     twin = copy.deepcopy(model).to(EXACT_DTYPE)
-    if device.type == "cpu":  # float64 convolutions run about 1.5 times faster channels-last there (measured)
-        twin = twin.to(memory_format=torch.channels_last)
     for p in twin.parameters():
         p.requires_grad_(False)
-    return twin.eval()
+    twin.eval()
+    if input_shape is not None:
+        twin = fold_batch_norms(twin, input_shape)
+    if device.type == "cpu":  # float64 convolutions run about 1.5 times faster channels-last there (measured)
+        twin = twin.to(memory_format=torch.channels_last)
+    return twin
+
+
+def fold_batch_norms(model: torch.nn.Module, input_shape: tuple[int, ...]) -> torch.nn.Module:
+    """``model`` (eval mode) with each convolution + batch normalisation pair folded into one convolution.
+
+    Folded by ``torch.fx`` (the pattern conv → BN where the BN alone reads the conv's output). The
+    folded model is kept only when it can be traced and, on a fixed probe of two inputs of
+    ``input_shape``, gives the model's logits to 1e-9 relative; otherwise, or when nothing was folded,
+    ``model`` is returned as it is (a model fx cannot trace, or a BN on batch statistics, keeps its layers).
+    """
+    def norms(m: torch.nn.Module) -> int:
+        return sum(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
+
+    if not norms(model):
+        return model
+    try:
+        from torch.fx.experimental.optimization import fuse
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            folded = fuse(model, inplace=False)
+        if norms(folded) == norms(model):  # nothing folded (e.g. every BN on batch statistics)
+            return model
+        dtype = next(model.parameters()).dtype
+        size = math.prod(input_shape)
+        j = torch.arange(1, 2 * size + 1, dtype=torch.float64)
+        probe = (torch.remainder(j * _GOLDEN, 1.0) - 0.5).view(2, *input_shape).to(dtype)
+        probe = probe.to(next(model.parameters()).device)
+        with torch.no_grad():
+            want, got = model(probe), folded(probe)
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape
+                and bool(torch.isfinite(got).all())
+                and float((got - want).abs().max()) <= 1e-9 * max(float(want.abs().max()), 1.0)):
+            return model
+    except Exception:  # noqa: BLE001 - any model fx cannot trace or fold keeps its own layers
+        return model
+    for p in folded.parameters():
+        p.requires_grad_(False)
+    return folded.eval()
 
 
 @dataclass(frozen=True)

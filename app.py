@@ -1,5 +1,9 @@
 """Start the NCTV web app: python app.py  (host $GRADIO_SERVER_NAME, default 0.0.0.0; port $PORT, default 7860)."""
+import faulthandler
 import os
+
+# A crash in native code (a signal, not a Python exception) leaves every thread's stack in the server's log.
+faulthandler.enable()
 
 if os.environ.get("SPACES_ZERO_GPU"):
     from nctv.settings import fork_safe_environment

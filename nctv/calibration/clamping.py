@@ -567,23 +567,23 @@ class NeuralClamping(_InputCalibrator):
         return _Start(z0, delta_tilde, problem.split.passes - before, anchor)
 
     def _initial_delta(self, start: _Start, shape: tuple[int, ...], generator: torch.Generator, device) -> torch.Tensor:
+        recipe = self._recipe() is not None
+        std = float(self._setting("init_std"))
         if self.init == "data":
             delta = start.delta_tilde.clone()
-            if self._recipe() is None:
-                # δ̃ is flat wherever the data's range is, so x + δ̃ leaves a flat picture's max-pooling
-                # ties in place, and the gradient's routing at them to the kernel's rounding: the
-                # tie-breaking pattern breaks them, as it does for a start at 0.
-                delta = delta + tie_breaking_start(shape, device)
+        elif recipe:  # the recipes draw δ₀ as the authors' code does
+            delta = (std * torch.randn(shape, generator=generator)).to(device)
+        elif std == 0:
+            delta = torch.zeros(shape, device=device)
         else:
-            std = float(self._setting("init_std"))
-            if self._recipe() is not None:  # the recipes draw δ₀ as the authors' code does
-                delta = (std * torch.randn(shape, generator=generator)).to(device)
-            elif std == 0:
-                delta = tie_breaking_start(shape, device)
-            else:
-                # Drawn in float64: torch's scalar and vector CPU kernels draw float32 normals differently
-                # (another δ₀ under ATEN_CPU_CAPABILITY=default), float64 ones alike.
-                delta = (std * torch.randn(shape, generator=generator, dtype=torch.float64)).float().to(device)
+            # Drawn in float64: torch's scalar and vector CPU kernels draw float32 normals differently
+            # (another δ₀ under ATEN_CPU_CAPABILITY=default), float64 ones alike.
+            delta = (std * torch.randn(shape, generator=generator, dtype=torch.float64)).float().to(device)
+        if not recipe and (self.init == "data" or std == 0):
+            # The fast fitter's fixed starts, 0 and Theorem 1's δ̃ (flat wherever the data's range is),
+            # leave a flat picture's max-pooling ties in place and the gradient's way through them to
+            # rounding: the tie-breaking pattern breaks them.
+            delta = delta + tie_breaking_start(shape, device)
         # Drawn even when frozen, so that the frozen run sees the same batch order as the learned one.
         return delta if self.learn_delta else torch.zeros_like(delta)
 

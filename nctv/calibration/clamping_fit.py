@@ -293,7 +293,7 @@ EXACT_DTYPE = torch.float64
 
 
 #: Images per piece of a float64 pass on the CPU, at most: smaller pieces keep a small model's
-#: activations in the cache (11 % faster a pass on the embedded default than 512, measured).
+#: activations in the cache (a pass of the embedded default 11 % faster than 512 with one thread, measured).
 EXACT_CPU_PIECE = 256
 
 
@@ -313,7 +313,7 @@ def exact_twin(model: torch.nn.Module, device: torch.device,
 
     Given ``input_shape`` (one input's), every batch normalisation that directly follows a
     convolution is folded into it (``fold_batch_norms``): the same function to about 1e-15, one
-    operation less, forward and backward (a pass of the embedded default 20 % cheaper).
+    operation less, forward and backward (a float64 pass of the embedded default 15–20 % cheaper, measured).
     """
     if device.type == "mps":
         return None
@@ -349,11 +349,8 @@ def fold_batch_norms(model: torch.nn.Module, input_shape: tuple[int, ...]) -> to
             folded = fuse(model, inplace=False)
         if norms(folded) == norms(model):  # nothing folded (e.g. every BN on batch statistics)
             return model
-        dtype = next(model.parameters()).dtype
-        size = math.prod(input_shape)
-        j = torch.arange(1, 2 * size + 1, dtype=torch.float64)
-        probe = (torch.remainder(j * _GOLDEN, 1.0) - 0.5).view(2, *input_shape).to(dtype)
-        probe = probe.to(next(model.parameters()).device)
+        weight = next(model.parameters())
+        probe = golden_pattern(2 * math.prod(input_shape)).view(2, *input_shape).to(weight.device, weight.dtype)
         with torch.no_grad():
             want, got = model(probe), folded(probe)
         if not (isinstance(got, torch.Tensor) and got.shape == want.shape
@@ -570,9 +567,14 @@ def tie_breaking_start(shape: tuple[int, ...], device: torch.device) -> torch.Te
     (frac(j·φ) − 0.5)·1e−6 for element j (φ the golden ratio), made of exactly rounded operations,
     so its bits do not depend on the machine, and far too small to change the fit otherwise.
     """
-    j = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64)
-    pattern = torch.remainder(j * _GOLDEN, 1.0) - 0.5
-    return (TIE_BREAK * pattern).view(shape).to(device, torch.float32)
+    return (TIE_BREAK * golden_pattern(math.prod(shape))).view(shape).to(device, torch.float32)
+
+
+def golden_pattern(n: int) -> torch.Tensor:
+    """frac(j·φ) − 0.5 for j = 1 … n (float64, in [−0.5, 0.5), no two alike), of exactly rounded
+    operations: the same bits on every machine."""
+    j = torch.arange(1, n + 1, dtype=torch.float64)
+    return torch.remainder(j * _GOLDEN, 1.0) - 0.5
 
 
 @dataclass

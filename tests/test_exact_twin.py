@@ -1,4 +1,5 @@
-"""The fast fitter's float64 twin: batch normalisations folded into the convolutions before them.
+"""The fast fitter's float64 twin: batch normalisations folded into the convolutions before them,
+convolutions on small pictures run as their dense linear maps.
 
 The folded twin must compute the model's function (checked against the unfolded float64 copy and
 against a hand-built conv → BN whose folded weights are known in closed form); models it cannot fold
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from nctv.calibration.clamping_fit import EXACT_DTYPE, exact_twin, fold_batch_norms
+from nctv.calibration.clamping_fit import EXACT_DTYPE, DenseConv, densify_small_convs, exact_twin, fold_batch_norms
 
 
 def _conv_bn(track: bool = True) -> nn.Module:
@@ -79,9 +80,10 @@ def test_the_embedded_models_twins_compute_their_float64_function_and_leave_the_
         twin = exact_twin(model, torch.device("cpu"), (1, 28, 28))
         plain = copy.deepcopy(model).to(EXACT_DTYPE).eval()
         assert all(p.dtype == EXACT_DTYPE and not p.requires_grad for p in twin.parameters())
-        if name == "fmnist-resnet":  # conv → BN throughout: every BN folded away
+        if name == "fmnist-resnet":  # conv → BN throughout: every BN folded away; the last stages' pictures are small
             assert any(isinstance(m, nn.BatchNorm2d) for m in plain.modules())
             assert not any(isinstance(m, nn.BatchNorm2d) for m in twin.modules())
+            assert any(isinstance(m, DenseConv) for m in twin.modules())
         x = torch.rand(16, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             torch.testing.assert_close(twin(x), plain(x), rtol=1e-12, atol=1e-12)
@@ -130,3 +132,57 @@ def test_theorem1s_start_leaves_nothing_to_the_arithmetics_rounding(monkeypatch)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-12, abs=0)
     assert float(folded.delta_.norm()) > 0.1
     torch.testing.assert_close(folded.delta_, plain.delta_, rtol=0, atol=1e-9 * float(plain.delta_.abs().max()))
+
+
+def _conv_net(conv: nn.Module, reuse: bool = False) -> nn.Module:
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            h = self.conv(x)
+            return (self.conv(h) if reuse else h).flatten(1)
+
+    return Net().double().eval()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(in_channels=4, out_channels=6, kernel_size=3, padding=1),
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, bias=False),
+    dict(in_channels=4, out_channels=8, kernel_size=(3, 2), padding=(1, 0), dilation=(1, 2)),
+    dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2),
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=3),
+])
+def test_a_small_pictures_convolution_is_its_dense_map_to_rounding(kwargs):
+    """On 3×3 pictures a convolution's dense map has fewer multiply-adds than the convolution
+    counts (most taps fall on padding): it is replaced and computes what F.conv2d does, forward and
+    backward to the input, and an input of another shape still goes through the convolution."""
+    g = torch.Generator().manual_seed(3)
+    conv = nn.Conv2d(**kwargs).double()
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    reference = copy.deepcopy(conv)
+    model = densify_small_convs(_conv_net(conv), (4, 3, 3))
+    assert isinstance(model.conv, DenseConv)
+    for shape in [(5, 4, 3, 3), (2, 4, 6, 5)]:
+        x = torch.randn(shape, dtype=torch.float64, generator=g).contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        want = reference(x)
+        (grad_want,) = torch.autograd.grad(want.square().sum(), x)
+        got = model.conv(x)
+        (grad_got,) = torch.autograd.grad(got.square().sum(), x)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(grad_got, grad_want, rtol=1e-13, atol=1e-13)
+
+
+def test_only_convolutions_a_dense_map_serves_are_replaced():
+    """A large picture's map would cost many times the convolution; a convolution called twice (two
+    shapes), or with padding other than zeros, keeps its layer."""
+    large = _conv_net(nn.Conv2d(2, 2, 3, padding=1))
+    assert isinstance(densify_small_convs(large, (2, 16, 16)).conv, nn.Conv2d)
+    shared = _conv_net(nn.Conv2d(2, 2, 3, padding=1), reuse=True)
+    assert isinstance(densify_small_convs(shared, (2, 3, 3)).conv, nn.Conv2d)
+    circular = _conv_net(nn.Conv2d(2, 2, 3, padding=1, padding_mode="circular"))
+    assert isinstance(densify_small_convs(circular, (2, 3, 3)).conv, nn.Conv2d)

@@ -325,6 +325,8 @@ def exact_twin(model: torch.nn.Module, device: torch.device,
         twin = fold_batch_norms(twin, input_shape)
     if device.type == "cpu":  # float64 convolutions run about 1.5 times faster channels-last there (measured)
         twin = twin.to(memory_format=torch.channels_last)
+        if input_shape is not None:
+            twin = densify_small_convs(twin, input_shape)
     return twin
 
 
@@ -362,6 +364,117 @@ def fold_batch_norms(model: torch.nn.Module, input_shape: tuple[int, ...]) -> to
     for p in folded.parameters():
         p.requires_grad_(False)
     return folded.eval()
+
+
+#: A convolution becomes a dense linear map when that map has at most this many times its
+#: multiply-adds per image (see ``densify_small_convs``) ...
+DENSE_CONV_RATIO = 2.0
+#: ... and at most this many entries (float64: 32 MiB).
+DENSE_CONV_MAX_ENTRIES = 1 << 22
+
+
+class DenseConv(torch.nn.Module):
+    """A convolution on inputs of one fixed shape, run as the dense matrix of its linear map.
+
+    ``matrix[(h, w, c), (h', w', c')]`` is the weight joining input element (c, h, w) to output
+    element (c', h', w') (0 where the kernel does not join them), so ``x @ matrix`` is the
+    convolution of a channels-last ``x`` flattened: the same products summed in another order, in
+    one matrix product. Inputs of another shape go through the original convolution.
+    """
+
+    def __init__(self, conv: torch.nn.Conv2d, in_shape: tuple[int, int, int]):
+        super().__init__()
+        c, h, w = in_shape
+        n_in = c * h * w
+        with torch.no_grad():
+            # One image per input element, holding 1 there: each output is then one weight times 1
+            # plus zeros, so the matrix's entries are the weights themselves, exactly.
+            basis = torch.eye(n_in, dtype=conv.weight.dtype, device=conv.weight.device)
+            basis = basis.view(n_in, h, w, c).permute(0, 3, 1, 2)
+            out = torch.nn.functional.conv2d(basis, conv.weight, None, conv.stride, conv.padding,
+                                             conv.dilation, conv.groups)
+        self.conv = conv
+        self.in_shape = (c, h, w)
+        self.out_shape = tuple(out.shape[1:])
+        self.register_buffer("matrix", out.permute(0, 2, 3, 1).reshape(n_in, -1).contiguous())
+        bias = None
+        if conv.bias is not None:
+            bias = conv.bias.detach().view(1, 1, -1).expand(*self.out_shape[1:], -1).reshape(-1).clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or tuple(x.shape[1:]) != self.in_shape or x.dtype != self.matrix.dtype:
+            return self.conv(x)
+        n = x.shape[0]
+        flat = x.permute(0, 2, 3, 1).reshape(n, -1)  # a view when x is channels-last
+        y = flat @ self.matrix if self.bias is None else torch.addmm(self.bias, flat, self.matrix)
+        c, h, w = self.out_shape
+        return y.view(n, h, w, c).permute(0, 3, 1, 2)  # channels-last in memory
+
+
+def densify_small_convs(model: torch.nn.Module, input_shape: tuple[int, ...]) -> torch.nn.Module:
+    """``model`` with each convolution on small pictures replaced by its dense linear map (``DenseConv``).
+
+    On the CPU a float64 convolution (torch's ``_slow_conv2d``) is slow on pictures of a few pixels:
+    on the embedded default a 3×3 convolution on 2×2 or 1×1 pictures took 6–20 times as long as the
+    matrix product of its dense map, forward and backward (measured). A convolution is replaced when
+    it is called once per forward pass, with zero padding, on inputs of one shape, and its dense map
+    has at most ``DENSE_CONV_RATIO`` times its multiply-adds and ``DENSE_CONV_MAX_ENTRIES`` entries.
+    The result is kept only when a fixed probe of two inputs of ``input_shape`` gives the model's
+    logits to 1e-9 relative; otherwise ``model`` is returned as it is. The model is changed in place.
+    """
+    seen: dict[str, list[tuple[int, ...]]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Conv2d and mod.padding_mode == "zeros":
+            hooks.append(mod.register_forward_hook(
+                lambda m, inp, out, name=name: seen.setdefault(name, []).append(
+                    (tuple(inp[0].shape[1:]), tuple(out.shape[1:])) if inp[0].dim() == 4 else ())))
+    weight = next(model.parameters(), None)
+    if not hooks or weight is None:
+        for h in hooks:
+            h.remove()
+        return model
+    probe = golden_pattern(2 * math.prod(input_shape)).view(2, *input_shape).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            want = model(probe.contiguous(memory_format=torch.channels_last))
+    except Exception:  # noqa: BLE001 - a model that cannot run the probe keeps its layers
+        return model
+    finally:
+        for h in hooks:
+            h.remove()
+    chosen = {}
+    for name, calls in seen.items():
+        if len(calls) != 1 or not calls[0]:
+            continue
+        (in_shape, out_shape) = calls[0]
+        conv = model.get_submodule(name)
+        n_in, n_out = math.prod(in_shape), math.prod(out_shape)
+        macs = n_out * (conv.in_channels // conv.groups) * math.prod(conv.kernel_size)
+        if n_in * n_out <= min(DENSE_CONV_RATIO * macs, DENSE_CONV_MAX_ENTRIES):
+            chosen[name] = DenseConv(conv, in_shape)
+    if not chosen:
+        return model
+    originals = {name: model.get_submodule(name) for name in chosen}
+
+    def put(modules: dict[str, torch.nn.Module]) -> None:
+        for name, mod in modules.items():
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, mod)
+
+    put(chosen)
+    try:
+        with torch.no_grad():
+            got = model(probe.contiguous(memory_format=torch.channels_last))
+        ok = (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape
+              and bool(torch.isfinite(got).all())
+              and float((got - want).abs().max()) <= 1e-9 * max(float(want.abs().max()), 1.0))
+    except Exception:  # noqa: BLE001 - anything the dense maps break keeps the convolutions
+        ok = False
+    if not ok:
+        put(originals)
+    return model
 
 
 @dataclass(frozen=True)

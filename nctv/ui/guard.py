@@ -266,35 +266,49 @@ class Lanes:
         who = _address(request)
         fn = self.blocks.fns.get(body.fn_index)
         heavy = fn is not None and fn.concurrency_id == HEAVY
-        page = self.sessions.is_page(body.session_hash)
-        if not page and not heavy and body.session_hash is not None and self._outside(who) >= QUEUE_PER_ADDRESS:
-            page = await self.sessions.opens_within(body.session_hash, HEARTBEAT_WAIT_S)
-        async with self._lock:  # counted and joined at once: a burst of calls cannot slip past the count
-            if heavy:
-                runs = self.queue.event_queue_per_concurrency_id.get(HEAVY)
-                runs = runs.queue if runs is not None else []
-                if sum(_address(e.request) == who for e in runs) >= RUNS_PER_ADDRESS:
-                    raise HTTPException(429, f"{RUNS_PER_ADDRESS} runs from this address are already waiting in "
-                                             f"the queue; please wait until one has started.")
-                if len(runs) >= RUNS_WAITING:
-                    raise HTTPException(429, f"{RUNS_WAITING} runs are already waiting in the queue; please try "
-                                             f"again in a few minutes.")
-            elif page:
-                if sum(e.session_hash == body.session_hash and e.concurrency_id != HEAVY
-                       for e in self._waiting()) >= CALLS_PER_SESSION:
-                    raise HTTPException(429, f"{CALLS_PER_SESSION} calls from this page are already waiting in the "
-                                             f"queue; please wait until they have started.")
-            elif self._outside(who) >= QUEUE_PER_ADDRESS:
-                raise HTTPException(429, f"{QUEUE_PER_ADDRESS} calls from this address are already waiting in the "
-                                         f"queue outside a page; please wait until they have started, or open the "
-                                         f"app's page (or a gradio_client session), whose calls are counted "
-                                         f"per page.")
-            ok, event_id, kind = await self._push(body, request, username)
-            if ok and heavy:
-                self._fair(self.queue.event_queue_per_concurrency_id[HEAVY].queue)
-                self.queue.broadcast_estimations(HEAVY)
+        waited = False
+        while True:
+            async with self._lock:  # counted and joined at once: a burst of calls cannot slip past the count
+                page = self.sessions.is_page(body.session_hash)
+                early = (not waited and not page and not heavy and body.session_hash is not None
+                         and self._outside(who) >= QUEUE_PER_ADDRESS)
+                if not early:
+                    ok, event_id, kind = await self._join(body, request, username, who, heavy, page)
+                    break
+            # Past the address's share outside pages, from a session no heartbeat has opened yet: a page
+            # starts its heartbeat before its first call, but the two may arrive in either order (and a
+            # room behind one address sends many at once), so the call waits a moment for it, then counts.
+            await self.sessions.opens_within(body.session_hash, HEARTBEAT_WAIT_S)
+            waited = True
         if ok and not page:
             self.sessions.one_off_call(event_id, body.session_hash)
+        return ok, event_id, kind
+
+    async def _join(self, body, request, username, who: str, heavy: bool, page: bool):
+        """Refuse past a limit, else join Gradio's queue (under ``_lock``)."""
+        if heavy:
+            runs = self.queue.event_queue_per_concurrency_id.get(HEAVY)
+            runs = runs.queue if runs is not None else []
+            if sum(_address(e.request) == who for e in runs) >= RUNS_PER_ADDRESS:
+                raise HTTPException(429, f"{RUNS_PER_ADDRESS} runs from this address are already waiting in "
+                                         f"the queue; please wait until one has started.")
+            if len(runs) >= RUNS_WAITING:
+                raise HTTPException(429, f"{RUNS_WAITING} runs are already waiting in the queue; please try "
+                                         f"again in a few minutes.")
+        elif page:
+            if sum(e.session_hash == body.session_hash and e.concurrency_id != HEAVY
+                   for e in self._waiting()) >= CALLS_PER_SESSION:
+                raise HTTPException(429, f"{CALLS_PER_SESSION} calls from this page are already waiting in the "
+                                         f"queue; please wait until they have started.")
+        elif self._outside(who) >= QUEUE_PER_ADDRESS:
+            raise HTTPException(429, f"{QUEUE_PER_ADDRESS} calls from this address are already waiting in the "
+                                     f"queue outside a page; please wait until they have started, or open the "
+                                     f"app's page (or a gradio_client session), whose calls are counted "
+                                     f"per page.")
+        ok, event_id, kind = await self._push(body, request, username)
+        if ok and heavy:
+            self._fair(self.queue.event_queue_per_concurrency_id[HEAVY].queue)
+            self.queue.broadcast_estimations(HEAVY)
         return ok, event_id, kind
 
     def get_events(self):

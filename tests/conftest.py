@@ -99,6 +99,7 @@ def start_app(tmp: Path, timeout: float = 600.0, base_env: dict | None = None, *
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
+    _SERVERS[proc] = (url, tmp / "server.log")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -113,7 +114,12 @@ def start_app(tmp: Path, timeout: float = 600.0, base_env: dict | None = None, *
     raise RuntimeError(f"app.py did not answer within {timeout:.0f} s:\n{(tmp / 'server.log').read_text()[-3000:]}")
 
 
+#: Servers start_app launched and stop_app has not stopped: process -> (url, log file).
+_SERVERS: dict = {}
+
+
 def stop_app(proc) -> None:
+    _SERVERS.pop(proc, None)
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -127,3 +133,23 @@ def server(tmp_path_factory):
     proc, url = start_app(tmp_path_factory.mktemp("app"))
     yield url
     stop_app(proc)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report says which launched server has ended on its own, how (exit status or
+    signal) and the last lines of its log: a server that vanishes otherwise leaves only "connection refused"."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for proc, (url, log) in list(_SERVERS.items()):
+        code = proc.poll()
+        if code is None:
+            continue
+        how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        try:
+            tail = log.read_text(errors="replace")[-4000:]
+        except OSError as e:
+            tail = f"(its log could not be read: {e})"
+        report.sections.append((f"app.py at {url} ended on its own ({how})", tail))

@@ -351,19 +351,29 @@ def fold_batch_norms(model: torch.nn.Module, input_shape: tuple[int, ...]) -> to
             folded = fuse(model, inplace=False)
         if norms(folded) == norms(model):  # nothing folded (e.g. every BN on batch statistics)
             return model
-        weight = next(model.parameters())
-        probe = golden_pattern(2 * math.prod(input_shape)).view(2, *input_shape).to(weight.device, weight.dtype)
+        probe = _probe(model, input_shape)
         with torch.no_grad():
             want, got = model(probe), folded(probe)
-        if not (isinstance(got, torch.Tensor) and got.shape == want.shape
-                and bool(torch.isfinite(got).all())
-                and float((got - want).abs().max()) <= 1e-9 * max(float(want.abs().max()), 1.0)):
+        if not _same_logits(want, got):
             return model
     except Exception:  # noqa: BLE001 - any model fx cannot trace or fold keeps its own layers
         return model
     for p in folded.parameters():
         p.requires_grad_(False)
     return folded.eval()
+
+
+def _probe(model: torch.nn.Module, input_shape: tuple[int, ...]) -> torch.Tensor:
+    """Two fixed inputs of ``input_shape`` (``golden_pattern``) on the device and in the type of ``model``'s weights."""
+    weight = next(model.parameters())
+    return golden_pattern(2 * math.prod(input_shape)).view(2, *input_shape).to(weight.device, weight.dtype)
+
+
+def _same_logits(want: Any, got: Any) -> bool:
+    """Whether a rewritten model's logits ``got`` are the model's ``want`` to 1e-9 relative (and finite)."""
+    return (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape
+            and bool(torch.isfinite(got).all())
+            and float((got - want).abs().max()) <= 1e-9 * max(float(want.abs().max()), 1.0))
 
 
 #: A convolution becomes a dense linear map when that map has at most this many times its
@@ -423,22 +433,19 @@ def densify_small_convs(model: torch.nn.Module, input_shape: tuple[int, ...]) ->
     The result is kept only when a fixed probe of two inputs of ``input_shape`` gives the model's
     logits to 1e-9 relative; otherwise ``model`` is returned as it is. The model is changed in place.
     """
-    seen: dict[str, list[tuple[int, ...]]] = {}
+    seen: dict[str, list[tuple]] = {}  # conv's name -> (input shape, output shape) of each call
     hooks = []
     for name, mod in model.named_modules():
         if type(mod) is torch.nn.Conv2d and mod.padding_mode == "zeros":
             hooks.append(mod.register_forward_hook(
                 lambda m, inp, out, name=name: seen.setdefault(name, []).append(
                     (tuple(inp[0].shape[1:]), tuple(out.shape[1:])) if inp[0].dim() == 4 else ())))
-    weight = next(model.parameters(), None)
-    if not hooks or weight is None:
-        for h in hooks:
-            h.remove()
+    if not hooks:
         return model
-    probe = golden_pattern(2 * math.prod(input_shape)).view(2, *input_shape).to(weight.device, weight.dtype)
+    probe = _probe(model, input_shape).contiguous(memory_format=torch.channels_last)
     try:
         with torch.no_grad():
-            want = model(probe.contiguous(memory_format=torch.channels_last))
+            want = model(probe)
     except Exception:  # noqa: BLE001 - a model that cannot run the probe keeps its layers
         return model
     finally:
@@ -466,10 +473,7 @@ def densify_small_convs(model: torch.nn.Module, input_shape: tuple[int, ...]) ->
     put(chosen)
     try:
         with torch.no_grad():
-            got = model(probe.contiguous(memory_format=torch.channels_last))
-        ok = (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape
-              and bool(torch.isfinite(got).all())
-              and float((got - want).abs().max()) <= 1e-9 * max(float(want.abs().max()), 1.0))
+            ok = _same_logits(want, model(probe))
     except Exception:  # noqa: BLE001 - anything the dense maps break keeps the convolutions
         ok = False
     if not ok:

@@ -141,6 +141,85 @@ def test_sizer_passes_other_errors_through():
         list(memory.ChunkSizer("cpu", 8).map(fn, 20))
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threaded_pieces_arrive_in_order_each_computed_on_one_thread(two_threads):
+    import threading
+
+    sizer = memory.ChunkSizer("cpu", 4)
+    x = torch.arange(30, dtype=torch.float64).view(30, 1)
+    seen = []
+
+    def fn(piece, start, stop):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        assert piece.dtype == torch.float32
+        return start, stop, piece.sum().item()
+
+    out = list(sizer.map_threaded(x, fn, workers=2))
+    assert [(a, b) for a, b, _ in out] == [(s, min(30, s + 4)) for s in range(0, 30, 4)]
+    assert [v for *_, v in out] == [float(sum(range(a, b))) for a, b, _ in out]
+    assert {n for n, _ in seen} <= {t.name for t in threading.enumerate() if t.name.startswith("nctv-piece")}
+    assert all(n.startswith("nctv-piece") and k == 1 for n, k in seen)
+    # The caller keeps its threads, and so does a thread that starts torch after the pool was made.
+    assert torch.get_num_threads() == 2
+    later = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [2]
+
+
+def test_threaded_pieces_back_off_on_out_of_memory_and_pass_other_errors(two_threads):
+    sizer = memory.ChunkSizer("cpu", 40)
+    x = torch.zeros(100, 1)
+
+    def fn(piece, start, stop):
+        if stop - start > 15:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 9 GB")
+        return start, stop
+
+    assert list(sizer.map_threaded(x, fn, workers=2)) == [(s, min(100, s + 10)) for s in range(0, 100, 10)]
+    assert sizer.size == 10
+
+    def bad(piece, start, stop):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        list(memory.ChunkSizer("cpu", 10).map_threaded(x, bad, workers=2))
+
+
+def test_a_cancelled_threaded_pass_stops_between_pieces(two_threads):
+    sizer = memory.ChunkSizer("cpu", 1)
+    x = torch.zeros(1000, 1)
+    done = []
+
+    def check():
+        if len(done) >= 3:
+            raise KeyboardInterrupt
+
+    with memory.cancellation(check), pytest.raises(KeyboardInterrupt):
+        for r in sizer.map_threaded(x, lambda piece, a, b: a, workers=2):
+            done.append(r)
+    assert 3 <= len(done) < 1000
+
+
+def test_a_fast_fit_on_two_threads_is_the_fit_on_one_to_the_last_bit(splits, two_threads):
+    """Each piece of a float64 pass runs on one thread however many there are, and the pieces are summed
+    in order: the fit on two threads is bit for bit the fit on one."""
+    model, (x, y), _ = splits
+    two = NeuralClamping(model, init_std=0.1, **quiet()).fit(x, y)
+    torch.set_num_threads(1)
+    one = NeuralClamping(model, init_std=0.1, **quiet()).fit(x, y)
+    assert torch.equal(two.delta_, one.delta_)
+    assert two.objective_ == one.objective_ and two.n_passes_ == one.n_passes_
+
+
 def test_staged_pieces_arrive_in_order_and_the_next_one_is_prefetched():
     x = torch.arange(130 * 6, dtype=torch.float64).reshape(130, 1, 2, 3)  # not float32: converted on the way
     seen = []

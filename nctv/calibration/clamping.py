@@ -37,7 +37,7 @@ Decisions where the paper leaves room (they hold for every class and function he
   untouched), so a seeded fit repeats exactly on the CPU, and on a GPU as far as the model's own
   kernels are deterministic. The fast fitter's passes run a float64 copy of the model (batch
   normalisations folded into their convolutions, pieces of at most ``EXACT_CPU_PIECE`` images on the
-  CPU) from a start that breaks max-pooling ties (``exact_twin``, ``tie_breaking_start``; Theorem 1's
+  CPU, computed side by side on one thread each) from a start that breaks max-pooling ties (``exact_twin``, ``tie_breaking_start``; Theorem 1's
   δ̃ is moved by the same pattern), so its δ and T are the same on every machine, whatever its CPU
   kernels or thread count (docs/method.md, "Reproducibility").
 * **init="data"** is Theorem 1's δ̃ (``data_driven_delta``); it needs ``input_range`` = (α, β),
@@ -542,6 +542,7 @@ class NeuralClamping(_InputCalibrator):
             loss["exact"] = exact_twin(self.model, dev, split.input_shape)
             if loss["exact"] is not None and dev.type == "cpu":
                 split.limit_pieces(EXACT_CPU_PIECE)
+                split.use_piece_threads()
         problem = Problem(self.model, split, 0.0, 0.0, self.clamp_bounds(split.input_shape, dev), **loss)
         problem.check_labels()
         size = math.prod(split.input_shape)

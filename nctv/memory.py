@@ -33,6 +33,7 @@ import collections
 import contextlib
 import math
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, TypeVar
@@ -232,8 +233,18 @@ def _settle(pending: collections.deque) -> None:
     pending.clear()
 
 
-_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
+
+
+def _niceness() -> int:
+    """The calling thread's own niceness on Linux (a thread's threads inherit it); 0 elsewhere."""
+    if not hasattr(os, "getpriority") or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return 0
 
 
 def piece_pool(workers: int) -> ThreadPoolExecutor:
@@ -244,8 +255,12 @@ def piece_pool(workers: int) -> ThreadPoolExecutor:
     also the process-wide count that threads starting torch later copy. So the pool's threads are all
     started and set together, and the caller's count is put back at once: a thread that starts
     afterwards (a web app's request handler) gets the process's count, not 1. Keyed by process id
-    too: a forked process has none of its parent's threads and makes its own pool."""
-    key = (os.getpid(), int(workers))
+    too: a forked process has none of its parent's threads and makes its own pool. And by the calling
+    thread's niceness, which the pool's threads inherit when it starts them: a web app's run, which
+    computes below the server (``nctv.ui.common.yield_to_light_work``), has its pieces computed below
+    the server too, and a caller at the server's priority is never given threads that cannot get it
+    back."""
+    key = (os.getpid(), int(workers), _niceness())
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is not None:

@@ -1,4 +1,6 @@
 """Memory-adaptive passes: pieces cut to fit the device, halved when it runs out, same numbers."""
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -173,6 +175,35 @@ def test_threaded_pieces_arrive_in_order_each_computed_on_one_thread(two_threads
     t.start()
     t.join()
     assert later == [2]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+def test_threaded_pieces_run_at_their_callers_priority(two_threads):
+    """A web app's run computes below the server: its pieces' threads must too, and a caller at the
+    server's priority must not be handed those lowered threads afterwards."""
+    import os
+    import threading
+
+    def own():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    x = torch.zeros(12, 1)
+    seen = {}
+
+    def run(lower):
+        if lower:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, own() + 5))
+        caller = own()
+        got = list(memory.ChunkSizer("cpu", 1).map_threaded(x, lambda piece, a, b: own(), workers=2))
+        seen[lower] = (caller, set(got))
+
+    for lower in (True, False):  # the lowered caller first: its threads must not serve the other
+        t = threading.Thread(target=run, args=(lower,))
+        t.start()
+        t.join()
+    (low, low_pieces), (base, base_pieces) = seen[True], seen[False]
+    assert low > base
+    assert low_pieces == {low} and base_pieces == {base}
 
 
 def test_threaded_pieces_back_off_on_out_of_memory_and_pass_other_errors(two_threads):

@@ -189,8 +189,7 @@ class ChunkSizer:
                         raise DeviceOutOfMemoryError(self._message(exc)) from exc
                     _settle(pending)
                     self._back_off(last - first)
-                    yield from self.map(lambda a, b: fn(x[first + a : first + b].to(self.device, torch.float32),
-                                                        first + a, first + b), n - first)
+                    yield from self.map(lambda a, b: run(first + a, first + b), n - first)
                     return
                 yield result
         finally:

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from nctv import forkgate
+
 #: Share of the device's free memory that one piece may take; the rest absorbs what the measured
 #: piece did not show (fragmentation, kernels choosing larger workspaces for larger batches).
 FREE_MEMORY_SHARE = 0.6
@@ -69,7 +71,9 @@ def cancellation(check: Callable[[], None]):
 
 
 def check_cancelled() -> None:
-    """Calls the check of the enclosing :func:`cancellation` block, if any (it raises to cancel)."""
+    """Calls the check of the enclosing :func:`cancellation` block, if any (it raises to cancel). It
+    is also where a long computation gives way to a ZeroGPU server's fork (:func:`nctv.forkgate.checkpoint`)."""
+    forkgate.checkpoint()
     check = getattr(_local, "check", None)
     if check is not None:
         check()

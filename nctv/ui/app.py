@@ -20,6 +20,7 @@ from typing import Any
 import gradio as gr
 from starlette.middleware import Middleware
 
+from nctv import forkgate
 from nctv.checks import GAMMA_MAX, MAX_TEXT_CHARS, WEIGHT_DECAY_MAX, env_limit
 from nctv.ui import calibrate as cal_tab
 from nctv.ui import gamma as gamma_tab
@@ -654,12 +655,13 @@ def warm_up() -> None:
     from nctv.zoo import DEFAULT_MODEL
 
     try:
-        spec = SplitSpec(DEFAULT_MODEL, None, DEFAULT_CALIBRATION_SIZE, 0)
-        get_logits(spec, "calibration")
-        get_logits(spec, "test")
-        pre = load_precomputed()
-        if pre is not None:
-            ood_detector(pre.split)  # the Try tab's first picture then pays nothing for its check
+        with forkgate.computing():  # on ZeroGPU a visitor's fork waits for it (or its next piece)
+            spec = SplitSpec(DEFAULT_MODEL, None, DEFAULT_CALIBRATION_SIZE, 0)
+            get_logits(spec, "calibration")
+            get_logits(spec, "test")
+            pre = load_precomputed()
+            if pre is not None:
+                ood_detector(pre.split)  # the Try tab's first picture then pays nothing for its check
     except Exception:  # noqa: BLE001 - a failed warm-up only costs time later, where errors are shown
         log.exception("warming up the default model failed")
 
@@ -676,13 +678,14 @@ def launch(demo: gr.Blocks | None = None, **overrides: Any):
     """Launch on ``$GRADIO_SERVER_NAME`` (default 0.0.0.0) and ``$PORT`` / ``$GRADIO_SERVER_PORT``
     (default 7860), with the upload and request caps and error display the app relies on, and the
     agents' tools served over MCP at ``/gradio_api/mcp`` (docs/agents.md)."""
-    from nctv.ui.gpu import prepare_server
+    from nctv.ui.gpu import gate_handlers, prepare_server
 
     prepare_server()  # before any torch work: on ZeroGPU the server must stay safe to fork
     # Gradio warns of endpoints with a gr.State input before tools_only drops the page's endpoints (which
     # have them) from the tools; none of the tools has one.
     warnings.filterwarnings("ignore", message="This MCP server includes a tool that has a gr.State input")
     demo = demo or build_app()
+    gate_handlers(demo)  # on ZeroGPU: no fork while a handler computes (nctv.forkgate)
     threading.Thread(target=warm_up, name="nctv-warm-up", daemon=True).start()
     port = os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or "7860"
     settings = dict(

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from nctv import forkgate
 from nctv.checks import env_limit
 from nctv.hub import max_model_bytes
 from nctv.ui.limits import DEFAULT_MAX_MODELS, data_roots
@@ -34,7 +35,9 @@ class Memo:
                 self._data.move_to_end(key)
                 return self._data[key]
             lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
+        with forkgate.paused():  # waiting for another visitor's computation of the same key
+            lock.acquire()
+        try:
             with self._guard:
                 if key in self._data:
                     return self._data[key]
@@ -46,6 +49,8 @@ class Memo:
                     self._data.popitem(last=False)
                 self._locks.pop(key, None)
             return value
+        finally:
+            lock.release()
 
 
 #: Models held in memory at once (``$NCTV_MAX_MODELS``, read at start); the least recently used goes first.

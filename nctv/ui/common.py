@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
+from nctv import forkgate
 from nctv.calibration.base import NotFittedError
 from nctv.checks import check_text, env_number, read_number, shown
 from nctv.memory import DeviceOutOfMemoryError, cancellation
@@ -208,7 +209,7 @@ class Worker:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    with cancellation(self._check):
+                    with forkgate.computing(), cancellation(self._check):
                         self.result = self._work(self.report)
                 finally:
                     for w in caught:
@@ -223,12 +224,17 @@ class Worker:
             if self._holds_gate:
                 _ONE_WORKER.release()
 
+    @staticmethod
+    def _acquire_gate() -> bool:
+        with forkgate.paused():
+            return _ONE_WORKER.acquire(timeout=POLL_SECONDS)
+
     def _wait_for_previous(self) -> Iterator[list]:
         """Takes the one-worker gate, yielding (so that a Stop can end the wait) until it is free;
         the first yield says why the run has not started."""
         deadline = time.monotonic() + WAIT_FOR_PREVIOUS_SECONDS
         said = False
-        while not _ONE_WORKER.acquire(timeout=POLL_SECONDS):
+        while not self._acquire_gate():
             if time.monotonic() >= deadline:
                 log.error("the worker of an earlier run is still busy after %.0f s; starting the next run anyway",
                           WAIT_FOR_PREVIOUS_SECONDS)
@@ -248,13 +254,14 @@ class Worker:
             while not finished:
                 items = []
                 try:
-                    items.append(self._queue.get(timeout=POLL_SECONDS))
-                    # Items that follow within UPDATE_SECONDS of the last update go out with it: a page
-                    # sent one update per fast pass (20 a second) fell behind, and showed a stopped
-                    # run's progress for a second after its "Stopped".
-                    until = last + UPDATE_SECONDS
-                    while items[-1] is not self._done:
-                        items.append(self._queue.get(timeout=max(0.0, until - time.monotonic())))
+                    with forkgate.paused():  # waiting for the worker (which computes in a section of its own)
+                        items.append(self._queue.get(timeout=POLL_SECONDS))
+                        # Items that follow within UPDATE_SECONDS of the last update go out with it: a
+                        # page sent one update per fast pass (20 a second) fell behind, and showed a
+                        # stopped run's progress for a second after its "Stopped".
+                        until = last + UPDATE_SECONDS
+                        while items[-1] is not self._done:
+                            items.append(self._queue.get(timeout=max(0.0, until - time.monotonic())))
                 except queue.Empty:
                     pass
                 if any(i is self._done for i in items):
@@ -273,7 +280,8 @@ class Worker:
     def _join(self) -> None:
         if self._thread.ident is None:  # closed while waiting to start: nothing runs
             return
-        self._thread.join(STOP_JOIN_SECONDS)
+        with forkgate.paused():
+            self._thread.join(STOP_JOIN_SECONDS)
         if self._thread.is_alive():
             log.warning("a stopped run's worker is still busy after %.0f s; the next run waits for it",
                         STOP_JOIN_SECONDS)
@@ -325,9 +333,10 @@ def stopped_status(request: gr.Request) -> str:
         events = list(_STREAMS.get(getattr(request, "session_hash", None), ()))
     if events:
         deadline = time.monotonic() + STOPPED_WAIT_SECONDS
-        for event in events:
-            event.wait(max(0.0, deadline - time.monotonic()))
-        time.sleep(POLL_SECONDS)
+        with forkgate.paused():
+            for event in events:
+                event.wait(max(0.0, deadline - time.monotonic()))
+            time.sleep(POLL_SECONDS)
     return STOPPED
 
 

@@ -30,6 +30,7 @@ count (:data:`WORKER_THREADS`) and starts a fresh pool.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from nctv import forkgate
 from nctv.checks import env_number
 
 log = logging.getLogger("nctv.ui")
@@ -78,12 +80,58 @@ def prepare_server() -> None:
     global _SERVER_PID
     _SERVER_PID = os.getpid()
     if zero_gpu():
+        forkgate.enable()  # and no fork while another thread computes (nctv.forkgate)
         torch.set_num_threads(1)
         log.info("ZeroGPU: the server computes on one thread; heavy work runs in spaces.GPU workers")
         if os.environ.get("MKL_DISABLE_FAST_MM") != "1":
             log.warning("ZeroGPU: MKL_DISABLE_FAST_MM is not 1, so a worker forked while a server thread is in "
                         "MKL may hang; start the server with app.py, or call nctv.settings.fork_safe_environment() "
                         "before importing torch")
+
+
+def gate_handlers(blocks: Any) -> None:
+    """On ZeroGPU, every handler of the app ``blocks`` computes inside a section of
+    :mod:`nctv.forkgate`, so that no visitor's fork copies it half-way through a library call: a plain
+    handler for its whole call, a streaming one for each step (not between steps, and not while it
+    waits for a GPU worker: :class:`GpuRun`). Elsewhere, and for coroutine handlers (which compute
+    nothing), nothing changes."""
+    if not zero_gpu():
+        return
+    for block_fn in blocks.fns.values():
+        fn = block_fn.fn
+        if fn is None or getattr(fn, "_nctv_gated", False) or inspect.iscoroutinefunction(fn) \
+                or inspect.isasyncgenfunction(fn):
+            continue
+        block_fn.fn = _gated(fn)
+
+
+def _gated(fn: Callable) -> Callable:
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def steps(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            inner = fn(*args, **kwargs)
+            try:
+                while True:
+                    with forkgate.computing():
+                        try:
+                            item = next(inner)
+                        except StopIteration:
+                            return
+                    yield item
+            finally:
+                with forkgate.computing():
+                    inner.close()
+
+        steps._nctv_gated = True  # type: ignore[attr-defined]
+        return steps
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with forkgate.computing():
+            return fn(*args, **kwargs)
+
+    call._nctv_gated = True  # type: ignore[attr-defined]
+    return call
 
 
 #: Intra-op threads of a ZeroGPU worker ($NCTV_WORKER_THREADS; default: every core).
@@ -393,7 +441,8 @@ def call(fn: Callable[..., Any], work: Callable[..., Any], args: tuple, loaded: 
         return work(*args)
     seconds = check_fits(estimate_seconds(flops, Work(forward=pictures)), 0, 0)
     try:
-        kind, *answer = fn(seconds, *args)
+        with forkgate.paused():  # waiting for the worker, not computing
+            kind, *answer = fn(seconds, *args)
     except Exception as exc:  # noqa: BLE001 - ZeroGPU's own errors (gr.Error), said in words
         words = aborted_message(exc, seconds) if _from_zerogpu(exc) else None
         if words is None:
@@ -439,7 +488,12 @@ class GpuRun:
     def _call(self) -> Iterator[list]:
         gen = self._fn(self.seconds, *self._args)
         try:
-            for kind, *payload in gen:
+            while True:
+                with forkgate.paused():  # waiting for the worker's next item, not computing
+                    step = next(gen, None)
+                if step is None:
+                    break
+                kind, *payload = step
                 if kind == "items":
                     yield payload[0]
                 elif kind == "failed":

@@ -9,7 +9,7 @@ live with (tests/test_zerogpu.py puts this folder on PYTHONPATH and sets SPACES_
   worker still running past it is killed, and the call raises ``gr.Error("GPU task aborted")``.
   The app asks for the seconds its work takes on the Space's GPU; this machine's CPU is slower, by a
   factor that the test measures and hands over as ``SPACES_STANDIN_SLOWDOWN`` (default 1): the
-  worker may run that many times its duration;
+  worker may run that many times its duration, at most ``SPACES_STANDIN_MAX_SECONDS``;
 * closing a streaming call's generator (Gradio does on Stop) kills its worker;
 * an exception in the worker comes back as the real package (0.51) hands it: a ``gr.Error`` as it
   is, any other as ``gr.Error`` whose message is only the exception's class name ("ValueError").
@@ -85,9 +85,15 @@ def _slowdown() -> float:
     return float(os.environ.get("SPACES_STANDIN_SLOWDOWN", "1"))
 
 
+def _longest() -> float:
+    """``SPACES_STANDIN_MAX_SECONDS``: no worker runs longer, whatever the slowdown (a test that would
+    otherwise wait for ever on a hung worker fails instead, with the worker's stacks in the log)."""
+    return float(os.environ.get("SPACES_STANDIN_MAX_SECONDS", "inf"))
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict, seconds: float, stream: bool) -> Iterator[Any]:
     request = _in_request()
-    allowed = seconds * _slowdown()  # the GPU's seconds, as this CPU takes them
+    allowed = min(seconds * _slowdown(), _longest())  # the GPU's seconds, as this CPU takes them
     payload = pickle.dumps((args, kwargs))  # arguments cross as a pickle
     receive, send = _FORK.Pipe(duplex=False)
     proc = _FORK.Process(target=_worker, args=(send, fn, payload, stream, allowed), daemon=True)

@@ -11,8 +11,9 @@ when it forks:
 
 * a thread's torch work runs inside :func:`computing` (the app wraps every handler, each step of a
   streaming handler, a run's worker thread and the warm-up);
-* a thread that waits for something (a GPU call's next item, a worker's progress) does so inside
-  :func:`paused`, which sets its sections aside for the time of the wait;
+* a thread that waits for something (a GPU call's next item, a worker's progress, a Hub download,
+  another visitor's computation of a cached value) does so inside :func:`paused`, which sets its
+  sections aside for the time of the wait;
 * before each fork (``os.register_at_fork``), the forking thread waits until no other thread is
   inside a section, and no new section starts until the fork is made. A long run in a section
   gives way at its next cancellation check (:func:`checkpoint`, called by

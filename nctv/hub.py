@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from nctv import forkgate
+
 __all__ = [
     "WEIGHTS_NAME", "PICKLE_WEIGHTS_NAME", "WEIGHT_FILES", "CONFIG_NAME", "CARD_NAME", "HubOfflineError",
     "hub_reachable", "hub_file", "hub_errors",
@@ -89,7 +91,8 @@ def hub_file(download: Callable[..., str], what: str) -> str:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return download(not hub_reachable())
+        with forkgate.paused():  # network, not computing: a ZeroGPU server's fork need not wait for it
+            return download(not hub_reachable())
     except LocalEntryNotFoundError:
         raise ValueError(
             f"{what} is not in the local Hugging Face cache and the Hub cannot be reached "
@@ -220,7 +223,7 @@ def snapshot_folder(repo: str, files: tuple[str, ...], revision: str | None = No
         return Path(cached[files[0]]).parent
     paths = []
     for filename in files:
-        with errors(filename):
+        with errors(filename), forkgate.paused():  # network, not computing (see hub_file)
             paths.append(Path(hf_hub_download(repo, filename, revision=revision, token=token, library_name="nctv")))
     if len({p.parent for p in paths}) > 1:
         raise ValueError(f"hf-hub:{repo}: {' and '.join(files)} come from different snapshots; clear it from "

@@ -91,7 +91,7 @@ def enabled() -> bool:
 
 
 def forks_waited() -> int:
-    """How many forks of this process so far found another thread inside a section and waited."""
+    """How many forks of this process so far found another thread computing (or ending) and waited."""
     return _STATE.forks_waited
 
 
@@ -139,11 +139,11 @@ def computing() -> Iterator[None]:
     if state.threads.get(me) is not thread:  # (an ended thread's ident is soon another's)
         _one_thread()
     with state.cond:
-        if not state.depth.get(me):
-            _wait_for_fork(state, me)
-            if state.threads.get(me) is not thread:
-                state.threads[me] = thread
-        state.depth[me] = state.depth.get(me, 0) + 1
+        if state.depth.get(me):
+            state.depth[me] += 1  # nested: this thread is counted already, a fork waits for it
+        else:
+            _step_in(state, me, 1)
+            state.threads[me] = thread
     try:
         yield
     finally:

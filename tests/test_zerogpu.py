@@ -375,22 +375,18 @@ def test_a_forked_worker_hangs_after_the_servers_thread_pool_and_not_after_prepa
 
 MKL_FORK_SCRIPT = textwrap.dedent("""
     import sys, threading
-    if "env" in sys.argv[1]:
-        from nctv.settings import fork_safe_environment
-        fork_safe_environment()  # what app.py does first on ZeroGPU
-    import torch
+    import torch  # MKL's fast memory manager left on (app.py turns it off): the gate alone must do
     sys.path.insert(0, {standin!r})
     import spaces
     from nctv import forkgate
     from nctv.ui import gpu
 
     gpu.prepare_server()  # on ZeroGPU it turns the fork gate on
-    gated = forkgate.computing if "gate" in sys.argv[1] else __import__("contextlib").nullcontext
     a, b = torch.randn(1000, 1000), torch.randn(1000, 34)
     stop = False
 
     def one_product():
-        with gated():  # as the app's handlers compute (nctv.ui.gpu.gate_handlers)
+        with forkgate.computing():  # as the app's handlers compute (nctv.ui.gpu.gate_handlers)
             (a @ b).sum()
 
     def server_threads():  # the server's request threads, each new one entering MKL
@@ -431,7 +427,7 @@ def test_a_worker_forked_while_server_threads_are_in_mkl_finishes_behind_the_for
     script = MKL_FORK_SCRIPT.format(standin=str(STANDIN), seconds=60, forks=forks)
     env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
     env.update(SPACES_ZERO_GPU="1", OMP_NUM_THREADS="2")
-    out = subprocess.run([sys.executable, "-c", script, "gate"], cwd=REPO, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=1800)
     finished, waited = re.fullmatch(r"finished (\d+) waited (\d+)", out.stdout.strip().splitlines()[-1]).groups()
     assert int(finished) == forks, out.stdout[-2000:] + out.stderr[-2000:]

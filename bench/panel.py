@@ -332,8 +332,9 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
     if not loaded:
         return {}
     labels = next(iter(loaded.values()))[1]
-    # The resamples of a run (nctv.experiment): keyed by the unperturbed model's test logits and the labels,
-    # the same for the test rows in any order (the first row's logits where no uncalibrated row was kept).
+    # Keyed by the unperturbed model's test logits and the labels (the first row's logits where no uncalibrated
+    # row was kept): the same for the test rows in any order. A run keys them by the test pictures
+    # (nctv.experiment.resample_key); the panel has only the logits its rows kept, all made on one machine.
     key = loaded["Uncalibrated"][0][0] if "Uncalibrated" in loaded else next(iter(loaded.values()))[0][0]
     counts = resample_counts_for((key, labels), settings.resamples, settings.seed)
     # One generator redraws the seeds of every row in turn, as the engine does over a run's methods: rows

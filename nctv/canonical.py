@@ -14,7 +14,8 @@ canonical rows again, and equal confidences then meet in the canonical order.
 """
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -92,3 +93,16 @@ def sorted_within_duplicates(counts: torch.Tensor, same: np.ndarray) -> torch.Te
     out = counts.clone()
     out[:, cols] = ordered.to(counts.dtype)
     return out
+
+
+def content_keys(rows: Iterable[bytes]) -> np.ndarray:
+    """A 128-bit digest (BLAKE2b) of each row's bytes, as an (N, 2) uint64 array: the identity of a sample
+    by its content (a picture's pixels or file, a row of given inputs), for :func:`canonical_order`.
+
+    Unlike the logits a model computes from a picture, which another CPU's kernels round differently in
+    their last bits, a picture's bytes are the same on every machine: rows keyed by them are put in the
+    same order everywhere (nctv.intervals draws a run's resamples in that order)."""
+    digests = [hashlib.blake2b(bytes(row), digest_size=16).digest() for row in rows]
+    if not digests:
+        return np.zeros((0, 2), dtype=np.uint64)
+    return np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, 2).copy()

@@ -444,7 +444,7 @@ def evaluate_sets(sets: Any, labels: Any, intervals: IntervalSettings | None = N
     Intervals: every figure is recomputed on each resample of the test split and the interval is the
     project's union of the basic and percentile bootstrap intervals. They cover the test split's randomness
     with the calibration split (so q̂) and the randomisation held fixed. The resamples: ``counts``
-    (resamples × N, in the rows' order) where given, e.g. a run's, drawn over its unperturbed test logits
+    (resamples × N, in the rows' order) where given, e.g. a run's, drawn over its test pictures
     and labels (:func:`nctv.intervals.resample_counts_for`) so that its methods' figures are paired; else
     drawn with ``intervals``' seed over the rows (set, label) in their canonical order, the same for the
     rows in any order.

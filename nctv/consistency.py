@@ -90,11 +90,16 @@ class _Seed:
 
 
 def consistency_test(per_seed_logits: Any | Sequence[Any], labels: Any, n_bins: int = 15,
-                     resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> CalibrationTest:
+                     resamples: int = DEFAULT_RESAMPLES, seed: int = 0, key: Any = None) -> CalibrationTest:
     """Test H₀ "calibrated" for one set of logits, or the mean over a method's seeds (a list of them).
 
     ``resamples`` label vectors are drawn from the model's probabilities with ``seed`` (a torch
     generator on the CPU: the same p-values on every device). See the module docstring.
+
+    Each sample's uniforms follow its place in the canonical order of ``key`` and the labels (``key``: one
+    row per sample, e.g. each test picture's identity, ``nctv.data.row_keys``, as a run gives it), or of
+    the logits and the labels without one. Keyed by the pictures, the draws stay with their pictures when
+    another CPU rounds the logits' last bits differently, so the p-value is the same on every machine.
     """
     n_bins = check_bins(n_bins)
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
@@ -104,7 +109,9 @@ def consistency_test(per_seed_logits: Any | Sequence[Any], labels: Any, n_bins: 
     if any(z.shape != logits[0].shape for z in logits):
         raise ValueError("Every seed's logits must have the same shape.")
     y = check_labels(labels, *logits[0].shape).cpu()
-    rows = torch.from_numpy(canonical_order(*logits, y))
+    if key is not None and len(key) != len(y):
+        raise ValueError(f"key has {len(key)} rows; the logits have {len(y)}.")
+    rows = torch.from_numpy(canonical_order(*logits, y) if key is None else canonical_order(key, y))
     seeds = [_Seed(z.cpu()[rows], n_bins) for z in logits]
     y = y[rows]
     observed = [torch.stack(s.statistics(y[:, None])).mean(1) for s in seeds]

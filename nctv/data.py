@@ -110,6 +110,17 @@ class FileImages:
             h.update(f"{p.relative_to(self.root).as_posix()}\0{p.stat().st_size}\n".encode())
         return h.digest()
 
+    def row_keys(self, indices: np.ndarray) -> np.ndarray:
+        """Each picture's identity as the fingerprint reads it: its relative path and size
+        (:func:`nctv.canonical.content_keys`)."""
+        from nctv.canonical import content_keys
+
+        def row(i: int) -> bytes:
+            p = self.paths[i]
+            return f"{p.relative_to(self.root).as_posix()}\0{p.stat().st_size}".encode()
+
+        return content_keys(row(int(i)) for i in indices)
+
 
 # ----------------------------------------------------------------------------- Split
 
@@ -180,6 +191,12 @@ class Split:
             h.update(self.labels.numpy().astype("<i8").tobytes())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
+
+    def row_keys(self) -> np.ndarray | None:
+        """(N, 2) uint64: each picture's identity by its content (``source.row_keys``), or None where the
+        source cannot tell it. The same on every machine, unlike the logits a model computes from it."""
+        keys = getattr(self.source, "row_keys", None)
+        return None if keys is None else keys(self.indices)
 
     def image(self, i: int) -> Image.Image:
         """Raw image ``i`` of the split (before any preprocessing)."""
@@ -279,9 +296,29 @@ class TensorSplit:
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
+    def row_keys(self) -> np.ndarray:
+        """(N, 2) uint64: each row's identity by the bytes of its inputs."""
+        from nctv.canonical import content_keys
+
+        rows = self.inputs.detach().cpu().contiguous().reshape(len(self), -1)
+        return content_keys(r.view(torch.uint8).numpy().tobytes() for r in rows)
+
     def loader(self, batch_size: int = DEFAULT_BATCH_SIZE) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.inputs, self.labels),
                                            batch_size=batch_size, shuffle=False)
+
+
+def row_keys(split: Any) -> np.ndarray | None:
+    """(N, 2) uint64: the identity of each row of ``split`` by its content (a picture's pixels, file or
+    encoded bytes, a row of given inputs), or None for a split that cannot tell it. A run draws its
+    resamples of the test split in the order of these keys (nctv.intervals.resample_counts_for)."""
+    keys = getattr(split, "row_keys", None)
+    if keys is None:
+        return None
+    out = keys()
+    if out is not None and (out.ndim != 2 or len(out) != len(split.labels)):
+        raise ValueError(f"row_keys of a split must be one row per sample; got {out.shape}.")
+    return out
 
 
 def as_split(split: Any, name: str) -> Any:

@@ -42,7 +42,7 @@ from nctv import distributed
 from nctv import precision as prec
 from nctv.cache import model_fingerprint, split_logits
 from nctv.checks import check_whole
-from nctv.data import as_split
+from nctv.data import as_split, row_keys
 from nctv.inference import DEFAULT_BATCH_SIZE, model_device, model_logits, resolve_device
 from nctv.conformal import ConformalPredictor, ConformalSettings
 from nctv.consistency import consistency_test
@@ -314,6 +314,7 @@ class _Context:
     # The resamples every method is scored on (one count matrix: paired comparisons), the generator
     # that redraws each stochastic method's seeds, and every method's draws per bin count and metric.
     counts: torch.Tensor | None = None
+    rows_key: tuple | None = None  # what the resamples and calibration tests are keyed by (resample_key)
     seed_generator: torch.Generator | None = None
     draws: dict = field(default_factory=dict)
 
@@ -542,13 +543,29 @@ def _conformal(ctx: _Context, plan: MethodPlan, fitted: Any, test_logits: torch.
             **{key: used[key] for key in ("penalty", "k_reg", "tuned", "n_tune", "n_conformal")}}
 
 
+def resample_key(split: Any, logits: torch.Tensor, labels: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """What a run's resamples of ``split`` are keyed by (``nctv.intervals.resample_counts_for``): each
+    picture's content and its label (``nctv.data.row_keys``), the same on every machine; for a split
+    that cannot tell its pictures' content, the unperturbed model's ``logits`` and the labels."""
+    keys = row_keys(split)
+    return (logits if keys is None else keys), labels
+
+
+def _rows_key(ctx: _Context) -> tuple[Any, torch.Tensor]:
+    """The run's ``resample_key`` of its test split (computed once)."""
+    if ctx.rows_key is None:
+        ctx.rows_key = resample_key(ctx.test, ctx.test_z, ctx.test_y)
+    return ctx.rows_key
+
+
 def _resamples(ctx: _Context) -> torch.Tensor:
     """The run's resamples of the test split (made on first use, with the generator that redraws seeds),
-    keyed by the unperturbed test logits and labels, which every method shares: the same resamples for the
-    test rows in any order (``nctv.intervals.resample_counts_for``), and every method's paired."""
+    keyed by the test pictures' content and labels (``resample_key``), which every method shares: the same
+    resamples for the test rows in any order and on any machine (``nctv.intervals.resample_counts_for``),
+    and every method's paired."""
     if ctx.counts is None:
         settings = ctx.options.intervals
-        ctx.counts = resample_counts_for((ctx.test_z, ctx.test_y), settings.resamples, settings.seed)
+        ctx.counts = resample_counts_for(_rows_key(ctx), settings.resamples, settings.seed)
         ctx.seed_generator = torch.Generator().manual_seed(settings.seed + 1)
     return ctx.counts
 
@@ -564,7 +581,8 @@ def _add_intervals(ctx: _Context, label: str, per_seed: list[torch.Tensor], stat
     for b, per in stats.items():
         ctx.draws[label][b] = method_draws(per_seed, ctx.test_y, counts, b, metrics, seeds)
         # Is the row calibrated? Where the data cannot say no, its errors' intervals reach 0.
-        test = consistency_test(per_seed, ctx.test_y, b, settings.resamples, settings.seed)
+        test = consistency_test(per_seed, ctx.test_y, b, settings.resamples, settings.seed,
+                                key=_rows_key(ctx)[0])
         per["calibration_p"] = MetricStats.from_runs([test.p_top_label])
         per["classwise_calibration_p"] = MetricStats.from_runs([test.p_classwise])
         for k, d in ctx.draws[label][b].items():
@@ -811,7 +829,8 @@ def run_gamma_sweep(model: Any, calibration: Any, test: Any | None = None, gamma
         sweep = studies.gamma_sweep(
             module, calibration.loader(batch_size=options.batch_size), None,
             None if test is None else test.loader(batch_size=options.batch_size), None,
-            gammas=gammas, n_bins=n_bins, options=nc, callback=report, **wiring)
+            gammas=gammas, n_bins=n_bins, options=nc, callback=report,
+            test_key=None if test is None else row_keys(test), **wiring)
     if options.callback is not None:
         options.callback(1.0, f"γ sweep done; chosen γ = {sweep.chosen_gamma:g}")
     return GammaSweepResult(
@@ -845,7 +864,7 @@ def run_init_study(model: Any, calibration: Any, test: Any, runs: int = DEFAULT_
         study = studies.init_study(
             module, calibration.loader(batch_size=options.batch_size), test.loader(batch_size=options.batch_size),
             n_runs=runs, seed=seed, n_bins=n_bins, options=nc, input_range=rng, device=dev, progress=False,
-            callback=report)
+            callback=report, test_key=row_keys(test))
     if options.callback is not None:
         options.callback(1.0, "initialisation study done")
     n_classes = _n_classes(model, module, test, options.batch_size)

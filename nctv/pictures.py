@@ -114,3 +114,9 @@ class ArrayImages:
 
     def digest(self, indices: np.ndarray) -> bytes:
         return hashlib.sha256(np.ascontiguousarray(self.images[indices]).tobytes()).digest()
+
+    def row_keys(self, indices: np.ndarray) -> np.ndarray:
+        """Each image's identity by its pixels (:func:`nctv.canonical.content_keys`)."""
+        from nctv.canonical import content_keys
+
+        return content_keys(np.ascontiguousarray(self.images[int(i)]).tobytes() for i in indices)

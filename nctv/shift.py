@@ -372,8 +372,9 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
 
     ctx = run.ctx
     opts = ctx.options
-    # A run's resamples (nctv.experiment): keyed by the clean test rows, the same under every condition.
-    counts = resample_counts_for((ctx.test_z, ctx.test_y), intervals.resamples, intervals.seed)
+    # A run's resamples (nctv.experiment): keyed by the clean test pictures, the same under every condition.
+    rows_key = ex._rows_key(ctx)
+    counts = resample_counts_for(rows_key, intervals.resamples, intervals.seed)
     generator = torch.Generator().manual_seed(intervals.seed + 1)
     seed_draws = {p.label: seed_counts(len(fitted[p.label]), intervals.resamples, generator)
                   for p in plans if len(fitted[p.label]) > 1}
@@ -387,8 +388,8 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
     timing = dict.fromkeys(("corrupting", "unperturbed logits", "model-based methods", "scoring"), 0.0)
     model_based = {p.label for p in plans if ex._registry()[p.name].needs_model}
     # Example pictures spread over the test rows in their canonical order: the same pictures, shown in the
-    # same order, for the test split in any order.
-    picked = (canonical_order(ctx.test_z, ctx.test_y)[np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int)]
+    # same order, for the test split in any order and on any machine.
+    picked = (canonical_order(*rows_key)[np.linspace(0, len(ctx.test_y) - 1, examples).round().astype(int)]
               if examples else None)
     for corruption, severity in conditions:
         key = condition_key(corruption, severity)
@@ -417,7 +418,7 @@ def _score_shift(run: Any, plans: Sequence[Any], fitted: dict[str, list[Any]], c
             # As a run does (nctv.experiment): where the calibration test cannot reject "calibrated", the
             # errors' intervals reach 0, so that the clean row is the run's row exactly.
             test = tested[p.label][key] = consistency_test(per_seed, ctx.test_y, n_bins, intervals.resamples,
-                                                           intervals.seed)
+                                                           intervals.seed, key=rows_key[0])
             cell = {}
             for metric in points[0]:
                 cell[metric] = {"value": float(np.mean([pt[metric] for pt in points])), "ci_low": None, "ci_high": None}

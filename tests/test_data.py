@@ -305,3 +305,44 @@ def test_links_out_of_the_data_roots_inside_an_allowed_folder_are_refused(tmp_pa
     assert len(cal) + len(test) == 2
     cal, test = d.get_splits(default_model, dataset=f"folder:{root}/classes", calibration_size=None)
     assert len(cal) + len(test) == 2
+
+
+def test_row_keys_name_each_picture_by_its_content_wherever_it_stands(tmp_path):
+    """nctv.data.row_keys: one 128-bit key per row from the picture's own bytes (pixels, a folder file's
+    path and size, a row of given inputs), so the same picture has the same key in any split, at any place,
+    and two different pictures have different keys; BLAKE2b of the bytes, checked independently."""
+    import hashlib
+
+    from nctv.hubdata import EncodedImages
+    from nctv.pictures import ArrayImages
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(6, 5, 4), dtype=np.uint8)
+    images[4] = images[1]  # one picture twice
+    split = d.Split("s", ArrayImages(images, "array"), np.array([0, 1, 2, 3, 4, 5]), np.arange(6) % 3, ["a", "b", "c"],
+                    {"input_size": (1, 5, 4), "mean": (0.5,), "std": (0.5,)})
+    keys = d.row_keys(split)
+    want = np.frombuffer(hashlib.blake2b(images[2].tobytes(), digest_size=16).digest(), dtype="<u8")
+    assert keys.shape == (6, 2) and keys.dtype == np.uint64 and np.array_equal(keys[2], want)
+    assert np.array_equal(keys[1], keys[4]) and len({tuple(k) for k in keys.tolist()}) == 5
+    # Another order of the same pictures: each keeps its key.
+    shuffled = split.subset(np.array([5, 3, 1, 0, 2, 4]))
+    assert np.array_equal(d.row_keys(shuffled), keys[[5, 3, 1, 0, 2, 4]])
+    # Encoded pictures: by their bytes.
+    encoded = EncodedImages([b"one", b"two", b"one"], "hub")
+    assert np.array_equal(encoded.row_keys(np.array([0, 2]))[0], encoded.row_keys(np.array([0, 2]))[1])
+    assert not np.array_equal(*encoded.row_keys(np.array([0, 1])))
+    # A folder: by relative path and size (what its fingerprint reads).
+    for name, size in (("a/x.png", 3), ("b/x.png", 3), ("a/y.png", 4)):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"\0" * size)
+    files = d.FileImages(tmp_path, [tmp_path / "a/x.png", tmp_path / "b/x.png", tmp_path / "a/y.png"], "folder")
+    fk = files.row_keys(np.array([0, 1, 2]))
+    assert len({tuple(k) for k in fk.tolist()}) == 3
+    assert np.array_equal(fk[0], np.frombuffer(hashlib.blake2b(b"a/x.png\0" + b"3", digest_size=16).digest(), dtype="<u8"))
+    # Given inputs: by the bytes of each row; a split without content keys has none.
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    tk = d.row_keys(d.TensorSplit(torch.cat([x, x[:1]]), [0, 1, 2, 0]))
+    assert np.array_equal(tk[0], tk[3]) and not np.array_equal(tk[0], tk[1])
+    assert np.array_equal(tk[1], np.frombuffer(hashlib.blake2b(x[1].numpy().tobytes(), digest_size=16).digest(), dtype="<u8"))
+    assert d.row_keys(object()) is None

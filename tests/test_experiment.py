@@ -157,12 +157,16 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     from nctv import intervals as iv
 
     assert r.settings["intervals"] == iv.IntervalSettings().to_dict()
-    counts = iv.resample_counts_for((z, y_test), 1000, 0)  # keyed by the unperturbed test logits and labels
+    from nctv.data import row_keys
+
+    key = row_keys(test)  # the test pictures' identities: what a run keys its resamples and tests by
+    assert key.shape == (len(y_test), 2) and len({tuple(k) for k in key.tolist()}) == len(np.unique(x_test.numpy().reshape(len(x_test), -1), axis=0))
+    counts = iv.resample_counts_for((key, y_test), 1000, 0)
     d = iv.method_draws([ts.test_logits], y_test, counts, 15, ["ece", "accuracy"])
     from nctv.consistency import consistency_test
 
     # ECE's interval reaches 0 where the calibration test does not reject (nctv.intervals.at_boundary).
-    p_ts = consistency_test(ts.test_logits, y_test, 15).p_top_label
+    p_ts = consistency_test(ts.test_logits, y_test, 15, key=key).p_top_label
     assert ts.metrics[15]["calibration_p"].mean == p_ts
     for k in ("ece", "accuracy"):
         ci = iv.interval(d[k], k)

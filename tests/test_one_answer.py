@@ -12,8 +12,10 @@ float64 and lands on the same δ to about 1e-15 under every CPU kernel set and t
 (nctv.calibration.clamping_fit.exact_twin). What still differs from one machine to another is the float32
 arithmetic of the model's other passes (the unperturbed logits every logit-space method is fitted on, the
 test logits every figure is scored on): about 1e-7, which moves a figure by as much, except where a
-picture's confidence sits that close to a bin's edge. CROSS_MACHINE is the tolerance of every comparison,
-far inside the 0.02 point of ECE that the shipped study promises to a rerun.
+picture's confidence sits that close to a bin's edge. The resamples behind the intervals and the calibration
+tests' label draws are keyed by the test pictures' content, not by those logits, so they are the same draws on
+every machine (keyed by the logits, the intervals moved by 0.07 point across kernel sets). CROSS_MACHINE is
+the tolerance of every comparison, far inside the 0.02 point of ECE that the shipped study promises to a rerun.
 """
 import json
 import math

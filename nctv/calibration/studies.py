@@ -40,13 +40,15 @@ def _curves(rows: list[dict[str, float]]) -> dict[str, np.ndarray]:
 
 
 def _test_draws(per_point: list[list[torch.Tensor]], labels: torch.Tensor, unperturbed: torch.Tensor, n_bins: int,
-                metrics: Sequence[str], settings: IntervalSettings) -> list[dict[str, Any]]:
+                metrics: Sequence[str], settings: IntervalSettings, test_key: Any = None) -> list[dict[str, Any]]:
     """Per point (a γ, an initialisation: the test logits of each of its runs), ``metrics`` on every
     resample of the test split (``nctv.intervals``). One count matrix serves every point, so points
     compare paired; a point with several runs redraws them in each resample (the mean's interval). The
-    resamples are keyed by the ``unperturbed`` model's test logits and the labels, as a run's are: the
-    same for the test pictures in any order."""
-    counts = resample_counts_for((unperturbed, labels), settings.resamples, settings.seed)
+    resamples are keyed as a run's are (``nctv.experiment.resample_key``): by ``test_key``, each test
+    picture's identity by its content (``nctv.data.row_keys``), and the labels, the same for the test
+    pictures in any order and on any machine; without it, by the ``unperturbed`` model's test logits."""
+    key = unperturbed if test_key is None else test_key
+    counts = resample_counts_for((key, labels), settings.resamples, settings.seed)
     runs = torch.Generator().manual_seed(settings.seed + 1)
     out = []
     for logits in per_point:
@@ -68,11 +70,12 @@ def _ends(draws: dict[str, Any], level: float, tested: Any = None) -> dict[str, 
     return out
 
 
-def _tested(logits: list[torch.Tensor], labels: torch.Tensor, n_bins: int, settings: IntervalSettings) -> Any:
-    """The calibration test of one point (its runs' logits) with the run's resamples and seed."""
+def _tested(logits: list[torch.Tensor], labels: torch.Tensor, n_bins: int, settings: IntervalSettings,
+            test_key: Any = None) -> Any:
+    """The calibration test of one point (its runs' logits) with the run's resamples, seed and key."""
     from nctv.consistency import consistency_test
 
-    return consistency_test(logits, labels, n_bins, settings.resamples, settings.seed)
+    return consistency_test(logits, labels, n_bins, settings.resamples, settings.seed, key=test_key)
 
 
 @dataclass
@@ -145,11 +148,12 @@ def _options(options: NCOptions | None, settings: dict[str, Any]) -> tuple[NCOpt
 def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None, test_inputs: Any = None,
                 test_labels: Any = None, gammas: Sequence[float] = SWEEP_GAMMAS, n_bins: int = 15,
                 options: NCOptions | None = None, intervals: IntervalSettings | None = IntervalSettings(),
-                **settings: Any) -> GammaSweep:
+                test_key: Any = None, **settings: Any) -> GammaSweep:
     """Fit Neural Clamping for every γ in ``gammas`` and measure both splits (``options`` and
     ``settings`` go to ``NeuralClamping``: init, seed, weight_decay, fitter, max_passes, …; its γ is
     not used). With a test split and ``intervals``, each γ's test ECE and entropy get an interval
-    from resampling the test split.
+    from resampling the test split, drawn as a run draws them: keyed by ``test_key`` (each test picture's
+    identity, ``nctv.data.row_keys``) where given, else by the unperturbed model's test logits.
 
     Each γ's row is the fit that Neural Clamping with the same options gives at that γ alone (a run's
     row, the app's Calibrate): the same start, budget and temperature rule (by default the fast
@@ -175,8 +179,8 @@ def gamma_sweep(model: torch.nn.Module, cal_inputs: Any, cal_labels: Any = None,
         test_rows = [_split_metrics(z / t, test_y, f.gamma, n_bins) for z, f, t in zip(test_z, fits, temps)]
         if intervals is not None:
             points = [[z / t] for z, t in zip(test_z, temps)]
-            draws = _test_draws(points, test_y, test_z[-1], n_bins, ("ece", "entropy"), intervals)
-            bands = _curves_of([_ends(d, intervals.level, _tested(pt, test_y, n_bins, intervals))
+            draws = _test_draws(points, test_y, test_z[-1], n_bins, ("ece", "entropy"), intervals, test_key)
+            bands = _curves_of([_ends(d, intervals.level, _tested(pt, test_y, n_bins, intervals, test_key))
                                 for d, pt in zip(draws, points)])
     return GammaSweep(
         gammas=np.array([f.gamma for f in fits]),
@@ -330,14 +334,14 @@ class _FitPlan:
 
 def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, seed: int = 0, n_bins: int = 15,
                options: NCOptions | None = None, intervals: IntervalSettings | None = IntervalSettings(),
-               **settings: Any) -> InitStudy:
+               test_key: Any = None, **settings: Any) -> InitStudy:
     """Fit Neural Clamping ``n_runs`` times from random and from data-driven δ₀ and measure the test split
     (with ``intervals``: each initialisation's interval of every metric, from resampling the test split).
 
     ``cal``, ``test``: (inputs, labels) pairs or loaders of (x, y). ``options`` and ``settings`` go to
     ``NeuralClamping`` (``input_range`` is required for the data-driven runs; ``init`` is set here).
     Run r uses seed ``seed + r``. Work shared: one pass gives δ̃ and the unperturbed logits for
-    all runs; the test split is read once for all fitted δ's.
+    all runs; the test split is read once for all fitted δ's. ``test_key``: as in :func:`gamma_sweep`.
     """
     from nctv.metrics import METRIC_NAMES, evaluate
 
@@ -381,8 +385,8 @@ def init_study(model: torch.nn.Module, cal: Any, test: Any, n_runs: int = 5, see
         # A fit repeated for every run (the shared data-driven one) is one run of the mean.
         per_init = [[zs[id(d)] / t for d, t in dict((id(d), (d, t)) for d, t in chosen[init]).values()] for init in chosen]
         metrics = [m for m in METRIC_NAMES if m in RESAMPLED]
-        draws = dict(zip(chosen, _test_draws(per_init, test_y, test_z[-1], n_bins, metrics, intervals)))
-        tests = {init: _tested(logits, test_y, n_bins, intervals) for init, logits in zip(chosen, per_init)}
+        draws = dict(zip(chosen, _test_draws(per_init, test_y, test_z[-1], n_bins, metrics, intervals, test_key)))
+        tests = {init: _tested(logits, test_y, n_bins, intervals, test_key) for init, logits in zip(chosen, per_init)}
         ci = {init: _ends(d, intervals.level, tests[init]) for init, d in draws.items()}
         compared = {}
         for m in metrics:

@@ -126,15 +126,22 @@ def _run(loaded: Any, cal: Any, test: Any, methods: list[str], p: dict, device: 
     return run_experiment(loaded, cal, test, methods, options)
 
 
-def _keep_logits(p: dict, label: str, logits: torch.Tensor, labels: Any) -> str:
-    """Write one row's calibrated test logits (and the labels) under ``p["logits_dir"]``; returns the
-    path as the report records it (relative to the repository when inside it)."""
+def _keep_logits(p: dict, label: str, logits: torch.Tensor, labels: Any, test: Any = None) -> str:
+    """Write one row's calibrated test logits (and the labels, and the test pictures' content keys that a
+    run keys its resamples by, ``nctv.data.row_keys``, where ``test`` gives them) under ``p["logits_dir"]``;
+    returns the path as the report records it (relative to the repository when inside it)."""
     from safetensors.torch import save_file
+
+    from nctv.data import row_keys
 
     path = Path(p["logits_dir"]) / p["model"] / f"{method_slug(label)}-seed{p.get('seed', 0)}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"logits": logits.detach().float().cpu().contiguous(),
-               "labels": torch.as_tensor(np.asarray(labels)).to(torch.int32).contiguous()}, str(path))
+    tensors = {"logits": logits.detach().float().cpu().contiguous(),
+               "labels": torch.as_tensor(np.asarray(labels)).to(torch.int32).contiguous()}
+    keys = None if test is None else row_keys(test)
+    if keys is not None:
+        tensors["keys"] = torch.from_numpy(keys.view(np.int64).copy())  # the 64-bit words, as int64
+    save_file(tensors, str(path))
     path = path.resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
@@ -158,7 +165,7 @@ def case_panel_baselines(p: dict, device: torch.device) -> dict:
             row["temperature"] = float(m.params["temperature"])
         # The uncalibrated logits too: the key of the run's resamples (row_draws).
         if (name in ALTERNATIVES or name in NEWEST or name == "Uncalibrated") and p.get("logits_dir"):
-            row["logits"] = _keep_logits(p, name, m.test_logits, result.test_labels)
+            row["logits"] = _keep_logits(p, name, m.test_logits, result.test_labels, test)
         rows[name] = row
     return {"model": p["model"], "cal_size": result.calibration["size"], "test_size": result.test["size"],
             "methods": rows}
@@ -182,7 +189,7 @@ def case_panel_nc(p: dict, device: torch.device) -> dict:
                accuracy=result.stats(NC_METHOD, "accuracy", N_BINS).mean,
                cal_size=result.calibration["size"], test_size=result.test["size"])
     if p.get("logits_dir"):
-        out["logits"] = _keep_logits(p, p.get("row") or NC_METHOD, m.test_logits, result.test_labels)
+        out["logits"] = _keep_logits(p, p.get("row") or NC_METHOD, m.test_logits, result.test_labels, test)
     if p.get("keep_delta"):
         out["delta"] = m.delta.flatten().tolist()
     return out
@@ -325,17 +332,23 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
     from nctv.intervals import method_draws, resample_counts_for, seed_counts
 
     loaded: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
+    pictures = None  # the test pictures' content keys, where a kept file holds them
     for label, runs in runs_by_row.items():
         if runs and all(r.get("logits") and _resolve(r["logits"]).is_file() for r in runs):
             files = [load_file(str(_resolve(r["logits"]))) for r in runs]
             loaded[label] = ([f["logits"] for f in files], files[0]["labels"].long())
+            if pictures is None and "keys" in files[0]:
+                pictures = files[0]["keys"].numpy().view(np.uint64)
     if not loaded:
         return {}
     labels = next(iter(loaded.values()))[1]
-    # Keyed by the unperturbed model's test logits and the labels (the first row's logits where no uncalibrated
-    # row was kept): the same for the test rows in any order. A run keys them by the test pictures
-    # (nctv.experiment.resample_key); the panel has only the logits its rows kept, all made on one machine.
-    key = loaded["Uncalibrated"][0][0] if "Uncalibrated" in loaded else next(iter(loaded.values()))[0][0]
+    # As a run keys them (nctv.experiment.resample_key): by the test pictures' content and the labels, the
+    # same for the test rows in any order and on any machine. Rows kept before the files held the pictures'
+    # keys: by the unperturbed model's test logits (the first row's where no uncalibrated row was kept).
+    key = pictures
+    if key is None or len(key) != len(labels):
+        key = loaded["Uncalibrated"][0][0] if "Uncalibrated" in loaded else next(iter(loaded.values()))[0][0]
+        pictures = None
     counts = resample_counts_for((key, labels), settings.resamples, settings.seed)
     # One generator redraws the seeds of every row in turn, as the engine does over a run's methods: rows
     # whose seeds are independent fits get independent redraws.
@@ -345,7 +358,7 @@ def row_draws(runs_by_row: dict[str, list[dict]], settings: IntervalSettings = P
         if not torch.equal(y, labels):
             continue
         seeds = seed_counts(len(logits), settings.resamples, generator) if len(logits) > 1 else None
-        test = consistency_test(logits, labels, N_BINS, settings.resamples, settings.seed)
+        test = consistency_test(logits, labels, N_BINS, settings.resamples, settings.seed, key=pictures)
         out[label] = Row(method_draws(logits, labels, counts, N_BINS, ["ece"], seeds)["ece"], test.p_top_label)
     return out
 

@@ -13,6 +13,7 @@ import nctv.metrics as M
 from bench.boundary import Case, coverage, draw, population_ece
 from nctv import experiment, report
 from nctv.consistency import consistency_test
+from nctv.data import row_keys
 from nctv.inference import model_logits
 from nctv.intervals import Interval, at_boundary, interval, method_draws, resample_counts_for
 from tests.test_experiment import CountingMatchedFilter, toy_split
@@ -213,15 +214,16 @@ def test_a_run_reports_the_test_and_says_consistent_with_calibrated(tmp_path):
     x, y = test.tensors()
     z = model_logits(model, x)
     unc, ts = r.methods["Uncalibrated"].metrics[15], r.methods["Temperature Scaling"].metrics[15]
-    t_unc = consistency_test(z, y, 15, 1000, 0)
-    t_ts = consistency_test(r.methods["Temperature Scaling"].test_logits, y, 15, 1000, 0)
+    key = row_keys(test)  # the run's: its resamples and tests follow the test pictures
+    t_unc = consistency_test(z, y, 15, 1000, 0, key=key)
+    t_ts = consistency_test(r.methods["Temperature Scaling"].test_logits, y, 15, 1000, 0, key=key)
     assert unc["calibration_p"].mean == t_unc.p_top_label and ts["calibration_p"].mean == t_ts.p_top_label
     assert ts["classwise_calibration_p"].mean == t_ts.p_classwise
     assert t_unc.p_top_label < 0.05 <= t_ts.p_top_label  # the matched filter is over-confident; TS fixes it
     for k, v in M.further(z, y, 15).items():
         assert unc[k].mean == pytest.approx(v, abs=1e-12)
     # TS's calibration errors reach 0; the uncalibrated row keeps its bootstrap interval.
-    counts = resample_counts_for((z, y), 1000, 0)  # the run's: keyed by its unperturbed test rows
+    counts = resample_counts_for((key, y), 1000, 0)
     d = method_draws([z], y, counts, 15, ["ece"])["ece"]
     bootstrap = interval(d, "ece")
     assert (unc["ece"].ci_low, unc["ece"].ci_high) == pytest.approx((bootstrap.low, bootstrap.high), abs=1e-12)

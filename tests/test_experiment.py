@@ -187,7 +187,7 @@ def test_run_aggregates_seeds_and_matches_direct_metrics(splits, tmp_path):
     one = default.methods["Neural Clamping (FL)"]
     assert not one.stochastic and one.seeds == [0] and len(one.fit_seconds) == 1 and one.metrics[15]["ece"].std == 0
     d = iv.method_draws([one.test_logits], y_test, counts, 15, ["ece"])
-    ci = iv.at_boundary(iv.interval(d["ece"], "ece"), consistency_test(one.test_logits, y_test, 15).p_top_label)
+    ci = iv.at_boundary(iv.interval(d["ece"], "ece"), consistency_test(one.test_logits, y_test, 15, key=key).p_top_label)
     assert (one.metrics[15]["ece"].ci_low, one.metrics[15]["ece"].ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 

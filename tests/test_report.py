@@ -576,7 +576,10 @@ def test_a_run_of_two_rows_both_consistent_with_calibrated_ranks_them_tied():
     rows = {m: result.methods[m].metrics[15] for m in names}
     assert all(r["calibration_p"].mean >= 0.05 for r in rows.values())
     # The plain paired interval, computed here from the rows' test logits on the run's resamples.
-    counts = iv.resample_counts_for((z[n:].float(), y[n:]), resamples, 0)  # the run's: its unperturbed test rows
+    from nctv.data import TensorSplit, row_keys
+
+    # The run's resamples: keyed by its test rows' content (here the rows are the given logits).
+    counts = iv.resample_counts_for((row_keys(TensorSplit(z[n:].float(), y[n:])), y[n:]), resamples, 0)
     draws = {m: iv.method_draws([result.methods[m].test_logits], y[n:], counts, 15, ["ece"])["ece"] for m in names}
     plain = iv.difference(draws["Temperature Scaling"], draws["Uncalibrated"])
     a, b = rows["Temperature Scaling"]["ece"], rows["Uncalibrated"]["ece"]

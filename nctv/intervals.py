@@ -114,8 +114,9 @@ def resample_counts_for(rows: Sequence[Any], resamples: int, seed: int) -> torch
 
     A row's counts so follow its contents, not where it stands: the same rows in any order get the same
     resamples, and every figure scored on them (each a function of the rows and their counts) is the
-    same to the last bit. A run keys them by the unperturbed model's test logits and labels, which every
-    method shares, so its comparisons stay paired."""
+    same to the last bit. A run keys them by its test pictures' content and labels
+    (``nctv.experiment.resample_key``), which every method shares, so its comparisons stay paired and its
+    draws are the same on every machine."""
     order = torch.from_numpy(canonical_order(*rows))
     drawn = resample_counts(len(order), resamples, seed)
     counts = torch.empty_like(drawn)

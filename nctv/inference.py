@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from nctv.memory import ChunkSizer
-from nctv.precision import run_model
+from nctv.precision import eval_mode, run_model
 from nctv.settings import DEFAULT_BATCH_SIZE
 
 
@@ -89,14 +89,12 @@ def model_logits(
     joined. With ``return_labels=True`` also returns the labels (N,) int64 seen on the way.
     """
     dev = model_device(model) if device is None else resolve_device(device)
-    was_training = model.training
-    model.eval()
     outs, ys, batches = [], [], 0
     d = None if delta is None else delta.to(dev)
     sizer = ChunkSizer(dev, batch_size)
     # A tensor is one batch: the sizer alone decides how many of its inputs go to the device at once.
     whole = max(int(inputs.shape[0]), 1) if isinstance(inputs, torch.Tensor) else batch_size
-    try:
+    with eval_mode(model):
         for x, y in iter_batches(inputs, labels, whole):
             def piece(xb: torch.Tensor, start: int, stop: int) -> torch.Tensor:
                 return run_model(model, xb if d is None else xb + d).float().cpu()
@@ -105,8 +103,6 @@ def model_logits(
             batches += 1
             if y is not None:
                 ys.append(y.long().cpu())
-    finally:
-        model.train(was_training)
     if not outs:
         raise ValueError("The split is empty: no inputs to run the model on.")
     z = torch.cat(outs)

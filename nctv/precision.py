@@ -37,6 +37,23 @@ import torch
 
 from nctv.settings import PRECISIONS
 
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode for the duration; afterwards every module has its own training flag back.
+
+    ``model.train(flag)`` afterwards would set the flag of every submodule to the top's: a wrapper in
+    training mode (a new ``nn.Module`` is) around a model in eval mode would leave that model training,
+    and its next forward pass would update its batch-norm statistics."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
 #: A reduced precision is kept only when at least this much faster than fp32 (timing noise aside).
 MIN_SPEEDUP = 1.10
 #: ... and only when its top-1 classes agree with fp32's on at least this share of the measured images,
@@ -200,15 +217,13 @@ def measure(model: torch.nn.Module, x: torch.Tensor, reduced: str | None = None)
         candidates.update({"fp32+channels_last": Precision("fp32", True),
                            f"{reduced}+channels_last": Precision(reduced, True)})
     seconds, logits = {}, {}
-    was_training = model.training
-    model.eval()  # a batch-norm layer in training mode would update its statistics
-    try:
-        for label, p in candidates.items():
-            _set_layout(model, p.channels_last)
-            seconds[label], logits[label] = _time_pass(model, x, p)
-    finally:
-        _set_layout(model, False)
-        model.train(was_training)
+    with eval_mode(model):  # a batch-norm layer in training mode would update its statistics
+        try:
+            for label, p in candidates.items():
+                _set_layout(model, p.channels_last)
+                seconds[label], logits[label] = _time_pass(model, x, p)
+        finally:
+            _set_layout(model, False)
     agree = {label: agreement(logits["fp32"], z) for label, z in logits.items()}
     return pick(seconds, agree, candidates)
 

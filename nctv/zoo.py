@@ -448,14 +448,11 @@ def count_flops(model: torch.nn.Module, input_shape: Sequence[int]) -> int:
     depend on the installed torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    was_training = model.training
-    model.eval()
+    from nctv.precision import eval_mode
+
     x = torch.zeros(1, *input_shape, device=next(model.parameters()).device)
-    try:
-        with torch.no_grad(), _reference_attention(), FlopCounterMode(display=False) as counter:
-            model(x)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), _reference_attention(), FlopCounterMode(display=False) as counter:
+        model(x)
     return int(counter.get_total_flops())
 
 

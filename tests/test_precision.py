@@ -157,3 +157,40 @@ def test_a_run_records_its_precision_and_keeps_its_logits_apart(tmp_path):
     assert not torch.equal(z32, z16) and torch.equal(z16, by_hand)
     auto = run_experiment(net, (x[:100], y[:100]), (x[100:], y[100:]), **common)
     assert auto.settings["precision"]["precision"] == "fp32" and auto.cache_hits["calibration"]
+
+
+def test_a_wrapper_in_training_mode_leaves_the_wrapped_model_as_it_was():
+    """A new nn.Module is in training mode. Around a model in eval mode (a batch-norm network), the passes
+    of a run put both in eval mode and then give every module its own flag back: before, restoring the
+    wrapper's flag with .train(True) set the wrapped model training too, and its next pass rewrote its
+    batch-norm statistics (the shared default model of a test session, which then no longer matched the
+    shipped study)."""
+    from nctv import experiment
+    from nctv.calibration.clamping import NeuralClamping
+    from nctv.inference import model_logits
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).eval()
+    stats = {k: v.clone() for k, v in inner.state_dict().items()}
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x)
+
+    wrapper = Wrapper(inner)
+    assert wrapper.training and not inner.training
+    x, y = torch.randn(60, 1, 8, 8), torch.arange(60) % 3
+    model_logits(wrapper, x)
+    NeuralClamping(wrapper, max_passes=2).fit(x, y)
+    experiment.run_experiment(wrapper, (x[:30], y[:30]), (x[30:], y[30:]), ["Uncalibrated", "Temperature Scaling"],
+                              seeds=1, bins=(5,), cache_dir=False, progress=False, conformal=None)
+    assert wrapper.training and not any(m.training for m in inner.modules())
+    for k, v in inner.state_dict().items():
+        assert torch.equal(v, stats[k]), k
+    # The wrapped model's next pass is an eval pass: one picture alone goes through its batch norm.
+    inner(x[:1])

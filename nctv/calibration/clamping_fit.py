@@ -30,7 +30,7 @@ from nctv.calibration.lbfgs import two_loop
 from nctv.calibration.temperature import solve_log_temperature
 from nctv.inference import iter_batches
 from nctv.memory import ChunkSizer, check_cancelled
-from nctv.precision import run_model
+from nctv.precision import eval_mode, run_model
 
 #: Splits up to this many bytes (float32 inputs) are gathered once and kept on the compute device;
 #: larger ones are streamed chunk by chunk on every pass.
@@ -269,18 +269,17 @@ def check_label_range(labels: torch.Tensor, k: int) -> None:
 
 @contextlib.contextmanager
 def frozen(model: torch.nn.Module):
-    """Eval mode and no parameter gradients for the duration; the caller's flags come back after."""
-    was_training = model.training
+    """Eval mode and no parameter gradients for the duration; the caller's flags come back after (each
+    module's and each parameter's own: ``nctv.precision.eval_mode``)."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
-    model.eval()
-    for p, _ in flags:
-        p.requires_grad_(False)
-    try:
-        yield model
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
+    with eval_mode(model):
+        for p, _ in flags:
+            p.requires_grad_(False)
+        try:
+            yield model
+        finally:
+            for p, flag in flags:
+                p.requires_grad_(flag)
 
 
 # --------------------------------------------------------------------------------------------
